@@ -1,0 +1,161 @@
+"""Async collectives that return a `Handle`, stamped on the timeline; the CUDA_DEVICE_MAX_CONNECTIONS check.
+
+Every engine talks through these functions, so that (1) what overlaps with what is visible
+in one place — a collective is issued, compute runs, `Handle.wait()` joins — and (2) the
+timeline recorder sees every transfer with its kind, size and group without each engine
+having to remember to stamp it.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+from .timeline import recorder as _rec
+
+# torch >= 2.13 renames the tensor forms of all-gather / reduce-scatter; 2.11 has only the old names.
+_all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def group_size(group: dist.ProcessGroup | None) -> int:
+    return dist.get_world_size(group) if group is not None else 1
+
+
+def group_rank(group: dist.ProcessGroup | None) -> int:
+    return dist.get_rank(group) if group is not None else 0
+
+
+class Handle:
+    """One or more works in flight. `wait()` joins them: the caller's stream on CUDA, the thread on CPU."""
+
+    __slots__ = ("_works", "_pending", "_rec", "_done")
+
+    def __init__(self, works: Sequence[dist.Work], pending=None, rec=None) -> None:
+        self._works = [w for w in works if w is not None]
+        self._pending, self._rec = pending, rec
+        self._done = False
+
+    def wait(self) -> None:
+        if self._done:
+            return
+        for w in self._works:
+            w.wait()
+        if self._pending is not None and not self._rec.cuda:
+            self._rec.comm_done(self._pending)
+        self._done = True
+
+    def is_completed(self) -> bool:
+        return self._done or all(w.is_completed() for w in self._works)
+
+
+def _launch(kind: str, name: str, nbytes: int, group, issue) -> Handle:
+    """Issue a collective (the `issue` thunk returns its works) and stamp it if recording."""
+    rec = _rec.active()
+    if rec is None:
+        return Handle(issue())
+    pending = rec.comm_issued(kind, name, nbytes, group_size(group))
+    works = [w for w in issue() if w is not None]
+    if rec.cuda:
+        # Stamp completion on a side stream that waits for the works, so the stamp costs the
+        # compute stream nothing and marks the real end of the transfer, not the wait.
+        side = _stamp_stream(rec.device)
+        side.wait_stream(torch.cuda.current_stream(rec.device))
+        with torch.cuda.stream(side):
+            for w in works:
+                w.wait()
+            rec.comm_done(pending, rec._now())
+    else:
+        for w in works:
+            rec.comm_watch(pending, w)
+    return Handle(works, pending, rec)
+
+
+_stamp_streams: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _stamp_stream(device: torch.device) -> torch.cuda.Stream:
+    if device not in _stamp_streams:
+        _stamp_streams[device] = torch.cuda.Stream(device)
+    return _stamp_streams[device]
+
+
+def _finish(h: Handle, async_op: bool) -> Handle:
+    if not async_op:
+        h.wait()
+    return h
+
+
+def all_gather(out: torch.Tensor, inp: torch.Tensor, group, *, kind: str = "tp_all_gather",
+               name: str = "", async_op: bool = True) -> Handle:
+    """Gather `inp` from every rank into `out` along dim 0 (rank order)."""
+    nbytes = out.numel() * out.element_size()
+    h = _launch(kind, name, nbytes, group, lambda: [_all_gather_tensor(out, inp, group=group, async_op=True)])
+    return _finish(h, async_op)
+
+
+def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group, *, kind: str = "tp_reduce_scatter",
+                   name: str = "", async_op: bool = True, op=dist.ReduceOp.SUM) -> Handle:
+    """Sum `inp` over ranks and keep this rank's slice of dim 0 in `out`."""
+    nbytes = inp.numel() * inp.element_size()
+    h = _launch(kind, name, nbytes, group,
+                lambda: [_reduce_scatter_tensor(out, inp, op=op, group=group, async_op=True)])
+    return _finish(h, async_op)
+
+
+def all_reduce(t: torch.Tensor, group, *, kind: str = "tp_all_reduce", name: str = "",
+               async_op: bool = True, op=dist.ReduceOp.SUM) -> Handle:
+    """Reduce `t` in place over the group."""
+    nbytes = t.numel() * t.element_size()
+    h = _launch(kind, name, nbytes, group, lambda: [dist.all_reduce(t, op=op, group=group, async_op=True)])
+    return _finish(h, async_op)
+
+
+def exchange(sends: Sequence[tuple[torch.Tensor, int]], recvs: Sequence[tuple[torch.Tensor, int]],
+             group, *, kind: str = "tp_all_gather", name: str = "", async_op: bool = True) -> Handle:
+    """Batched point-to-point: send each (tensor, group_peer) and receive each (tensor, group_peer)."""
+    ops = [dist.P2POp(dist.isend, t, dist.get_global_rank(group, p), group) for t, p in sends]
+    ops += [dist.P2POp(dist.irecv, t, dist.get_global_rank(group, p), group) for t, p in recvs]
+    nbytes = sum(t.numel() * t.element_size() for t, _ in sends)
+    if not ops:
+        return Handle([])
+    h = _launch(kind, name, nbytes, group, lambda: dist.batch_isend_irecv(ops))
+    return _finish(h, async_op)
+
+
+# -- CUDA_DEVICE_MAX_CONNECTIONS ----------------------------------------------------------
+
+MAX_CONNECTIONS_ADVICE = (
+    "CUDA_DEVICE_MAX_CONNECTIONS={value}: {meaning}. Tensor-parallel overlap on GPUs before "
+    "Blackwell wants 1, so that a collective issued before a GEMM starts before it (one hardware "
+    "queue keeps issue order); FSDP and multi-stream data-parallel overlap want it unset or > 1."
+)
+
+
+def max_connections_meaning(value: str | None) -> str:
+    if value is None:
+        return "unset (the driver's default, 8 hardware queues): kernels of different streams may start out of issue order"
+    if value.strip() == "1":
+        return "one hardware queue: kernels start in the order they were issued, across streams"
+    return f"{value} hardware queues: kernels of different streams may start out of issue order"
+
+
+_warned_max_connections = False
+
+
+def warn_if_max_connections_unsuited(device: torch.device | str) -> bool:
+    """Warn once when bulk TP overlap runs on CUDA without CUDA_DEVICE_MAX_CONNECTIONS=1. Returns True if it warned."""
+    global _warned_max_connections
+    if torch.device(device).type != "cuda" or _warned_max_connections:
+        return False
+    value = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS")
+    if value is not None and value.strip() == "1":
+        return False
+    _warned_max_connections = True
+    warnings.warn(MAX_CONNECTIONS_ADVICE.format(value=value, meaning=max_connections_meaning(value)),
+                  RuntimeWarning, stacklevel=3)
+    return True

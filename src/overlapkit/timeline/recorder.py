@@ -1,0 +1,198 @@
+"""Engine-side recording of when communication and computation really ran.
+
+While `record()` is active, every overlapkit engine stamps its GEMMs (`compute_span`) and its
+collectives (`comm_span`, done by `overlapkit.comm`). On CUDA the stamps are events on the
+stream where the work runs, resolved after a synchronize; on CPU they are host clocks at issue
+and at completion (a `Work` future callback, or a watcher thread for gloo works that have no
+future). When nothing records, each hook is one attribute read: nothing measurable.
+
+The active recorder is process-wide (not a context variable) on purpose: autograd runs
+backward on its own threads for CUDA tensors, and those spans must land in the same record.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from typing import Iterator
+
+import torch
+
+from .spans import COMM_KINDS, COMPUTE, Span
+
+
+class _Pending:
+    """A span whose end is not known yet."""
+
+    __slots__ = ("kind", "name", "stream", "start", "end", "nbytes", "group_size", "step")
+
+    def __init__(self, kind, name, stream, start, nbytes, group_size, step):
+        self.kind, self.name, self.stream = kind, name, stream
+        self.start, self.end = start, None
+        self.nbytes, self.group_size, self.step = nbytes, group_size, step
+
+
+class Recorder:
+    """Collects spans of one rank. Use through `record()`; read `spans` after it exits."""
+
+    def __init__(self, rank: int | None = None, device: str | torch.device | None = None,
+                 poll_s: float = 1e-4) -> None:
+        if rank is None:
+            rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        self.rank = rank
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self.cuda = self.device.type == "cuda"
+        self.step = 0
+        self._pending: list[_Pending] = []
+        self._spans: list[Span] | None = None
+        self._lock = threading.Lock()
+        self._poll_s = poll_s
+        self._unwatched: list[tuple[_Pending, object]] = []
+        self._watch_cv = threading.Condition()
+        self._watcher: threading.Thread | None = None
+        self._closed = False
+        self._t0 = time.perf_counter()
+        self._base_event = None
+        if self.cuda:
+            self._base_event = torch.cuda.Event(enable_timing=True)
+            self._base_event.record()
+
+    # -- clocks ------------------------------------------------------------------------
+    def _now(self):
+        """A time stamp on the current stream (CUDA) or the host clock (CPU)."""
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            return ev
+        return time.perf_counter()
+
+    def _to_ms(self, stamp) -> float:
+        if isinstance(stamp, float):
+            return (stamp - self._t0) * 1e3
+        return self._base_event.elapsed_time(stamp)
+
+    # -- engine hooks --------------------------------------------------------------------
+    def next_step(self) -> None:
+        """Spans recorded from now on belong to the next training step."""
+        self.step += 1
+
+    @contextlib.contextmanager
+    def compute(self, name: str, stream: str = "compute") -> Iterator[None]:
+        p = _Pending(COMPUTE, name, stream, self._now(), 0, 1, self.step)
+        try:
+            yield
+        finally:
+            p.end = self._now()
+            with self._lock:
+                self._pending.append(p)
+
+    def comm_issued(self, kind: str, name: str, nbytes: int, group_size: int,
+                    stream: str = "comm") -> _Pending:
+        """Stamp the issue of a collective; finish it with `comm_done` or `comm_watch`."""
+        if kind not in COMM_KINDS:
+            raise ValueError(f"unknown communication kind {kind!r}; expected one of {COMM_KINDS}")
+        p = _Pending(kind, name, stream, self._now(), nbytes, group_size, self.step)
+        with self._lock:
+            self._pending.append(p)
+        return p
+
+    def comm_done(self, p: _Pending, stamp=None) -> None:
+        if p.end is None:
+            p.end = stamp if stamp is not None else self._now()
+
+    def comm_watch(self, p: _Pending, work) -> None:
+        """Stamp the completion of a CPU `Work` when it happens, not when somebody waits."""
+        try:
+            work.get_future().then(lambda _f: self.comm_done(p, time.perf_counter()))
+            return
+        except RuntimeError:
+            pass  # gloo send/recv and reduce_scatter have no future: poll them instead
+        with self._watch_cv:
+            self._unwatched.append((p, work))
+            if self._watcher is None:
+                self._watcher = threading.Thread(target=self._watch, daemon=True, name="overlapkit-watch")
+                self._watcher.start()
+            self._watch_cv.notify()
+
+    def _watch(self) -> None:
+        while True:
+            with self._watch_cv:
+                while not self._unwatched and not self._closed:
+                    self._watch_cv.wait()
+                if self._closed and not self._unwatched:
+                    return
+                items = list(self._unwatched)
+            done = []
+            for p, work in items:
+                if p.end is not None or work.is_completed():
+                    self.comm_done(p, time.perf_counter())
+                    done.append((p, work))
+            if done:
+                with self._watch_cv:
+                    self._unwatched = [x for x in self._unwatched if x not in done]
+            time.sleep(self._poll_s)
+
+    # -- results -------------------------------------------------------------------------
+    def close(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+        with self._watch_cv:
+            self._closed = True
+            self._watch_cv.notify()
+        if self._watcher is not None:
+            self._watcher.join(timeout=5.0)
+        spans = []
+        for p in self._pending:
+            if p.end is None:
+                continue  # a collective nobody waited for: no honest end time exists
+            start, end = self._to_ms(p.start), self._to_ms(p.end)
+            spans.append(Span(kind=p.kind, name=p.name, stream=p.stream, start_ms=start,
+                              end_ms=max(start, end), rank=self.rank, nbytes=p.nbytes,
+                              group_size=p.group_size, step=p.step))
+        spans.sort(key=lambda s: (s.start_ms, s.end_ms))
+        self._spans = spans
+
+    @property
+    def spans(self) -> list[Span]:
+        """All finished spans, sorted by start. Available after `record()` exits."""
+        if self._spans is None:
+            raise RuntimeError("spans are resolved when record() exits (CUDA events need a synchronize)")
+        return self._spans
+
+
+_active: Recorder | None = None
+
+
+def active() -> Recorder | None:
+    """The recorder in force, or None (the engines' fast path)."""
+    return _active
+
+
+@contextlib.contextmanager
+def record(rank: int | None = None, device: str | torch.device | None = None) -> Iterator[Recorder]:
+    """Record every engine's spans on this rank while the block runs.
+
+    `device` picks the clock: a CUDA device records CUDA events, anything else the host clock.
+    """
+    global _active
+    if _active is not None:
+        raise RuntimeError("a timeline recorder is already active in this process")
+    rec = Recorder(rank=rank, device=device)
+    _active = rec
+    try:
+        yield rec
+    finally:
+        _active = None
+        rec.close()
+
+
+@contextlib.contextmanager
+def compute_span(name: str, stream: str = "compute") -> Iterator[None]:
+    """Mark a computation (a GEMM) for the active recorder; free when none is active."""
+    rec = _active
+    if rec is None:
+        yield
+        return
+    with rec.compute(name, stream):
+        yield

@@ -1,0 +1,67 @@
+"""The one record every timeline source produces: a span of communication or computation.
+
+The engine-side recorder and the profiler-trace reader both turn what they saw into `Span`s,
+so the report and the picture have one input, whatever the source.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+COMM_KINDS = (
+    "tp_all_gather",
+    "tp_reduce_scatter",
+    "tp_all_reduce",
+    "dp_all_reduce",
+    "dp_reduce_scatter",
+    "zero_all_gather",
+    "pp_send",
+    "pp_recv",
+    "ep_all_to_all",
+)
+"""Kinds of communication the engines record (trace readers may add NCCL collective names)."""
+
+COMPUTE = "compute"
+"""The kind of every computation span."""
+
+OTHER_KINDS = ("memcpy", "memset")
+"""Spans that are neither compute nor communication (trace memcpy/memset): shown, not counted."""
+
+
+@dataclass(frozen=True)
+class Span:
+    """One interval on one stream of one rank."""
+
+    kind: str
+    """`compute`, one of COMM_KINDS, a collective name from a trace, or memcpy/memset."""
+    name: str
+    """What ran: a GEMM or layer name, a kernel name."""
+    stream: str
+    """The lane it ran on: 'compute', 'comm', a CUDA stream id, 'host'."""
+    start_ms: float
+    """Start, milliseconds from the source's origin."""
+    end_ms: float
+    """End, milliseconds from the source's origin; >= start_ms."""
+    rank: int = 0
+    """Global rank that ran it."""
+    nbytes: int = 0
+    """Bytes this rank sent or received for communication (message size); 0 for compute."""
+    group_size: int = 1
+    """Ranks taking part in the communication."""
+    step: int | None = None
+    """Training step it belongs to, when known."""
+
+    @property
+    def is_comm(self) -> bool:
+        return self.kind != COMPUTE and self.kind not in OTHER_KINDS
+
+    @property
+    def is_compute(self) -> bool:
+        return self.kind == COMPUTE
+
+    @property
+    def duration_ms(self) -> float:
+        return self.end_ms - self.start_ms
+
+    def shifted(self, offset_ms: float) -> "Span":
+        return replace(self, start_ms=self.start_ms - offset_ms, end_ms=self.end_ms - offset_ms)
