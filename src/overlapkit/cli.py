@@ -1,0 +1,69 @@
+"""The `overlapkit` command: demo | analyze | plan | bench | doctor."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# Subcommands that live with their concern; each module exposes register(subparsers).
+_REGISTERED = ("overlapkit.timeline.cli", "overlapkit.model.cli")
+
+
+def _demo(args) -> int:
+    from .demo import DemoConfig, run
+    try:
+        cfg = DemoConfig(tp=args.tp, dp=args.dp, steps=args.steps, overlap=args.overlap,
+                         device=args.device, seed=args.seed)
+    except ValueError as e:
+        print(f"overlapkit demo: {e}", file=sys.stderr)
+        return 2
+    return run(cfg, plot_path=None if args.plot == "" else args.plot)
+
+
+def _doctor(args) -> int:
+    from .doctor import facts, print_doctor
+    info = facts()
+    if args.json:
+        import json
+        print(json.dumps(info, indent=2))
+    else:
+        print_doctor(info)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="overlapkit", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    demo = sub.add_parser("demo", help="train a tiny GPT with TP+SP(+DP) on local ranks and check it against one process")
+    demo.add_argument("--tp", type=int, default=2, help="tensor-parallel size (default 2)")
+    demo.add_argument("--dp", type=int, default=2, help="data-parallel size (default 2); ranks = tp*dp")
+    demo.add_argument("--steps", type=int, default=3, help="training steps (default 3)")
+    demo.add_argument("--overlap", default="bulk", choices=("none", "bulk", "pipelined"),
+                      help="overlap mode of the TP layers (default bulk)")
+    demo.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="cpu: gloo ranks; cuda: NCCL, a GPU a rank")
+    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--plot", default="timeline.png", help="timeline picture to write ('' for none)")
+    demo.set_defaults(func=_demo)
+
+    doctor = sub.add_parser("doctor", help="versions, GPUs, peer access, CUDA_DEVICE_MAX_CONNECTIONS and what it means")
+    doctor.add_argument("--json", action="store_true", help="print the facts as JSON")
+    doctor.set_defaults(func=_doctor)
+
+    for module in _REGISTERED:
+        try:
+            importlib.import_module(module).register(sub)
+        except ModuleNotFoundError as e:
+            if e.name != module:
+                raise
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,193 @@
+"""`overlapkit demo`: train the tiny GPT with TP+SP (and DP) and check every step against one process.
+
+Each rank trains its shard; each rank also runs the unsharded model on the whole batch, and
+after every step the loss, the logits and every gradient are compared (no communication is
+needed for the check: each rank slices the reference the way its shard was sliced). The
+timeline recorder is on throughout; its spans come back to the parent, which prints which
+collectives each layer ran in forward and in backward, and the overlap report.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+TOLERANCE = 1e-4
+"""fp32 relative error allowed between parallel and single-process numbers (reduction order differs)."""
+
+
+@dataclass(frozen=True)
+class DemoConfig:
+    """What the demo runs."""
+
+    tp: int = 2
+    """Tensor-parallel size (ranks that split each GEMM)."""
+    dp: int = 2
+    """Data-parallel size (ranks that split the batch)."""
+    steps: int = 3
+    """Training steps, each checked against the single-process model."""
+    overlap: str = "bulk"
+    """Overlap mode of the TP layers: none, bulk or pipelined."""
+    device: str = "cpu"
+    """cpu (gloo) or cuda (NCCL, one GPU a rank)."""
+    seed: int = 0
+    """Seed of the model and the data; the same on every rank."""
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "dp", "steps"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"DemoConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"DemoConfig.device={self.device!r} is not one of ('cpu', 'cuda')")
+
+
+def _max_errors(pairs) -> tuple[float, float]:
+    abs_err = rel_err = 0.0
+    for local, ref in pairs:
+        diff = (local.detach().float() - ref.detach().float()).abs().max().item()
+        abs_err = max(abs_err, diff)
+        rel_err = max(rel_err, diff / max(ref.detach().float().abs().max().item(), 1e-12))
+    return abs_err, rel_err
+
+
+def run_rank(cfg: DemoConfig) -> dict:
+    """The demo on one rank (the default group is initialized). Returns errors and spans."""
+    from .groups import ParallelGroups
+    from .models import GPT, GPTConfig, expected_local, lm_loss, parallelize
+    from .tensor_parallel.layers import allreduce_sequence_parallel_grads
+    from .timeline import record
+
+    groups = ParallelGroups.build(tp=cfg.tp, dp=cfg.dp)
+    device = torch.device(f"cuda:{torch.cuda.current_device()}" if cfg.device == "cuda" else "cpu")
+    mcfg = GPTConfig(vocab_size=16 * cfg.tp, seq_len=8 * cfg.tp, hidden=16 * cfg.tp, num_heads=2 * cfg.tp,
+                     ffn_hidden=32 * cfg.tp, num_layers=2)
+    torch.manual_seed(cfg.seed)
+    reference = GPT(mcfg).to(device)
+    model = parallelize(copy.deepcopy(reference), groups, sequence_parallel=True, overlap=cfg.overlap)
+    if cfg.dp > 1:
+        from .data_parallel import DataParallel
+        model = DataParallel(model, groups.dp)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.5)
+    batch = 2 * cfg.dp
+    rows = slice(groups.dp_rank * 2, groups.dp_rank * 2 + 2)
+    gen = torch.Generator().manual_seed(cfg.seed + 1)
+    steps = []
+    show = groups.rank == 0
+    progress = _progress(cfg.steps) if show else None
+    with record(device=device) as rec:
+        for step in range(cfg.steps):
+            idx = torch.randint(0, mcfg.vocab_size, (batch, mcfg.seq_len), generator=gen).to(device)
+            tgt = torch.randint(0, mcfg.vocab_size, (batch, mcfg.seq_len), generator=gen).to(device)
+            opt.zero_grad(set_to_none=False)
+            logits = model(idx[rows])
+            loss = lm_loss(logits, tgt[rows])
+            loss.backward()
+            allreduce_sequence_parallel_grads(model, groups.tp)
+
+            ref_opt.zero_grad()
+            ref_logits = reference(idx)
+            ref_loss = lm_loss(ref_logits, tgt)
+            ref_loss.backward()
+
+            # The loss of this DP rank covers its rows: the mean over DP ranks is the full loss.
+            full_loss = loss.detach().clone()
+            dist.all_reduce(full_loss, group=groups.dp)
+            full_loss /= cfg.dp
+            pairs = [(full_loss, ref_loss), (logits, ref_logits[:, rows])]
+            pairs += [(local, ref) for _, local, ref in expected_local(model, reference, "grad")]
+            errs = torch.tensor(_max_errors(pairs), device=device)
+            dist.all_reduce(errs, op=dist.ReduceOp.MAX)
+            steps.append(dict(step=step, loss=ref_loss.item(), abs_err=errs[0].item(), rel_err=errs[1].item()))
+            opt.step()
+            ref_opt.step()
+            rec.next_step()
+            if progress is not None:
+                progress[0].update(progress[1], advance=1, description=f"step {step}: loss {ref_loss.item():.4f}")
+    if progress is not None:
+        progress[0].stop()
+    return dict(rank=groups.rank, steps=steps, spans=rec.spans)
+
+
+def _progress(total: int):
+    try:
+        from rich.progress import Progress
+    except ImportError:  # the GPU image may lack rich; the demo still runs
+        return None
+    p = Progress(transient=True)
+    p.start()
+    return p, p.add_task("training", total=total)
+
+
+def collectives_by_layer(spans, step: int = 0) -> dict[str, dict[str, list[str]]]:
+    """{layer: {"fwd": [kinds…], "bwd": [kinds…]}} from one step's communication spans of one rank."""
+    out: dict[str, dict[str, list[str]]] = {}
+    for s in sorted(spans, key=lambda s: s.start_ms):
+        if not s.is_comm or s.step != step:
+            continue
+        layer, _, phase = s.name.rpartition(".")
+        if phase not in ("fwd", "bwd"):
+            layer, phase = s.name, "bwd" if "grad" in s.name else "fwd"
+        kinds = out.setdefault(layer, {"fwd": [], "bwd": []})[phase]
+        kinds.append(s.kind.removeprefix("tp_").removeprefix("dp_").replace("_", "-"))
+    return out
+
+
+def run(cfg: DemoConfig, plot_path: str | None = "timeline.png") -> int:
+    """Run the demo (spawning ranks, or in-process under torchrun) and print the results."""
+    from .launch import spawn
+
+    world = cfg.tp * cfg.dp
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun: this process is a rank
+        from .groups import init
+        init(tp=cfg.tp, dp=cfg.dp, backend="nccl" if cfg.device == "cuda" else "gloo")
+        results = [run_rank(cfg)]
+        if dist.get_rank() != 0:
+            return 0 if results[0]["steps"][-1]["rel_err"] <= TOLERANCE else 1
+    else:
+        if cfg.device == "cuda" and torch.cuda.device_count() < world:
+            raise SystemExit(f"--device cuda needs tp*dp={world} GPUs, this machine has "
+                             f"{torch.cuda.device_count()} (NCCL refuses two ranks on one GPU)")
+        results = spawn(run_rank, world, cfg, backend="nccl" if cfg.device == "cuda" else "gloo", timeout_s=120)
+    return print_results(cfg, results, plot_path)
+
+
+def print_results(cfg: DemoConfig, results: list[dict], plot_path: str | None) -> int:
+    """Per-step errors, per-layer collectives, the overlap report; exit code 1 if a check failed."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    steps = results[0]["steps"]
+    table = Table(title=f"tp={cfg.tp} dp={cfg.dp} overlap={cfg.overlap} vs one process (fp32)")
+    for col in ("step", "loss", "max abs err", "max rel err", "check"):
+        table.add_column(col, justify="right")
+    ok = True
+    for s in steps:
+        good = s["rel_err"] <= TOLERANCE
+        ok &= good
+        table.add_row(str(s["step"]), f"{s['loss']:.5f}", f"{s['abs_err']:.2e}", f"{s['rel_err']:.2e}",
+                      "[green]ok[/green]" if good else f"[red]> {TOLERANCE:g}[/red]")
+    console.print(table)
+
+    layers = Table(title="collectives per layer, rank 0, step 0: backward mirrors forward")
+    for col in ("layer", "forward", "backward"):
+        layers.add_column(col)
+    for layer, phases in collectives_by_layer(results[0]["spans"]).items():
+        layers.add_row(layer, ", ".join(phases["fwd"]) or "-", ", ".join(phases["bwd"]) or "-")
+    console.print(layers)
+
+    spans = [s for r in results for s in r["spans"]]
+    from .timeline.report import print_report, report_spans
+    report = report_spans(spans)
+    print_report(report, console=console)
+    if plot_path:
+        from .timeline.plot import plot_spans
+        plot_spans(spans, plot_path, title=f"overlapkit demo: tp={cfg.tp} dp={cfg.dp} overlap={cfg.overlap}")
+        console.print(f"timeline picture: {plot_path}")
+    console.print("[green]demo passed[/green]" if ok else "[red]demo FAILED: parallel and single-process numbers differ[/red]")
+    return 0 if ok else 1

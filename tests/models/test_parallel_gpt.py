@@ -1,0 +1,60 @@
+"""The parallelized tiny GPT equals the plain one: logits, loss and every gradient."""
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from distributed import distributed
+from overlapkit.models import GPT, GPTConfig, expected_local, lm_loss, parallelize
+from overlapkit.tensor_parallel.layers import allreduce_sequence_parallel_grads
+
+
+def _gpt_errors(sp: bool, overlap: str) -> float:
+    tp = dist.get_world_size()
+    cfg = GPTConfig(vocab_size=8 * tp, seq_len=4 * tp, hidden=8 * tp, num_heads=2 * tp, ffn_hidden=8 * tp, num_layers=2)
+    torch.manual_seed(3)
+    ref = GPT(cfg)
+    model = parallelize(copy.deepcopy(ref), dist.group.WORLD, sequence_parallel=sp, overlap=overlap)
+    idx = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len))
+    tgt = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len))
+    logits = model(idx)
+    lm_loss(logits, tgt).backward()
+    allreduce_sequence_parallel_grads(model, dist.group.WORLD)
+    ref_logits = ref(idx)
+    lm_loss(ref_logits, tgt).backward()
+    errs = [((logits - ref_logits).norm() / ref_logits.norm()).item()]
+    for name, local, full in expected_local(model, ref, "grad"):
+        errs.append(((local - full).norm() / full.norm().clamp_min(1e-30)).item())
+    return max(errs)
+
+
+@distributed(world_size=3)
+def _gpt3():
+    return {(sp, ov): _gpt_errors(sp, ov) for sp in (False, True) for ov in ("none", "bulk")}
+
+
+@distributed(world_size=2)
+def _gpt2():
+    return {(sp, ov): _gpt_errors(sp, ov) for sp in (False, True) for ov in ("none", "bulk")}
+
+
+@pytest.mark.parametrize("run", [_gpt2, _gpt3], ids=["tp2", "tp3"])
+def test_parallel_gpt_matches_plain(run):
+    for per_rank in run():
+        for key, err in per_rank.items():
+            assert err <= 1e-5, (key, err)
+
+
+@distributed(world_size=2)
+def _bad_cfg():
+    cfg = GPTConfig(vocab_size=9, seq_len=4, hidden=16, num_heads=2, ffn_hidden=8)
+    try:
+        parallelize(GPT(cfg), dist.group.WORLD)
+    except ValueError as e:
+        return str(e)
+
+
+def test_parallelize_names_the_field_that_does_not_divide():
+    assert _bad_cfg() == ["GPTConfig.vocab_size=9 is not divisible by the tensor-parallel size 2"] * 2

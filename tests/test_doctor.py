@@ -1,0 +1,46 @@
+import warnings
+
+import pytest
+import torch
+
+from overlapkit import comm
+from overlapkit.cli import main
+from overlapkit.doctor import advice, facts
+
+
+def test_facts_on_this_machine():
+    info = facts()
+    assert info["torch"] == torch.__version__
+    assert info["backends"]["gloo"] is True
+    assert info["cuda_available"] == torch.cuda.is_available()
+    assert len(info["gpus"]) == torch.cuda.device_count()
+
+
+@pytest.mark.parametrize("value,needle", [(None, "may start out of issue order"),
+                                          ("1", "start in the order they were issued"),
+                                          ("8", "8 hardware queues")])
+def test_max_connections_advice(monkeypatch, value, needle):
+    info = facts()
+    info["env"]["CUDA_DEVICE_MAX_CONNECTIONS"] = value
+    lines = advice(info)
+    assert needle in lines[0]
+    assert any("Tensor-parallel overlap" in line and "wants 1" in line for line in lines)
+    assert any("FSDP" in line and "unset or > 1" in line for line in lines)
+
+
+def test_bulk_warning_only_on_cuda_without_one(monkeypatch):
+    monkeypatch.setattr(comm, "_warned_max_connections", False)
+    assert comm.warn_if_max_connections_unsuited("cpu") is False
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    assert comm.warn_if_max_connections_unsuited("cuda") is False
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "8")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert comm.warn_if_max_connections_unsuited("cuda") is True
+        assert comm.warn_if_max_connections_unsuited("cuda") is False  # once per process
+    assert len(caught) == 1 and "CUDA_DEVICE_MAX_CONNECTIONS=8" in str(caught[0].message)
+
+
+def test_doctor_cli_json(capsys):
+    assert main(["doctor", "--json"]) == 0
+    assert '"torch"' in capsys.readouterr().out
