@@ -10,15 +10,19 @@ from __future__ import annotations
 import functools
 import importlib
 
+import torch
+
 from overlapkit.launch import spawn
 
 
-def distributed(world_size: int, timeout_s: float = 45.0):
+def distributed(world_size: int | None, timeout_s: float = 45.0, backend: str = "gloo"):
+    """`world_size=None` means one rank per visible GPU (for backend="nccl")."""
     def wrap(fn):
         @functools.wraps(fn)
         def runner(*args, **kwargs):
-            return spawn(_call, world_size, fn.__module__, fn.__qualname__, args, kwargs,
-                         timeout_s=timeout_s)
+            n = world_size if world_size is not None else torch.cuda.device_count()
+            return spawn(_call, n, fn.__module__, fn.__qualname__, args, kwargs,
+                         backend=backend, timeout_s=timeout_s)
         return runner
     return wrap
 
