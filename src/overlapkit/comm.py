@@ -57,9 +57,11 @@ def _launch(kind: str, name: str, nbytes: int, group, issue) -> Handle:
     """Issue a collective (the `issue` thunk returns its works) and stamp it if recording."""
     rec = _rec.active()
     if rec is None:
-        return Handle(issue())
+        with _rec.comm_range(kind, name):  # names the transfer in a profiler trace, if one runs
+            return Handle(issue())
     pending = rec.comm_issued(kind, name, nbytes, group_size(group))
-    works = [w for w in issue() if w is not None]
+    with _rec.comm_range(kind, name):
+        works = [w for w in issue() if w is not None]
     if rec.cuda:
         # Stamp completion on a side stream that waits for the works, so the stamp costs the
         # compute stream nothing and marks the real end of the transfer, not the wait.

@@ -6,6 +6,12 @@ stream where the work runs, resolved after a synchronize; on CPU they are host c
 and at completion (a `Work` future callback, or a watcher thread for gloo works that have no
 future). When nothing records, each hook is one attribute read: nothing measurable.
 
+While a torch.profiler runs, the same hooks also open profiler ranges named
+`overlapkit.comm.<kind>[:name]` (around the issue of a transfer, `comm_range`) and
+`overlapkit.compute.<name>` (around a computation), so that the trace reader can tell which
+kernels and copies belong to which kind of transfer, even those no name-based tool knows
+(symmetric-memory copy-engine pulls).
+
 The active recorder is process-wide (not a context variable) on purpose: autograd runs
 backward on its own threads for CUDA tensors, and those spans must land in the same record.
 """
@@ -20,6 +26,43 @@ from typing import Iterator
 import torch
 
 from .spans import COMM_KINDS, COMPUTE, Span
+
+COMM_RANGE_PREFIX = "overlapkit.comm."
+"""Profiler ranges named `overlapkit.comm.<kind>` or `overlapkit.comm.<kind>:<name>` mark transfers."""
+COMPUTE_RANGE_PREFIX = "overlapkit.compute."
+"""Profiler ranges named `overlapkit.compute.<name>` mark computations."""
+
+_autograd_profiler = torch.autograd.profiler
+
+
+def _profiling() -> bool:
+    """Whether a torch.profiler is collecting right now (an attribute read; a C call on old torch)."""
+    flag = getattr(_autograd_profiler, "_is_profiler_enabled", None)
+    return flag if flag is not None else torch._C._autograd._profiler_enabled()
+
+
+def comm_range(kind: str, name: str = ""):
+    """A profiler range to wrap the *issue* of a transfer of `kind`; a no-op when no profiler runs.
+
+    Only the issue goes inside (not the wait): the reader assigns every kernel or copy launched
+    inside the range to this transfer, so compute launched later must stay outside it.
+    """
+    if not _profiling():
+        return contextlib.nullcontext()
+    return torch.profiler.record_function(COMM_RANGE_PREFIX + kind + (f":{name}" if name else ""))
+
+
+def _wall_clock_at(t: float) -> float:
+    """time.time() in ms at perf_counter() == t, from the best-bracketed of a few paired reads.
+
+    Reading both clocks once could be split by a preemption; the tightest bracket bounds the error.
+    """
+    best = None
+    for _ in range(3):
+        a, wall, b = time.perf_counter(), time.time(), time.perf_counter()
+        if best is None or b - a < best[0]:
+            best = (b - a, wall - ((a + b) / 2 - t))
+    return best[1] * 1e3
 
 
 class _Pending:
@@ -53,6 +96,9 @@ class Recorder:
         self._watcher: threading.Thread | None = None
         self._closed = False
         self._t0 = time.perf_counter()
+        # Wall-clock time (ms since the Unix epoch) of the host clock's 0: lines CPU spans up
+        # with a profiler trace, whose timestamps are wall-clock microseconds.
+        self.origin_unix_ms = _wall_clock_at(self._t0)
         self._base_event = None
         if self.cuda:
             self._base_event = torch.cuda.Event(enable_timing=True)
@@ -189,10 +235,12 @@ def record(rank: int | None = None, device: str | torch.device | None = None) ->
 
 @contextlib.contextmanager
 def compute_span(name: str, stream: str = "compute") -> Iterator[None]:
-    """Mark a computation (a GEMM) for the active recorder; free when none is active."""
-    rec = _active
-    if rec is None:
+    """Mark a computation (a GEMM) for the active recorder and any running profiler; free when neither is."""
+    rec, profiling = _active, _profiling()
+    if rec is None and not profiling:
         yield
         return
-    with rec.compute(name, stream):
-        yield
+    # The recorder's stamps enclose the profiler range: a reader span never outgrows its record.
+    with rec.compute(name, stream) if rec is not None else contextlib.nullcontext():
+        with torch.profiler.record_function(COMPUTE_RANGE_PREFIX + name) if profiling else contextlib.nullcontext():
+            yield
