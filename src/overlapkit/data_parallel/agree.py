@@ -1,0 +1,66 @@
+"""Small collectives that make data-parallel ranks agree before they exchange anything big.
+
+Nothing here overlaps: these run once at construction or on a checkpoint load, and exist so
+that a mistake on one rank (another model, another layout, a foreign checkpoint) fails on
+every rank with the same message instead of leaving the others inside a collective that
+never completes. They go through `overlapkit.comm`, so the timeline sees them too.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .. import comm
+
+
+def check_same_on_ranks(values: dict[str, int], group, device: torch.device, what: str) -> None:
+    """Raise ValueError on every rank unless every rank of `group` passed the same `values`."""
+    if group is None or comm.group_size(group) == 1:
+        return
+    mine = list(values.values())
+    t = torch.tensor(mine + [-v for v in mine], dtype=torch.int64, device=device)
+    comm.all_reduce(t, group, kind="dp_all_reduce", name="agree", op=dist.ReduceOp.MAX, async_op=False)
+    n = len(mine)
+    hi, lo = t[:n].tolist(), [-v for v in t[n:].tolist()]
+    differ = [f"{k}={v} here, from {a} to {b} over the ranks"
+              for (k, v), a, b in zip(values.items(), lo, hi) if a != b]
+    if differ:
+        raise ValueError(f"data-parallel ranks disagree on {what}: " + "; ".join(differ))
+
+
+def raise_if_any(problem: str | None, group, device: torch.device) -> None:
+    """Raise ValueError on every rank of `group` if any rank has a problem (its own text, or the ranks that had one)."""
+    if group is None or comm.group_size(group) == 1:
+        if problem is not None:
+            raise ValueError(problem)
+        return
+    flags = torch.zeros(comm.group_size(group), dtype=torch.int64, device=device)
+    flags[comm.group_rank(group)] = problem is not None
+    comm.all_reduce(flags, group, kind="dp_all_reduce", name="agree", async_op=False)
+    if problem is not None:
+        raise ValueError(problem)
+    bad = [r for r, f in enumerate(flags.tolist()) if f]
+    if bad:
+        raise ValueError(f"data-parallel rank(s) {bad} of the group rejected the input (their error says why)")
+
+
+def copy_from_first_rank(tensors: list[torch.Tensor], group) -> None:
+    """Overwrite `tensors` with group rank 0's values (a broadcast written as a sum with zeros elsewhere)."""
+    if group is None or comm.group_size(group) == 1:
+        return
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        if t.dtype != torch.bool and not t.dtype.is_complex:  # what a sum can carry
+            by_dtype.setdefault(t.dtype, []).append(t)
+    first = comm.group_rank(group) == 0
+    for ts in by_dtype.values():
+        with torch.no_grad():
+            flat = torch.cat([t.detach().reshape(-1) for t in ts])
+            if not first:
+                flat.zero_()
+            comm.all_reduce(flat, group, kind="dp_all_reduce", name="broadcast", async_op=False)
+            offset = 0
+            for t in ts:
+                t.copy_(flat[offset:offset + t.numel()].view_as(t))
+                offset += t.numel()

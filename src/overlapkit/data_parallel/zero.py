@@ -1,0 +1,152 @@
+"""A sharded (ZeRO-1/2) optimizer: gradient reduce-scatter overlaps backward, and the parameter
+all-gather after the step overlaps the next forward.
+
+Backward reduce-scatters each bucket as soon as it is full (the data-parallel engine in shard
+mode), so every rank receives only its shard of each bucket, already averaged. A rank keeps
+fp32 master values and optimizer state for its shards only, and steps them. The updated
+shards are all-gathered back into the parameters bucket by bucket, launched right after
+`step()` in forward order (the first layers' bucket first); each module's forward pre-hook
+waits only for the buckets that hold its own parameters, so the later layers' parameters
+arrive while the earlier layers compute (Megatron's overlap_param_gather). With
+`overlap_param_gather=False`, `step()` waits for every gather itself: the sequential reference.
+
+The parameters become views into one buffer laid out like the gradient buffer, so a gather
+lands in them with no copy. The optimizer steps one flat tensor per bucket shard: it must be
+elementwise (SGD, Adam, AdamW, ...); optimizers that look at whole tensors (LAMB, Adafactor)
+would see shards, not parameters.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import torch
+from torch import nn
+
+from .. import comm
+from .agree import raise_if_any
+from .ddp import DataParallel, DataParallelConfig, GradSync
+
+
+class ShardedOptimizer:
+    """Steps `optimizer_cls(**opt_kwargs)` on this rank's shard of the parameters of a DataParallel.
+
+    Pass the DataParallel (its group must be `dp_group`) for overlap_param_gather, which hooks
+    the forward of its modules. Plain parameters also work, with `overlap_param_gather=False`:
+    their gradients are reduce-scattered in backward the same way.
+    Caveat of overlap_param_gather: a parameter must be used first by the module that owns it
+    (a module that borrows another's weight before the owner runs would not wait for it).
+    """
+
+    def __init__(self, params_or_dp: DataParallel | Iterable[nn.Parameter], optimizer_cls, dp_group, *,
+                 overlap_param_gather: bool = True, **opt_kwargs: Any) -> None:
+        if not isinstance(overlap_param_gather, bool):
+            raise ValueError(f"ShardedOptimizer overlap_param_gather must be True or False, got {overlap_param_gather!r}")
+        if isinstance(params_or_dp, DataParallel):
+            if params_or_dp.group is not dp_group:
+                raise ValueError("ShardedOptimizer dp_group is not the group of the DataParallel it shards")
+            self.sync, module = params_or_dp.sync, params_or_dp.module
+        else:
+            if overlap_param_gather:
+                raise ValueError("ShardedOptimizer overlap_param_gather=True waits for each bucket's gather in "
+                                 "forward pre-hooks of the modules that use it: pass the DataParallel, not "
+                                 "parameters (or set overlap_param_gather=False)")
+            named = [(f"params[{i}]", p) for i, p in enumerate(params_or_dp) if p.requires_grad]
+            self.sync, module = GradSync(named, dp_group, DataParallelConfig()), None
+        self.group, self.overlap_param_gather = dp_group, overlap_param_gather
+        self.world, self.rank = self.sync.world, self.sync.rank
+        self._grad_shards = self.sync.shard_gradients()
+        buf = self.sync.buffer
+        self._param_data = torch.zeros_like(buf.data)
+        with torch.no_grad():
+            for p in self.sync.params:
+                view = buf.view(p, self._param_data)
+                view.copy_(p)
+                p.data = view
+        self._ranges = [b.shard(self.rank, self.world) for b in buf.buckets]
+        self.master = [nn.Parameter(torch.empty(hi - lo, dtype=torch.float32, device=buf.device)
+                                    .copy_(self._param_data[lo:hi])) for lo, hi in self._ranges]
+        self.optimizer = optimizer_cls(self.master, **opt_kwargs)
+        self._gather_src = [torch.empty(hi - lo, dtype=buf.dtype, device=buf.device) for lo, hi in self._ranges]
+        self._gathers: dict[int, comm.Handle] = {}
+        self._hooks = []
+        if module is not None:
+            if overlap_param_gather:
+                for m in module.modules():
+                    mine = sorted({buf.bucket_of(p) for p in m.parameters(recurse=False) if p in self.sync._index})
+                    if mine:
+                        self._hooks.append(m.register_forward_pre_hook(
+                            lambda _m, _args, mine=mine: self._wait_buckets(mine)))
+            # Reading the parameters must not race with a gather still landing in them.
+            register = getattr(module, "register_state_dict_pre_hook", None)
+            if register is not None:
+                self._hooks.append(register(lambda *_: self.finish_param_gather()))
+
+    @property
+    def param_groups(self) -> list[dict]:
+        """The inner optimizer's param groups (learning rate etc.); its params are the master shards."""
+        return self.optimizer.param_groups
+
+    # -- step ------------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self) -> None:
+        """Step the master shards with the reduced gradient shards, then gather the parameters."""
+        self.finish_param_gather()
+        for m, g in zip(self.master, self._grad_shards):
+            m.grad = g if g.dtype == torch.float32 else g.float()
+        self.optimizer.step()
+        self._start_param_gather()
+        if not self.overlap_param_gather:
+            self.finish_param_gather()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero the gradient buffer in place (the `.grad` views stay; set_to_none is ignored on purpose)."""
+        self.sync.buffer.zero_()
+
+    def _start_param_gather(self) -> None:
+        buf = self.sync.buffer
+        for b in reversed(range(len(buf.buckets))):  # forward order: the first layers are needed first
+            self._gather_src[b].copy_(self.master[b])
+            bucket = buf.buckets[b]
+            out = self._param_data[bucket.offset:bucket.offset + bucket.numel]
+            if self.group is None:
+                out.copy_(self._gather_src[b])
+                continue
+            self._gathers[b] = comm.all_gather(out, self._gather_src[b], self.group,
+                                               kind="zero_all_gather", name=f"bucket{b}")
+
+    def _wait_buckets(self, buckets: list[int]) -> None:
+        for b in buckets:
+            h = self._gathers.pop(b, None)
+            if h is not None:
+                h.wait()
+
+    def finish_param_gather(self) -> None:
+        """Wait for every parameter gather still in flight (before reading parameters outside forward)."""
+        self._wait_buckets(sorted(self._gathers))
+
+    # -- checkpoint --------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """This rank's shard: master values and optimizer state, with the layout they belong to."""
+        self.finish_param_gather()
+        return {"world_size": self.world, "rank": self.rank,
+                "shard_numels": [hi - lo for lo, hi in self._ranges],
+                "master": [m.detach().clone() for m in self.master],
+                "optimizer": self.optimizer.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Load this rank's shard saved by `state_dict` at the same world size; then gather the parameters.
+
+        Collective: every rank of the group calls it. A mismatch on any rank fails on all.
+        """
+        mine = {"world_size": self.world, "rank": self.rank, "shard_numels": [hi - lo for lo, hi in self._ranges]}
+        wrong = [f"{k}={state.get(k)!r} (expected {v!r})" for k, v in mine.items() if state.get(k) != v]
+        problem = f"ShardedOptimizer state does not fit this layout: {', '.join(wrong)}" if wrong else None
+        raise_if_any(problem, self.group, self.sync.buffer.device)
+        self.finish_param_gather()
+        with torch.no_grad():
+            for m, saved in zip(self.master, state["master"]):
+                m.copy_(saved)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self._start_param_gather()
+        self.finish_param_gather()
