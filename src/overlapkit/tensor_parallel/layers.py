@@ -6,6 +6,9 @@ sequence-parallel input asynchronously and computes the dgrad GEMM under it, the
 dgrad reduce-scatter (or all-reduce without SP) asynchronously and computes the wgrad GEMM
 under it. The row layer has no independent GEMM to hide its collectives behind (both of its
 backward GEMMs need the gathered output gradient), so bulk equals none there.
+overlap="pipelined" (sequence parallelism only): the all-gather and reduce-scatter are cut into
+`chunks` and pipelined with the GEMMs that need them, forward and backward, over `transport`
+"p2p" or "symm_mem" (see pipelined.py).
 
 Layout: weights are nn.Linear's [out, in]; the sequence-parallel dimension is dim 0 of the
 activation ([tokens, hidden] or [seq, batch, hidden]).
@@ -22,8 +25,9 @@ from torch import nn
 from .. import comm
 from ..timeline.recorder import compute_span
 from .mappings import _gather_dim0, _reduce_scatter_dim0, check_divisible, gather_from_tp, scatter_to_tp
+from .pipelined import check_layer_options, column_parallel_linear_pipelined, row_parallel_linear_pipelined
 
-OVERLAP_MODES = ("none", "bulk")
+OVERLAP_MODES = ("none", "bulk", "pipelined")
 """Accepted values of the layers' `overlap`."""
 
 
@@ -135,12 +139,15 @@ class _ParallelLinear(nn.Module):
     """What the column and row layers share: sizes, group, overlap mode, parameter creation."""
 
     def __init__(self, in_features: int, out_features: int, group: dist.ProcessGroup, *, bias: bool,
-                 sequence_parallel: bool, overlap: str, name: str, device, dtype) -> None:
+                 sequence_parallel: bool, overlap: str, name: str, device, dtype,
+                 transport: str = "p2p", chunks: int | None = None, save_gathered_input: bool = False) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.group, self.tp_size, self.tp_rank = group, comm.group_size(group), comm.group_rank(group)
         self.sequence_parallel = sequence_parallel
         self.overlap = check_overlap(overlap)
+        check_layer_options(overlap, sequence_parallel, transport, chunks, self.tp_size, save_gathered_input)
+        self.transport, self.chunks, self.save_gathered_input = transport, chunks, save_gathered_input
         self.name = name
 
     def _make_params(self, w_shape, b_shape, fan_in, bias, device, dtype) -> None:
@@ -170,9 +177,11 @@ class ColumnParallelLinear(_ParallelLinear):
 
     def __init__(self, in_features: int, out_features: int, group: dist.ProcessGroup, *, bias: bool = True,
                  gather_output: bool = False, sequence_parallel: bool = False, overlap: str = "none",
+                 transport: str = "p2p", chunks: int | None = None, save_gathered_input: bool = False,
                  name: str = "", device=None, dtype=None) -> None:
         super().__init__(in_features, out_features, group, bias=bias, sequence_parallel=sequence_parallel,
-                         overlap=overlap, name=name, device=device, dtype=dtype)
+                         overlap=overlap, name=name, device=device, dtype=dtype, transport=transport,
+                         chunks=chunks, save_gathered_input=save_gathered_input)
         check_divisible(out_features, self.tp_size, "ColumnParallelLinear: out_features")
         self.gather_output = gather_output
         self.out_per_rank = out_features // self.tp_size
@@ -195,8 +204,13 @@ class ColumnParallelLinear(_ParallelLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         _check_input(self, x, self.in_features, sp_split=False)
         self._maybe_warn(x)
-        y = _ColumnLinear.apply(x, self.weight, self.bias, self.group, self.sequence_parallel,
-                                self.overlap == "bulk", self.name)
+        if self.overlap == "pipelined":
+            y = column_parallel_linear_pipelined(x, self.weight, self.bias, self.group, chunks=self.chunks,
+                                                 transport=self.transport, name=self.name or "column",
+                                                 save_gathered_input=self.save_gathered_input)
+        else:
+            y = _ColumnLinear.apply(x, self.weight, self.bias, self.group, self.sequence_parallel,
+                                    self.overlap == "bulk", self.name)
         return gather_from_tp(y, self.group, self.name + ".out") if self.gather_output else y
 
 
@@ -211,9 +225,11 @@ class RowParallelLinear(_ParallelLinear):
 
     def __init__(self, in_features: int, out_features: int, group: dist.ProcessGroup, *, bias: bool = True,
                  input_is_parallel: bool = True, sequence_parallel: bool = False, overlap: str = "none",
+                 transport: str = "p2p", chunks: int | None = None,
                  name: str = "", device=None, dtype=None) -> None:
         super().__init__(in_features, out_features, group, bias=bias, sequence_parallel=sequence_parallel,
-                         overlap=overlap, name=name, device=device, dtype=dtype)
+                         overlap=overlap, name=name, device=device, dtype=dtype, transport=transport,
+                         chunks=chunks)
         check_divisible(in_features, self.tp_size, "RowParallelLinear: in_features")
         self.input_is_parallel = input_is_parallel
         self.in_per_rank = in_features // self.tp_size
@@ -241,6 +257,9 @@ class RowParallelLinear(_ParallelLinear):
         self._maybe_warn(x)
         if not self.input_is_parallel:
             x = scatter_to_tp(x, self.group, self.name + ".in")
+        if self.overlap == "pipelined":
+            return row_parallel_linear_pipelined(x, self.weight, self.bias, self.group, chunks=self.chunks,
+                                                 transport=self.transport, name=self.name or "row")
         return _RowLinear.apply(x, self.weight, self.bias, self.group, self.sequence_parallel, self.name)
 
 

@@ -1,0 +1,334 @@
+"""Pipelined tensor/sequence parallelism: the all-gather before a GEMM and the reduce-scatter after it, chunked and overlapped with that GEMM.
+
+`all_gather_matmul` computes gather(x) @ Wᵀ chunk by chunk: the GEMM of a chunk starts as soon
+as the chunk has arrived, and the local shard's GEMM runs first, under the first transfer.
+`matmul_reduce_scatter` computes reduce_scatter(x @ Wᵀ): each chunk's partial product is sent
+while the next chunk is computed; partial sums are added in fp32 for bf16/fp16 inputs.
+
+The layer functions use both for forward and backward of sequence-parallel linears:
+- column-parallel: forward all-gather+GEMM; backward dgrad as GEMM+reduce-scatter, and wgrad
+  summed chunk by chunk over the input re-gathered under it (or one GEMM on the gathered input
+  saved in forward with `save_gathered_input=True`, trading memory for time);
+- row-parallel: forward GEMM+reduce-scatter; backward all-gather of the output gradient
+  pipelined with the dgrad GEMM, wgrad from the gathered gradient.
+
+Transports: "p2p" (batched send/recv, see p2p.py; NCCL and gloo) and "symm_mem" (copy-engine
+pulls from symmetric memory, see symm_mem.py; one node, CUDA peer access). `chunks` is the
+number of chunks of the gathered (or scattered) dimension: one per rank by default, or a
+multiple of the world size that splits each rank's rows further. Every argument is checked
+before any communication, with the same message on every rank.
+
+Layout: weights are nn.Linear's [out, in]; the sequence-parallel dimension is dim 0 of the
+activation ([tokens, hidden] or [seq, batch, hidden]).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from .. import comm
+from ..timeline.recorder import compute_span
+from . import p2p, symm_mem
+from .p2p import accum_dtype
+from .symm_mem import TransportUnavailable
+
+TRANSPORTS = ("p2p", "symm_mem")
+"""Accepted values of `transport`."""
+
+__all__ = ["TRANSPORTS", "TransportUnavailable", "all_gather_matmul", "matmul_reduce_scatter",
+           "column_parallel_linear_pipelined", "row_parallel_linear_pipelined", "allowed_chunks",
+           "check_layer_options"]
+
+
+# -- argument checks (local, identical on every rank, before any communication) ------------
+
+def allowed_chunks(ws: int, rows_per_rank: int) -> list[int]:
+    """The chunk counts that split every rank's rows evenly: ws times each divisor of the rows."""
+    return [ws * d for d in range(1, rows_per_rank + 1) if rows_per_rank % d == 0]
+
+
+def _chunks_per_rank(chunks, ws: int, rows_per_rank: int, dim: int) -> int:
+    allowed = allowed_chunks(ws, rows_per_rank)
+    if chunks is None:
+        return 1
+    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks not in allowed:
+        raise ValueError(
+            f"chunks={chunks!r} is not allowed with world size {ws} and {rows_per_rank} rows per rank "
+            f"along dim {dim}: allowed are None (one chunk per rank, {ws}) or one of {allowed}")
+    return chunks // ws
+
+
+def check_layer_options(overlap: str, sequence_parallel: bool, transport, chunks, tp_size: int,
+                        save_gathered_input: bool = False) -> None:
+    """Construction-time checks of a parallel layer's pipelining options (shape-free ones)."""
+    if overlap != "pipelined":
+        if transport != "p2p" or chunks is not None or save_gathered_input:
+            raise ValueError(f"transport={transport!r}, chunks={chunks!r}, save_gathered_input="
+                             f"{save_gathered_input!r} apply to overlap='pipelined' only, not overlap={overlap!r}")
+        return
+    if not sequence_parallel:
+        raise ValueError("overlap='pipelined' chunks the sequence-parallel all-gather/reduce-scatter: "
+                         "it needs sequence_parallel=True")
+    if transport not in TRANSPORTS:
+        raise ValueError(f"transport={transport!r} is not one of {TRANSPORTS}")
+    if chunks is not None and (isinstance(chunks, bool) or not isinstance(chunks, int)
+                               or chunks < tp_size or chunks % tp_size):
+        raise ValueError(f"chunks={chunks!r} must be None (one chunk per rank) or a positive multiple "
+                         f"of the tensor-parallel size {tp_size}")
+
+
+def _check_transport(transport, group, device: torch.device):
+    if transport not in TRANSPORTS:
+        raise ValueError(f"transport={transport!r} is not one of {TRANSPORTS}")
+    if transport == "symm_mem":
+        symm_mem.check_available(group, device)
+        return symm_mem
+    return p2p
+
+
+def _check_dim(x: torch.Tensor, dim: int, what: str) -> int:
+    if x.dim() < 2:
+        raise ValueError(f"the input must have at least 2 dims [rows, features], got shape {tuple(x.shape)}")
+    d = dim + x.dim() if isinstance(dim, int) and dim < 0 else dim
+    if not isinstance(d, int) or not 0 <= d <= x.dim() - 2:
+        raise ValueError(f"{what}={dim!r} must name a dim of the {x.dim()}-D input other than the last "
+                         f"(the GEMM's inner dim): allowed are 0..{x.dim() - 2}")
+    return d
+
+
+def _check_weight(x: torch.Tensor, w: torch.Tensor, what: str) -> None:
+    if w.dim() != 2 or w.shape[1] != x.shape[-1]:
+        raise ValueError(f"{what} must be [out, {x.shape[-1]}] (nn.Linear layout, in = the input's "
+                         f"last dim), got shape {tuple(w.shape)}")
+    if w.dtype != x.dtype or w.device != x.device:
+        raise ValueError(f"{what} is {w.dtype} on {w.device}, the input {x.dtype} on {x.device}")
+
+
+def _check_no_grad(*tensors: torch.Tensor) -> None:
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        raise RuntimeError("all_gather_matmul / matmul_reduce_scatter are not differentiable: use "
+                           "column_parallel_linear_pipelined / row_parallel_linear_pipelined for training, "
+                           "or call them under torch.no_grad()")
+
+
+# -- the two pipelines on 2-D row matrices ------------------------------------------------
+
+def _ag_mm(x2: torch.Tensor, weights: Sequence[torch.Tensor], k: int, group, transport, *,
+           need_gathered: bool, name: str):
+    """(gathered or None, [gather(x2) @ wᵀ for w in weights]) with the GEMMs pipelined per chunk."""
+    ws = comm.group_size(group)
+    outs = [x2.new_empty((ws * x2.shape[0], w.shape[0])) for w in weights]
+
+    def consume(rows: slice, data: torch.Tensor, lane: int) -> None:
+        with compute_span(f"{name}.gemm", stream=_lane_stream(lane)):
+            for w, out in zip(weights, outs):
+                torch.mm(data, w.t(), out=out[rows])
+
+    gathered = transport.gather_and_consume(x2, consume, k, group, name=name, need_gathered=need_gathered)
+    return gathered, outs
+
+
+def _mm_rs(x2: torch.Tensor, w_t: torch.Tensor, k: int, group, transport, *, name: str) -> torch.Tensor:
+    """reduce_scatter(x2 @ w_t) over row blocks, the GEMM chunk by chunk under the transfers."""
+
+    def produce(rows: slice, out):
+        with compute_span(f"{name}.gemm"):
+            return torch.mm(x2[rows], w_t, out=out)
+
+    return transport.produce_and_reduce_scatter(produce, x2.shape[0], w_t.shape[1], k, group,
+                                                dtype=x2.dtype, device=x2.device, name=name)
+
+
+def _regather_wgrad(x2: torch.Tensor, dy2: torch.Tensor, k: int, group, transport, *, name: str) -> torch.Tensor:
+    """Σ_i dY_iᵀ·X_i over the chunks X_i of gather(x2), each GEMM under the next chunk's transfer."""
+    # One accumulator per stream lane: symm_mem consumes on two streams at once.
+    lanes = 2 if transport is symm_mem else 1
+    acc = [dy2.new_zeros((dy2.shape[1], x2.shape[1]), dtype=accum_dtype(dy2.dtype)) for _ in range(lanes)]
+
+    def consume(rows: slice, data: torch.Tensor, lane: int) -> None:
+        with compute_span(f"{name}.gemm", stream=_lane_stream(lane)):
+            if acc[lane].dtype == data.dtype:
+                acc[lane].addmm_(dy2[rows].t(), data)
+            else:
+                acc[lane].add_(torch.mm(dy2[rows].t(), data))
+
+    transport.gather_and_consume(x2, consume, k, group, name=name, need_gathered=False)
+    total = acc[0] if lanes == 1 else acc[0] + acc[1]
+    return total.to(dy2.dtype)
+
+
+def _lane_stream(lane: int) -> str:
+    """Timeline lane of a chunk's GEMM: symm_mem runs every other one on its side stream."""
+    return "compute" if lane == 0 else "compute.side"
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """A [*lead, features] activation as a contiguous [rows, features] matrix (dim 0 outermost)."""
+    return x.reshape(-1, x.shape[-1]).contiguous()
+
+
+# -- public forward-only functions --------------------------------------------------------
+
+def all_gather_matmul(x_shard: torch.Tensor, weights: Sequence[torch.Tensor], group, *, gather_dim: int = 0,
+                      chunks: int | None = None, transport: str = "p2p", return_gathered: bool = False,
+                      name: str = "all_gather_matmul"):
+    """[gather(x_shard, gather_dim) @ wᵀ for w in weights], each chunk's GEMM as soon as it lands.
+
+    Several weights share one gather (QKV, gate/up). Returns the list of outputs, or
+    (gathered input, outputs) with `return_gathered`. Forward only (not differentiable).
+    """
+    weights = list(weights)
+    d = _check_dim(x_shard, gather_dim, "gather_dim")
+    if not weights:
+        raise ValueError("weights is empty: give at least one [out, in] weight")
+    for i, w in enumerate(weights):
+        _check_weight(x_shard, w, f"weights[{i}]")
+    _check_no_grad(x_shard, *weights)
+    ws = comm.group_size(group)
+    k = _chunks_per_rank(chunks, ws, x_shard.shape[d], d)
+    transport_ = _check_transport(transport, group, x_shard.device)
+    xm = x_shard.movedim(d, 0)
+    full = (ws * xm.shape[0],) + tuple(xm.shape[1:-1])
+    gathered, outs = _ag_mm(_rows(xm), weights, k, group, transport_, need_gathered=return_gathered, name=name)
+    outs = [o.view(*full, o.shape[-1]).movedim(0, d) for o in outs]
+    if return_gathered:
+        return gathered.view(*full, xm.shape[-1]).movedim(0, d), outs
+    return outs
+
+
+def matmul_reduce_scatter(x: torch.Tensor, weight: torch.Tensor, group, *, scatter_dim: int = 0,
+                          chunks: int | None = None, transport: str = "p2p",
+                          name: str = "matmul_reduce_scatter") -> torch.Tensor:
+    """reduce_scatter(x @ weightᵀ, scatter_dim): each chunk's partial is sent while the next is computed.
+
+    Partial sums are added in fp32 when x is bf16/fp16. Forward only (not differentiable).
+    """
+    d = _check_dim(x, scatter_dim, "scatter_dim")
+    _check_weight(x, weight, "weight")
+    _check_no_grad(x, weight)
+    ws = comm.group_size(group)
+    if x.shape[d] % ws != 0:
+        raise ValueError(f"x.shape[{d}]={x.shape[d]} (scatter_dim) is not divisible by the world size {ws}")
+    k = _chunks_per_rank(chunks, ws, x.shape[d] // ws, d)
+    transport_ = _check_transport(transport, group, x.device)
+    xm = x.movedim(d, 0)
+    out = _mm_rs(_rows(xm), weight.t(), k, group, transport_, name=name)
+    return out.view(xm.shape[0] // ws, *xm.shape[1:-1], weight.shape[0]).movedim(0, d)
+
+
+# -- autograd: the sequence-parallel linear layers ----------------------------------------
+
+class _ColumnPipelined(torch.autograd.Function):
+    """Forward: all-gather+GEMM. Backward: dgrad GEMM+reduce-scatter; wgrad under a chunked re-gather."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, group, k, transport, save_gathered, name):
+        ws = comm.group_size(group)
+        x2 = _rows(x)
+        gathered, (y,) = _ag_mm(x2, [weight], k, group, transport, need_gathered=save_gathered,
+                                name=name + ".fwd")
+        if bias is not None:
+            y.add_(bias)
+        ctx.save_for_backward(gathered if save_gathered else x2, weight)
+        ctx.group, ctx.k, ctx.transport, ctx.save_gathered, ctx.name = group, k, transport, save_gathered, name
+        ctx.x_shape = x.shape
+        return y.view(ws * x.shape[0], *x.shape[1:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, dy):
+        saved, weight = ctx.saved_tensors
+        dy2 = _rows(dy)
+        dx = dw = db = None
+        if ctx.needs_input_grad[0]:
+            dx = _mm_rs(dy2, weight, ctx.k, ctx.group, ctx.transport, name=ctx.name + ".bwd.dgrad")
+            dx = dx.view(ctx.x_shape)
+        if ctx.needs_input_grad[1]:
+            if ctx.save_gathered:
+                with compute_span(ctx.name + ".bwd.wgrad.gemm"):
+                    dw = dy2.t() @ saved
+            else:
+                dw = _regather_wgrad(saved, dy2, ctx.k, ctx.group, ctx.transport, name=ctx.name + ".bwd.wgrad")
+        if ctx.needs_input_grad[2]:
+            db = dy2.sum(0)
+        return dx, dw, db, None, None, None, None, None
+
+
+class _RowPipelined(torch.autograd.Function):
+    """Forward: GEMM+reduce-scatter. Backward: all-gather of dY pipelined with dgrad; wgrad on gathered dY."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, group, k, transport, name):
+        ws = comm.group_size(group)
+        x2 = _rows(x)
+        y = _mm_rs(x2, weight.t(), k, group, transport, name=name + ".fwd")
+        if bias is not None:
+            y.add_(bias)
+        ctx.save_for_backward(x2, weight)
+        ctx.group, ctx.k, ctx.transport, ctx.name, ctx.x_shape = group, k, transport, name, x.shape
+        return y.view(x.shape[0] // ws, *x.shape[1:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, dy):
+        x2, weight = ctx.saved_tensors
+        dy2 = _rows(dy)
+        need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
+        dx2 = x2.new_empty(x2.shape) if need_dx else None
+
+        def consume(rows: slice, data: torch.Tensor, lane: int) -> None:
+            if need_dx:
+                with compute_span(ctx.name + ".bwd.dgrad.gemm", stream=_lane_stream(lane)):
+                    torch.mm(data, weight, out=dx2[rows])
+
+        dw = None
+        if need_dx or need_dw:
+            gathered = ctx.transport.gather_and_consume(dy2, consume, ctx.k, ctx.group,
+                                                        name=ctx.name + ".bwd", need_gathered=need_dw)
+            if need_dw:
+                with compute_span(ctx.name + ".bwd.wgrad.gemm"):
+                    dw = gathered.t() @ x2
+        # Like the bias of RowParallelLinear with sequence parallelism: this rank's tokens only;
+        # the sum over the TP group is allreduce_sequence_parallel_grads' job.
+        db = dy2.sum(0) if need_db else None
+        dx = dx2.view(ctx.x_shape) if need_dx else None
+        return dx, dw, db, None, None, None, None
+
+
+def _check_linear(x: torch.Tensor, weight: torch.Tensor, bias, what: str) -> None:
+    _check_dim(x, 0, "the sequence dim")
+    _check_weight(x, weight, f"{what} weight")
+    if bias is not None and (bias.shape != (weight.shape[0],) or bias.dtype != x.dtype or bias.device != x.device):
+        raise ValueError(f"{what} bias must be [{weight.shape[0]}] {x.dtype} on {x.device}, got "
+                         f"{tuple(bias.shape)} {bias.dtype} on {bias.device}")
+
+
+def column_parallel_linear_pipelined(x_shard: torch.Tensor, weight: torch.Tensor, bias, group, *,
+                                     chunks: int | None = None, transport: str = "p2p",
+                                     save_gathered_input: bool = False, name: str = "column") -> torch.Tensor:
+    """Sequence-parallel column-parallel linear: [s/tp, ..., in] -> [s, ..., out/tp], differentiable.
+
+    weight is this rank's [out/tp, in] rows, bias its [out/tp] slice (or None).
+    """
+    _check_linear(x_shard, weight, bias, "column-parallel")
+    ws = comm.group_size(group)
+    k = _chunks_per_rank(chunks, ws, x_shard.shape[0], 0)
+    transport_ = _check_transport(transport, group, x_shard.device)
+    return _ColumnPipelined.apply(x_shard, weight, bias, group, k, transport_, bool(save_gathered_input), name)
+
+
+def row_parallel_linear_pipelined(x: torch.Tensor, weight: torch.Tensor, bias, group, *,
+                                  chunks: int | None = None, transport: str = "p2p",
+                                  name: str = "row") -> torch.Tensor:
+    """Sequence-parallel row-parallel linear: [s, ..., in/tp] -> [s/tp, ..., out], differentiable.
+
+    weight is this rank's [out, in/tp] columns, bias the full [out] (added after the reduce-scatter;
+    its gradient covers this rank's tokens only, as in RowParallelLinear).
+    """
+    _check_linear(x, weight, bias, "row-parallel")
+    ws = comm.group_size(group)
+    if x.shape[0] % ws != 0:
+        raise ValueError(f"row-parallel: sequence length (dim 0) {x.shape[0]} is not divisible by the world size {ws}")
+    k = _chunks_per_rank(chunks, ws, x.shape[0] // ws, 0)
+    transport_ = _check_transport(transport, group, x.device)
+    return _RowPipelined.apply(x, weight, bias, group, k, transport_, name)
