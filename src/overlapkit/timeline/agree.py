@@ -1,0 +1,107 @@
+"""Check that the engines' recorder and a profiler trace saw the same overlap.
+
+Both sources see overlapkit's own spans: the recorder stamps them, the trace holds the
+kernels (GPU) or ranges (CPU) that ran inside them. Each traced span must lie inside the
+recorded span of the same kind (and, for compute, the same name), up to a tolerance: a
+recorded span is issue-to-completion, the traced work runs somewhere inside it.
+
+One exception is not a disagreement: on CPU the recorder stamps a transfer's end when its
+future completes, and gloo closes its profiler range just after that, on its own thread, so a
+traced transfer may end a little (a preemption, under load) after its record.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+
+from .spans import COMM_KINDS, Span
+
+
+@dataclass(frozen=True)
+class Agreement:
+    """How a recorder's spans and a trace's spans of one rank correspond."""
+
+    matched: int
+    """Recorded spans that hold at least one traced span."""
+    missing: list[str]
+    """Recorded spans (kind:name@start) with no traced span inside them."""
+    unmatched: list[str]
+    """Traced overlapkit spans inside no recorded span."""
+    early_ms: float
+    """The most a matched traced span starts before its recorded span (0 when none does)."""
+    late_compute_ms: float
+    """The most a traced computation ends after its recorded span."""
+    late_comm_ms: float
+    """The most a traced transfer ends after its recorded span."""
+    offset_ms: float
+    """Trace time minus recorder time, as used."""
+
+    def ok(self, tol_ms: float, comm_end_tol_ms: float | None = None) -> bool:
+        """Everything paired, and inside its record within `tol_ms` (transfer ends: `comm_end_tol_ms`)."""
+        late_comm = tol_ms if comm_end_tol_ms is None else comm_end_tol_ms
+        return (not self.missing and not self.unmatched and self.early_ms <= tol_ms
+                and self.late_compute_ms <= tol_ms and self.late_comm_ms <= late_comm)
+
+
+def _key(s: Span) -> tuple[str, str]:
+    return (s.kind, s.name if s.is_compute else "")
+
+
+def ours(traced: list[Span], recorded: list[Span]) -> list[Span]:
+    """The traced spans that overlapkit itself marked: our kinds of transfer, our computations' names."""
+    names = {s.name for s in recorded if s.is_compute}
+    return [s for s in traced if (s.is_compute and s.name in names) or s.kind in COMM_KINDS]
+
+
+def estimate_offset(recorded: list[Span], traced: list[Span]) -> float:
+    """Trace time minus recorder time, from the first occurrence of each computation in both.
+
+    For clocks with no common origin (CUDA events and a GPU trace): the first kernel of a
+    computation starts just after the event recorded before it.
+    """
+    first_rec: dict[str, float] = {}
+    first_tr: dict[str, float] = {}
+    for s in sorted(recorded, key=lambda s: s.start_ms):
+        if s.is_compute:
+            first_rec.setdefault(s.name, s.start_ms)
+    for s in sorted(traced, key=lambda s: s.start_ms):
+        if s.is_compute:
+            first_tr.setdefault(s.name, s.start_ms)
+    shared = [first_tr[n] - first_rec[n] for n in first_rec if n in first_tr]
+    if not shared:
+        raise ValueError("no computation appears in both the recorder's spans and the trace's")
+    return statistics.median(shared)
+
+
+def compare_spans(recorded: list[Span], traced: list[Span], offset_ms: float | None = None,
+                  tol_ms: float = 0.5) -> Agreement:
+    """Pair each traced overlapkit span with the recorded span of its kind that holds it.
+
+    `offset_ms` is trace time minus recorder time (estimated from computations when None);
+    `tol_ms` is how far outside a recorded span a traced one may start and still belong to it.
+    """
+    traced = ours(traced, recorded)
+    if offset_ms is None:
+        offset_ms = estimate_offset(recorded, traced)
+    free = sorted((s.shifted(offset_ms) for s in traced), key=lambda s: s.start_ms)
+    claimed = [False] * len(free)
+    matched, missing = 0, []
+    early = late_compute = late_comm = 0.0
+    for r in sorted(recorded, key=lambda s: s.start_ms):
+        hits = [i for i, t in enumerate(free) if not claimed[i] and _key(t) == _key(r)
+                and r.start_ms - tol_ms <= t.start_ms <= r.end_ms + tol_ms]
+        for i in hits:
+            claimed[i] = True
+            early = max(early, r.start_ms - free[i].start_ms)
+            if r.is_compute:
+                late_compute = max(late_compute, free[i].end_ms - r.end_ms)
+            else:
+                late_comm = max(late_comm, free[i].end_ms - r.end_ms)
+        if hits:
+            matched += 1
+        else:
+            missing.append(f"{r.kind}:{r.name}@{r.start_ms:.3f}")
+    unmatched = [f"{t.kind}:{t.name}@{t.start_ms:.3f}" for i, t in enumerate(free) if not claimed[i]]
+    return Agreement(matched=matched, missing=missing, unmatched=unmatched, early_ms=early,
+                     late_compute_ms=late_compute, late_comm_ms=late_comm, offset_ms=offset_ms)

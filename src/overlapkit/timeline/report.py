@@ -1,0 +1,186 @@
+"""How much communication was hidden behind computation, per rank and per step, from spans.
+
+One function measures every source: the engines' recorder and profiler traces both become
+`Span`s, and `report_spans` turns spans into the same numbers. Definitions (docs/timeline.md
+says the same with examples), for the spans of one rank inside a window:
+
+- C = union of compute spans (all streams), M = union of communication spans;
+- compute_ms = |C|, comm_ms = |M|, hidden_ms = |M ∩ C|, exposed_comm_ms = |M \\ C|;
+- overlap_pct = 100 · hidden_ms / comm_ms (None without communication);
+- step_ms = last end − first start of the window's spans; idle_ms = step_ms − |any span|;
+- t_last_ms = |M after the end of the last compute span| (all of M when there is no compute).
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field
+
+from . import intervals as iv
+from .spans import Span
+
+
+@dataclass(frozen=True)
+class Times:
+    """The overlap numbers of one window (a step, or a rank's whole record)."""
+
+    step_ms: float
+    compute_ms: float
+    comm_ms: float
+    hidden_ms: float
+    exposed_comm_ms: float
+    overlap_pct: float | None
+    idle_ms: float
+    t_last_ms: float
+
+
+@dataclass(frozen=True)
+class KindRow:
+    """Communication of one kind (and, in `by_size`, one message size) on one rank."""
+
+    kind: str
+    count: int
+    nbytes: int
+    """Message size in `by_size`; total bytes of all transfers in `by_kind`; 0 when unknown."""
+    comm_ms: float
+    exposed_ms: float
+    overlap_pct: float | None
+
+
+@dataclass(frozen=True)
+class StreamRow:
+    """What ran on one stream (lane) of one rank."""
+
+    stream: str
+    count: int
+    busy_ms: float
+    compute_ms: float
+    comm_ms: float
+    exposed_ms: float
+
+
+@dataclass(frozen=True)
+class RankReport:
+    """Everything measured on one rank (one trace, or one rank's recorded spans)."""
+
+    rank: int
+    source: str
+    total: Times
+    """Over all the rank's spans."""
+    steps: list[tuple[int, Times]]
+    """Per step, for spans that know their step."""
+    by_kind: list[KindRow]
+    by_size: list[KindRow]
+    by_stream: list[StreamRow]
+
+    @property
+    def step_ms(self) -> float:
+        """Mean step time over the steps; the whole window when steps are unknown."""
+        return sum(t.step_ms for _, t in self.steps) / len(self.steps) if self.steps else self.total.step_ms
+
+    def to_dict(self) -> dict:
+        out = {"rank": self.rank, "source": self.source, "step_ms": self.step_ms,
+               "n_steps": len(self.steps), "window_ms": self.total.step_ms}
+        out.update({k: v for k, v in asdict(self.total).items() if k != "step_ms"})
+        out["by_kind"] = {r.kind: _kind_dict(r) for r in self.by_kind}
+        out["by_size"] = [asdict(r) for r in self.by_size]
+        out["by_stream"] = [asdict(r) for r in self.by_stream]
+        out["steps"] = [dict(step=n, **asdict(t)) for n, t in self.steps]
+        return out
+
+
+def _kind_dict(r: KindRow) -> dict:
+    return {k: v for k, v in asdict(r).items() if k != "kind"}
+
+
+@dataclass(frozen=True)
+class Report:
+    """One row per rank (or per trace), and which of them is slowest."""
+
+    ranks: list[RankReport] = field(default_factory=list)
+
+    @property
+    def slowest(self) -> RankReport | None:
+        """The rank with the longest mean step, when several distinct ranks were measured."""
+        if len(self.ranks) < 2 or len({r.rank for r in self.ranks}) < len(self.ranks):
+            return None
+        return max(self.ranks, key=lambda r: (r.step_ms, -r.rank))
+
+    def to_dict(self) -> dict:
+        slow = self.slowest
+        return {"ranks": [r.to_dict() for r in self.ranks],
+                "slowest_rank": slow.rank if slow is not None else None}
+
+    def to_json(self, indent: int | None = 2) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+
+def _pct(part: float, whole: float) -> float | None:
+    return 100.0 * part / whole if whole > 0 else None
+
+
+def measure(spans: list[Span]) -> Times:
+    """The overlap numbers of one window of one rank's spans."""
+    if not spans:
+        return Times(0.0, 0.0, 0.0, 0.0, 0.0, None, 0.0, 0.0)
+    compute = iv.union((s.start_ms, s.end_ms) for s in spans if s.is_compute)
+    comm = iv.union((s.start_ms, s.end_ms) for s in spans if s.is_comm)
+    busy = iv.union((s.start_ms, s.end_ms) for s in spans)
+    start, end = min(s.start_ms for s in spans), max(s.end_ms for s in spans)
+    comm_ms, hidden = iv.length(comm), iv.length(iv.intersect(comm, compute))
+    tail_from = compute[-1][1] if compute else start
+    return Times(step_ms=end - start, compute_ms=iv.length(compute), comm_ms=comm_ms, hidden_ms=hidden,
+                 exposed_comm_ms=comm_ms - hidden, overlap_pct=_pct(hidden, comm_ms),
+                 idle_ms=(end - start) - iv.length(busy),
+                 t_last_ms=iv.length(iv.clip(comm, tail_from, end)))
+
+
+def _kind_row(kind: str, spans: list[Span], compute: iv.Intervals, nbytes: int) -> KindRow:
+    comm = iv.union((s.start_ms, s.end_ms) for s in spans)
+    comm_ms = iv.length(comm)
+    exposed = iv.length(iv.subtract(comm, compute))
+    return KindRow(kind=kind, count=len(spans), nbytes=nbytes, comm_ms=comm_ms, exposed_ms=exposed,
+                   overlap_pct=_pct(comm_ms - exposed, comm_ms))
+
+
+def _rank_report(rank: int, spans: list[Span], source: str) -> RankReport:
+    compute = iv.union((s.start_ms, s.end_ms) for s in spans if s.is_compute)
+    by_step: dict[int, list[Span]] = defaultdict(list)
+    by_kind: dict[str, list[Span]] = defaultdict(list)
+    by_size: dict[tuple[str, int], list[Span]] = defaultdict(list)
+    by_stream: dict[str, list[Span]] = defaultdict(list)
+    for s in spans:
+        by_stream[s.stream].append(s)
+        if s.step is not None:
+            by_step[s.step].append(s)
+        if s.is_comm:
+            by_kind[s.kind].append(s)
+            by_size[(s.kind, s.nbytes)].append(s)
+    kinds = [_kind_row(k, ss, compute, sum(s.nbytes for s in ss)) for k, ss in by_kind.items()]
+    sizes = [_kind_row(k, ss, compute, n) for (k, n), ss in by_size.items()]
+    streams = []
+    for name, ss in by_stream.items():
+        comm = iv.union((s.start_ms, s.end_ms) for s in ss if s.is_comm)
+        streams.append(StreamRow(
+            stream=name, count=len(ss), busy_ms=iv.length(iv.union((s.start_ms, s.end_ms) for s in ss)),
+            compute_ms=iv.length(iv.union((s.start_ms, s.end_ms) for s in ss if s.is_compute)),
+            comm_ms=iv.length(comm), exposed_ms=iv.length(iv.subtract(comm, compute))))
+    return RankReport(rank=rank, source=source, total=measure(spans),
+                      steps=[(n, measure(ss)) for n, ss in sorted(by_step.items())],
+                      by_kind=sorted(kinds, key=lambda r: -r.exposed_ms),
+                      by_size=sorted(sizes, key=lambda r: (r.kind, r.nbytes)),
+                      by_stream=sorted(streams, key=lambda r: r.stream))
+
+
+def report_spans(spans: list[Span], source: str = "recorder") -> Report:
+    """The report of spans from any source: one row per rank found in `spans`."""
+    by_rank: dict[int, list[Span]] = defaultdict(list)
+    for s in spans:
+        by_rank[s.rank].append(s)
+    return Report([_rank_report(r, ss, source) for r, ss in sorted(by_rank.items())])
+
+
+def report_traces(traces) -> Report:
+    """The report of profiler traces: one row per trace (traces of different jobs may share a rank)."""
+    return Report([row for t in traces for row in report_spans(t.spans, source=t.path).ranks])

@@ -1,0 +1,105 @@
+"""Print an overlap report as tables: how much communication compute hid, per rank, step, kind, stream.
+
+Uses rich when it is installed and plain aligned text when it is not (GPU machines often
+lack it), from the same rows.
+"""
+
+from __future__ import annotations
+
+import os
+
+from .report import Report, Times
+
+_TIME_HEAD = ["step ms", "compute ms", "comm ms", "exposed ms", "overlap %", "idle ms", "T_last ms"]
+
+
+def _ms(x: float) -> str:
+    return f"{x:.3f}" if abs(x) < 10 else f"{x:.1f}"
+
+
+def _pct(x: float | None) -> str:
+    return "—" if x is None else f"{x:.1f}"
+
+
+def _size(n: int) -> str:
+    if n <= 0:
+        return "?"
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} B"
+
+
+def _times(t: Times, step_ms: float) -> list[str]:
+    return [_ms(step_ms), _ms(t.compute_ms), _ms(t.comm_ms), _ms(t.exposed_comm_ms),
+            _pct(t.overlap_pct), _ms(t.idle_ms), _ms(t.t_last_ms)]
+
+
+def tables(report: Report, detail: bool = True) -> list[tuple[str, list[str], list[list[str]]]]:
+    """(title, header, rows) of every table of the report."""
+    ranks = [[str(r.rank), str(len(r.steps) or "—")] + _times(r.total, r.step_ms) + [os.path.basename(r.source)]
+             for r in report.ranks]
+    out = [("Communication hidden behind compute, per rank (totals over the window; step ms is the mean step)",
+            ["rank", "steps"] + _TIME_HEAD + ["source"], ranks)]
+    steps = [[str(r.rank), str(n)] + _times(t, t.step_ms) for r in report.ranks for n, t in r.steps]
+    if steps:
+        out.append(("Per step", ["rank", "step"] + _TIME_HEAD, steps))
+    if not detail:
+        return out
+    kinds = [[str(r.rank), k.kind, str(k.count), _size(k.nbytes), _ms(k.comm_ms), _ms(k.exposed_ms),
+              _pct(k.overlap_pct)] for r in report.ranks for k in r.by_kind]
+    if kinds:
+        out.append(("Communication by kind", ["rank", "kind", "count", "bytes", "comm ms", "exposed ms",
+                                              "overlap %"], kinds))
+    sizes = [[str(r.rank), k.kind, _size(k.nbytes), str(k.count), _ms(k.comm_ms), _ms(k.exposed_ms),
+              _ms(k.comm_ms / k.count)] for r in report.ranks for k in r.by_size]
+    if sizes:
+        out.append(("Communication by kind and message size",
+                    ["rank", "kind", "message", "count", "comm ms", "exposed ms", "mean ms"], sizes))
+    streams = [[str(r.rank), s.stream, str(s.count), _ms(s.busy_ms), _ms(s.compute_ms), _ms(s.comm_ms),
+                _ms(s.exposed_ms)] for r in report.ranks for s in r.by_stream]
+    out.append(("By stream", ["rank", "stream", "spans", "busy ms", "compute ms", "comm ms", "exposed ms"],
+                streams))
+    return out
+
+
+def summary(report: Report) -> str:
+    """One line naming the slowest rank, or '' when there is none to name."""
+    slow = report.slowest
+    if slow is None:
+        return ""
+    return (f"slowest rank: {slow.rank} ({_ms(slow.step_ms)} ms per step, "
+            f"{_ms(slow.total.exposed_comm_ms)} ms exposed communication)")
+
+
+def print_report(report: Report, console=None, detail: bool = True) -> None:
+    """Print the report's tables to a rich Console (made if None), or as plain text without rich."""
+    try:
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:
+        print(plain_text(report, detail))
+        return
+    console = console or Console()
+    for title, head, rows in tables(report, detail):
+        t = Table(title=title, title_justify="left")
+        for i, h in enumerate(head):
+            t.add_column(h, justify="left" if i < 2 or h in ("kind", "stream", "source") else "right")
+        for row in rows:
+            t.add_row(*row)
+        console.print(t)
+    if line := summary(report):
+        console.print(line)
+
+
+def plain_text(report: Report, detail: bool = True) -> str:
+    """The same tables as aligned plain text."""
+    parts = []
+    for title, head, rows in tables(report, detail):
+        widths = [max(len(x) for x in col) for col in zip(head, *rows)]
+        parts.append(title)
+        parts += ["  ".join(x.rjust(w) for x, w in zip(row, widths)) for row in [head] + rows]
+        parts.append("")
+    if line := summary(report):
+        parts.append(line)
+    return "\n".join(parts)

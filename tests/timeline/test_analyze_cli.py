@@ -1,0 +1,81 @@
+"""`overlapkit analyze` on bad input: one line naming the file and the problem, exit code 2."""
+
+import gzip
+import json
+import subprocess
+import sys
+
+import pytest
+
+from kineto import TraceBuilder
+from overlapkit.timeline.cli import main
+
+
+def _gpu_trace(tmp_path, rank=True):
+    b = TraceBuilder()
+    b.launch("gemm", 0, 10, at=0)
+    b.launch("ncclDevKernel_AllReduce_RING_LL(x)", 5, 10, at=1, stream=20)
+    return b.write(tmp_path / ("ok.json" if rank else "no_rank.json"), rank=rank)
+
+
+def _not_a_trace(tmp_path):
+    p = tmp_path / "notes.txt"
+    p.write_text("hello, not json")
+    return p, "not a trace: not JSON"
+
+
+def _json_not_a_trace(tmp_path):
+    p = tmp_path / "config.json"
+    p.write_text(json.dumps({"lr": 0.1}))
+    return p, "not a trace: no traceEvents"
+
+
+def _truncated_gzip(tmp_path):
+    data = gzip.compress(json.dumps(TraceBuilder().doc()).encode() + b" " * 4000)
+    p = tmp_path / "cut.json.gz"
+    p.write_bytes(data[: len(data) // 2])
+    return p, "truncated or corrupt gzip"
+
+
+def _no_gpu_events(tmp_path):
+    b = TraceBuilder()
+    b.cpu("aten::mm", 0, 10, cat="cpu_op")
+    return b.write(tmp_path / "cpu_only.json"), "no GPU kernels, memcpy or memset"
+
+
+def _no_rank(tmp_path):
+    return _gpu_trace(tmp_path, rank=False), "no rank"
+
+
+def _missing(tmp_path):
+    return tmp_path / "nowhere.json", "cannot read"
+
+
+@pytest.mark.parametrize("case", [_not_a_trace, _json_not_a_trace, _truncated_gzip, _no_gpu_events, _no_rank,
+                                  _missing])
+def test_bad_input_is_one_line_and_exit_code_2(tmp_path, capsys, case):
+    path, problem = case(tmp_path)
+    assert main([str(_gpu_trace(tmp_path)), str(path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and str(path) in err and problem in err, err
+
+
+def test_a_good_trace_prints_the_report(tmp_path, capsys):
+    assert main([str(_gpu_trace(tmp_path))]) == 0
+    out = capsys.readouterr().out
+    assert "all_reduce" in out and "50.0" in out  # half the all-reduce ran under the GEMM
+
+
+def test_the_rank_can_be_given_for_one_trace(tmp_path, capsys):
+    path = _gpu_trace(tmp_path, rank=False)
+    assert main([str(path), "--rank", "3", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["ranks"][0]["rank"] == 3
+    assert main([str(path), str(path), "--rank", "3"]) == 2
+
+
+def test_the_command_line_prints_no_traceback(tmp_path):
+    path, _ = _truncated_gzip(tmp_path)
+    run = subprocess.run([sys.executable, "-m", "overlapkit.timeline.cli", str(path)], capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode == 2
+    assert "Traceback" not in run.stderr and run.stderr.strip().count("\n") == 0, run.stderr

@@ -1,0 +1,61 @@
+"""Real multi-GPU NCCL traces nobody here wrote: our overlap % against HolisticTraceAnalysis's.
+
+The traces live beside the repository (../shared/traces, see its README); they are not copied
+into the project.
+"""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from overlapkit.timeline import read_trace, read_traces, report_traces
+from overlapkit.timeline.cli import main
+
+TRACES = Path(__file__).resolve().parents[2] / ".." / "shared" / "traces"
+HTA_OVERLAP_PCT = {  # HTA 0.5.0 get_comm_comp_overlap, from the README beside the traces
+    "hta_allreduce_2ranks.json.gz": 14.31,
+    "hta_sampled_rank0_of128.json.gz": 11.81,
+    "hta_rank1_of2_sync_allreduce.json.gz": 0.0,
+}
+pytestmark = pytest.mark.skipif(not TRACES.is_dir(), reason=f"{TRACES} is absent: the real traces are not here")
+
+
+@pytest.fixture(scope="module")
+def traces():
+    return {Path(t.path).name: t for t in read_traces([TRACES / n for n in HTA_OVERLAP_PCT])}
+
+
+@pytest.mark.parametrize("name", list(HTA_OVERLAP_PCT))
+def test_overlap_within_three_points_of_hta(traces, name):
+    row = report_traces([traces[name]]).ranks[0]
+    assert row.total.overlap_pct == pytest.approx(HTA_OVERLAP_PCT[name], abs=3.0)
+    assert row.total.comm_ms > 0 and row.total.exposed_comm_ms <= row.total.comm_ms
+
+
+def test_ranks_steps_and_collectives_come_from_the_trace(traces):
+    facts = {n: (t.rank, t.world_size, t.steps, t.dropped_step) for n, t in traces.items()}
+    assert facts == {"hta_allreduce_2ranks.json.gz": (0, 2, [4, 5], 6),
+                     "hta_sampled_rank0_of128.json.gz": (0, 128, [551], 552),
+                     "hta_rank1_of2_sync_allreduce.json.gz": (1, 2, [2, 3, 4, 5], 6)}
+    kinds = {(s.kind, s.group_size) for s in traces["hta_allreduce_2ranks.json.gz"].spans if s.is_comm}
+    assert kinds == {("all_reduce", 2), ("broadcast", 2)}
+    sizes = {s.nbytes for s in traces["hta_allreduce_2ranks.json.gz"].spans if s.kind == "all_reduce"}
+    assert 4 * 6637568 in sizes  # 'In msg nelems' 6637568 floats
+    assert {s.kind for s in traces["hta_sampled_rank0_of128.json.gz"].spans if s.is_comm} == {"send_recv"}
+
+
+def test_every_step_counted_matches_an_independent_count():
+    # With the last step kept, every kernel counts: the README's independent count is 15.6 %.
+    t = read_trace(TRACES / "hta_allreduce_2ranks.json.gz", last_step=True)
+    assert report_traces([t]).ranks[0].total.overlap_pct == pytest.approx(15.6, abs=0.1)
+
+
+def test_analyze_prints_json_and_draws_the_picture(tmp_path, capsys):
+    png = tmp_path / "t.png"
+    assert main([str(TRACES / n) for n in HTA_OVERLAP_PCT] + ["--json", "--plot", str(png)]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert [r["rank"] for r in doc["ranks"]] == [0, 0, 1]
+    assert [round(r["overlap_pct"], 1) for r in doc["ranks"]] == [14.8, 11.8, 0.0]
+    assert doc["slowest_rank"] is None  # traces of different jobs: no slowest rank to name
+    assert png.stat().st_size > 20_000

@@ -1,0 +1,114 @@
+"""The trace reader on small traces built to test one rule each."""
+
+import pytest
+
+from kineto import TraceBuilder
+from overlapkit.timeline import read_trace, read_traces, report_traces
+from overlapkit.timeline.trace import collective_kind
+
+
+def test_collective_names_normalize():
+    for raw, kind in [("allreduce", "all_reduce"), ("_allgather_base", "all_gather"), ("AllGather", "all_gather"),
+                      ("reduce_scatter_tensor_coalesced", "reduce_scatter"), ("ReduceScatter", "reduce_scatter"),
+                      ("SendRecv", "send_recv"), ("gloo:all_to_all", "all_to_all"), ("Generic", "nccl"),
+                      ("broadcast", "broadcast")]:
+        assert collective_kind(raw) == kind, raw
+
+
+def test_nccl_kernels_and_their_metadata(tmp_path):
+    b = TraceBuilder()
+    b.launch("ncclDevKernel_AllGather_RING_LL(ncclDevComm*, unsigned long, ncclWork*)", 100, 50, at=90,
+             stream=20, **{"Collective name": "allgather", "In msg nelems": 256, "Out msg nelems": 512,
+                           "dtype": "BFloat16", "Group size": 2})
+    # metadata on the record_param_comms op with the kernel's External id
+    b.cpu("record_param_comms", 195, 10, cat="cpu_op", **{"External id": 7, "Collective name": "reduce_scatter",
+                                                           "In msg nelems": 1024, "Out msg nelems": 256,
+                                                           "dtype": "Float", "Group size": 4})
+    b.launch("ncclKernel_ReduceScatter_RING_LL_Sum_float(ncclWorkElem)", 200, 30, at=200, stream=20,
+             **{"External id": 7})
+    # metadata on the record_param_comms op around the launch
+    b.cpu("record_param_comms", 295, 10, cat="cpu_op", tid=2, **{"External id": 8, "Collective name": "allreduce",
+                                                                  "In msg nelems": 10, "dtype": "Half", "Group size": 8})
+    b.launch("ncclDevKernel_Generic(ncclDevKernelArgsStorage<4096ul>)", 300, 20, at=300, tid=2, stream=20)
+    b.launch("ncclKernel_SendRecv_RING_SIMPLE_Sum_int8_t(ncclDevComm*, unsigned long, ncclWork*)", 400, 10,
+             at=390, stream=21)
+    b.launch("rcclGenericKernel_x", 420, 5, at=415, stream=21)
+    b.launch("ampere_sgemm_128x64_nn", 100, 300, at=80)
+    b.launch("Memcpy DtoD (Device -> Device)", 500, 5, at=490, cat="gpu_memcpy", bytes=64)
+    b.launch("Memset (Device)", 510, 5, at=505, cat="gpu_memset", bytes=64)
+    t = read_trace(b.write(tmp_path / "t.json"))
+    got = [(s.kind, s.nbytes, s.group_size, s.stream) for s in t.spans]
+    assert got == [("all_gather", 1024, 2, "stream 20"), ("compute", 0, 0, "stream 7"),
+                   ("reduce_scatter", 4096, 4, "stream 20"), ("all_reduce", 20, 8, "stream 20"),
+                   ("send_recv", 0, 0, "stream 21"), ("nccl", 0, 0, "stream 21"),
+                   ("memcpy", 64, 0, "stream 7"), ("memset", 64, 0, "stream 7")]
+    assert t.spans[0].start_ms == 0 and t.spans[0].end_ms == pytest.approx(0.05)
+    assert t.origin_unix_ms == pytest.approx(1.7e12 + 0.1)  # base + the first span's start
+    assert (t.rank, t.world_size, t.device) == (0, 2, "gpu")
+
+
+def test_overlapkit_ranges_name_copies_and_computations(tmp_path):
+    b = TraceBuilder()
+    b.cpu("overlapkit.comm.tp_all_gather:fc1", 10, 20)
+    b.launch("Memcpy PtoP (Device -> Device)", 40, 100, at=15, stream=30, cat="gpu_memcpy", bytes=4096)
+    b.cpu("overlapkit.compute.fc1.fwd", 35, 20)
+    b.launch("sm90_xmma_gemm_bf16", 45, 80, at=40)
+    b.launch("Memcpy DtoD (Device -> Device)", 200, 10, at=60, stream=30, cat="gpu_memcpy", bytes=8)
+    spans = read_trace(b.write(tmp_path / "t.json")).spans
+    assert [(s.kind, s.name, s.nbytes) for s in spans] == [
+        ("tp_all_gather", "Memcpy PtoP (Device -> Device)", 4096), ("compute", "fc1.fwd", 0),
+        ("memcpy", "Memcpy DtoD (Device -> Device)", 8)]
+    report = report_traces([read_trace(tmp_path / "t.json")])
+    assert report.ranks[0].total.hidden_ms == pytest.approx(0.08)  # the GEMM covers 80 of the copy's 100 µs
+
+
+def _two_steps(tmp_path):
+    b = TraceBuilder()
+    b.cpu("ProfilerStep#3", 0, 100)
+    b.cpu("ProfilerStep#4", 100, 100)
+    b.launch("gemm_a", 10, 20, at=5)
+    b.launch("gemm_b", 120, 20, at=95)  # launched in step 3, runs during step 4's CPU range
+    b.launch("gemm_c", 150, 20, at=110)
+    return b.write(tmp_path / "steps.json", gz=True)
+
+
+def test_steps_come_from_the_launch_and_the_last_one_is_dropped(tmp_path):
+    path = _two_steps(tmp_path)
+    t = read_trace(path)
+    assert [(s.name, s.step) for s in t.spans] == [("gemm_a", 3), ("gemm_b", 3)]
+    assert t.steps == [3] and t.dropped_step == 4
+    kept = read_trace(path, last_step=True)
+    assert [(s.name, s.step) for s in kept.spans] == [("gemm_a", 3), ("gemm_b", 3), ("gemm_c", 4)]
+    assert kept.dropped_step is None
+
+
+def test_ranks_of_one_job_share_a_time_axis_and_other_jobs_keep_their_own(tmp_path):
+    paths = []
+    for rank, shift in [(0, 0), (1, 30)]:
+        b = TraceBuilder(rank=rank)
+        b.launch("gemm", 100 + shift, 100, at=90)
+        paths.append(b.write(tmp_path / f"r{rank}.json"))
+    t0, t1 = read_traces(paths)
+    assert t1.spans[0].start_ms == pytest.approx(0.03, abs=1e-3) and t0.spans[0].start_ms == 0
+    b = TraceBuilder(rank=0, base_ns=1_800_000_000_000_000_000)  # another job, years later
+    b.launch("gemm", 100, 100, at=90)
+    other = b.write(tmp_path / "other.json")
+    a, c = read_traces([paths[0], other])
+    assert a.spans[0].start_ms == 0 and c.spans[0].start_ms == 0
+
+
+def test_cpu_trace_gives_worker_transfers_the_kinds_issued_in_order(tmp_path):
+    b = TraceBuilder(world_size=2)
+    b.cpu("overlapkit.comm.tp_all_gather:a", 0, 5, tid=1)
+    b.cpu("overlapkit.comm.dp_all_reduce:b", 6, 5, tid=1)
+    b.cpu("overlapkit.compute.mm", 12, 50, tid=1)
+    b.cpu("gloo:all_gather", 8, 30, tid=2)  # gloo's worker threads, in issue order
+    b.cpu("gloo:all_reduce", 40, 30, tid=3)
+    b.cpu("overlapkit.comm.pp_send:c", 80, 10, tid=1)
+    b.cpu("gloo:send", 82, 5, tid=1)  # send runs inside its own issue range
+    b.cpu("gloo:recv", 95, 5, tid=1)  # nobody's: named by its collective
+    t = read_trace(b.write(tmp_path / "cpu.json"))
+    assert t.device == "cpu"
+    assert [(s.kind, s.stream) for s in t.spans] == [
+        ("tp_all_gather", "thread 2"), ("compute", "thread 1"), ("dp_all_reduce", "thread 3"),
+        ("pp_send", "thread 1"), ("recv", "thread 1")]
