@@ -29,7 +29,7 @@ def _lead(ws: int, ndim: int) -> tuple:
     return (2 * ws, 3) if ndim == 3 else (2 * ws,)
 
 
-def check_functions(group) -> dict:
+def check_functions(group, transport: str = "p2p") -> dict:
     ws, r = dist.get_world_size(group), dist.get_rank(group)
     errs = {}
     for ndim in (2, 3):
@@ -39,20 +39,22 @@ def check_functions(group) -> dict:
             Wq, Wk = torch.randn(3 * ws, 5), torch.randn(2 * ws, 5)
             with torch.no_grad():
                 gathered, (q, k) = all_gather_matmul(X.chunk(ws, 0)[r], [Wq.chunk(ws)[r], Wk.chunk(ws)[r]], group,
-                                                     chunks=chunks, return_gathered=True)
+                                                     chunks=chunks, return_gathered=True, transport=transport)
             errs[f"ag_mm ndim={ndim} chunks={chunks}"] = max(
                 rel_err(gathered, X), rel_err(q, (X @ Wq.t()).chunk(ws, -1)[r]), rel_err(k, (X @ Wk.t()).chunk(ws, -1)[r]))
             W = torch.randn(4, 3 * ws)
             Xr = torch.randn(*_lead(ws, ndim), 3 * ws)
             with torch.no_grad():
-                y = matmul_reduce_scatter(Xr.chunk(ws, -1)[r], W.chunk(ws, -1)[r], group, chunks=chunks)
+                y = matmul_reduce_scatter(Xr.chunk(ws, -1)[r], W.chunk(ws, -1)[r], group, chunks=chunks,
+                                          transport=transport)
             errs[f"mm_rs ndim={ndim} chunks={chunks}"] = rel_err(y, (Xr @ W.t()).chunk(ws, 0)[r])
     # A non-zero gather/scatter dim of a 3-D input: [batch, seq, hidden] split on the seq dim.
     torch.manual_seed(8)
     X, W = torch.randn(2, 2 * ws, 2 * ws), torch.randn(3, 2 * ws)
     with torch.no_grad():
-        (y,) = all_gather_matmul(X.chunk(ws, 1)[r], [W], group, gather_dim=1)
-        z = matmul_reduce_scatter(X.chunk(ws, -1)[r], W.chunk(ws, -1)[r], group, scatter_dim=-2)
+        (y,) = all_gather_matmul(X.chunk(ws, 1)[r], [W], group, gather_dim=1, transport=transport)
+        z = matmul_reduce_scatter(X.chunk(ws, -1)[r], W.chunk(ws, -1)[r], group, scatter_dim=-2,
+                                  transport=transport)
     errs["ag_mm gather_dim=1"] = rel_err(y, (X @ W.t()))
     errs["mm_rs scatter_dim=-2"] = rel_err(z, (X @ W.t()).chunk(ws, 1)[r])
     return errs
@@ -69,7 +71,7 @@ def _layer_grads(layer, x, g, group):
     return out
 
 
-def check_layers(group) -> dict:
+def check_layers(group, transport: str = "p2p") -> dict:
     """Pipelined Column/Row layers vs nn.Linear and vs overlap="none", output and every grad."""
     ws, r = dist.get_world_size(group), dist.get_rank(group)
     errs = {}
@@ -84,7 +86,9 @@ def check_layers(group) -> dict:
         G = torch.randn(*_lead(ws, ndim), 3 * ws)
         Y = full(X)
         (Y * G).sum().backward()
-        opts = dict(chunks=chunks, save_gathered_input=save) if kind == "column" else dict(chunks=chunks)
+        opts = dict(chunks=chunks, transport=transport)
+        if kind == "column":
+            opts["save_gathered_input"] = save
         Layer = ColumnParallelLinear if kind == "column" else RowParallelLinear
         piped = Layer.from_full(full, group, sequence_parallel=True, overlap="pipelined", **opts)
         plain = Layer.from_full(full, group, sequence_parallel=True, overlap="none")
@@ -105,13 +109,13 @@ def check_layers(group) -> dict:
     return errs
 
 
-def check_bf16_sums_in_fp32(group) -> dict:
+def check_bf16_sums_in_fp32(group, transport: str = "p2p") -> dict:
     """Partials 256, 1, 1, ... summed: bf16 running sums stay at 256, an fp32 sum rounds once to 256+ws-1."""
     ws, r = dist.get_world_size(group), dist.get_rank(group)
     x = torch.ones(ws, 1, dtype=torch.bfloat16)
     w = torch.full((1, 1), 256.0 if r == 0 else 1.0, dtype=torch.bfloat16)
     with torch.no_grad():
-        y = matmul_reduce_scatter(x, w, group)
+        y = matmul_reduce_scatter(x, w, group, transport=transport)
     expected = torch.tensor(256.0 + ws - 1).to(torch.bfloat16).item()
     return {"dtype": str(y.dtype), "value": y.item(), "expected": expected}
 

@@ -112,10 +112,15 @@ def _workspace(group, nbytes: int, device: torch.device):
 
 
 def _pull(dst: torch.Tensor, src: torch.Tensor, kind: str, name: str, ws: int) -> None:
-    """One copy-engine pull, stamped on the stream it runs on when a recorder is active."""
+    """One copy-engine pull, stamped on the stream it runs on when a recorder is active.
+
+    The profiler range names the copy as a transfer of `kind` in traces, where nothing else
+    would tell it from any device-to-device copy.
+    """
     rec = _rec.active()
     stamp = rec.comm_issued(kind, name, src.numel() * src.element_size(), ws, stream="copy") if rec else None
-    dst.copy_(src)
+    with _rec.comm_range(kind, name):
+        dst.copy_(src)
     if stamp is not None:
         rec.comm_done(stamp)
 
