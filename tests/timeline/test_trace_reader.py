@@ -112,3 +112,15 @@ def test_cpu_trace_gives_worker_transfers_the_kinds_issued_in_order(tmp_path):
     assert [(s.kind, s.stream) for s in t.spans] == [
         ("tp_all_gather", "thread 2"), ("compute", "thread 1"), ("dp_all_reduce", "thread 3"),
         ("pp_send", "thread 1"), ("recv", "thread 1")]
+
+
+def test_innermost_range_wins_however_many_came_before(tmp_path):
+    b = TraceBuilder()
+    b.cpu("overlapkit.compute.backward", 0, 1000)
+    for i in range(40):  # many bucket transfers issued inside backward
+        b.cpu(f"overlapkit.comm.dp_all_reduce:bucket{i}", 10 + 20 * i, 5)
+        b.launch("ncclDevKernel_AllReduce_RING_LL(x)", 12 + 20 * i, 3, at=12 + 20 * i, stream=20)
+    b.launch("gemm_dgrad", 900, 50, at=900)
+    spans = read_trace(b.write(tmp_path / "nested.json")).spans
+    assert [s.kind for s in spans].count("dp_all_reduce") == 40
+    assert spans[-1].kind == "compute" and spans[-1].name == "backward"

@@ -76,32 +76,41 @@ def estimate_offset(recorded: list[Span], traced: list[Span]) -> float:
 
 def compare_spans(recorded: list[Span], traced: list[Span], offset_ms: float | None = None,
                   tol_ms: float = 0.5) -> Agreement:
-    """Pair each traced overlapkit span with the recorded span of its kind that holds it.
+    """Pair each traced overlapkit span with the recorded span of its kind it ran under.
 
-    `offset_ms` is trace time minus recorder time (estimated from computations when None);
-    `tol_ms` is how far outside a recorded span a traced one may start and still belong to it.
+    Traced spans are taken in start order; each goes to the earliest recorded span of its kind
+    (and name) that started before it (within `tol_ms`) and holds no traced span yet, because
+    work runs in issue order; when every such span already holds one, to the latest of them
+    that it starts inside (the second copy of an exchange, the next kernel of a GEMM).
+    `offset_ms` is trace time minus recorder time (estimated from computations when None).
     """
     traced = ours(traced, recorded)
     if offset_ms is None:
         offset_ms = estimate_offset(recorded, traced)
-    free = sorted((s.shifted(offset_ms) for s in traced), key=lambda s: s.start_ms)
-    claimed = [False] * len(free)
-    matched, missing = 0, []
-    early = late_compute = late_comm = 0.0
+    records: dict[tuple[str, str], list[Span]] = {}
     for r in sorted(recorded, key=lambda s: s.start_ms):
-        hits = [i for i, t in enumerate(free) if not claimed[i] and _key(t) == _key(r)
-                and r.start_ms - tol_ms <= t.start_ms <= r.end_ms + tol_ms]
-        for i in hits:
-            claimed[i] = True
-            early = max(early, r.start_ms - free[i].start_ms)
-            if r.is_compute:
-                late_compute = max(late_compute, free[i].end_ms - r.end_ms)
-            else:
-                late_comm = max(late_comm, free[i].end_ms - r.end_ms)
-        if hits:
-            matched += 1
+        records.setdefault(_key(r), []).append(r)
+    held: dict[int, list[Span]] = {}
+    unmatched = []
+    for t in sorted((s.shifted(offset_ms) for s in traced), key=lambda s: s.start_ms):
+        began = [r for r in records.get(_key(t), []) if r.start_ms - tol_ms <= t.start_ms]
+        owner = next((r for r in began if id(r) not in held), None)
+        if owner is None:
+            owner = next((r for r in reversed(began) if t.start_ms <= r.end_ms + tol_ms), None)
+        if owner is None:
+            unmatched.append(f"{t.kind}:{t.name}@{t.start_ms:.3f}")
         else:
+            held.setdefault(id(owner), []).append(t)
+    early = late_compute = late_comm = 0.0
+    missing = []
+    for r in sorted(recorded, key=lambda s: s.start_ms):
+        if id(r) not in held:
             missing.append(f"{r.kind}:{r.name}@{r.start_ms:.3f}")
-    unmatched = [f"{t.kind}:{t.name}@{t.start_ms:.3f}" for i, t in enumerate(free) if not claimed[i]]
-    return Agreement(matched=matched, missing=missing, unmatched=unmatched, early_ms=early,
+        for t in held.get(id(r), []):
+            early = max(early, r.start_ms - t.start_ms)
+            if r.is_compute:
+                late_compute = max(late_compute, t.end_ms - r.end_ms)
+            else:
+                late_comm = max(late_comm, t.end_ms - r.end_ms)
+    return Agreement(matched=len(held), missing=missing, unmatched=unmatched, early_ms=early,
                      late_compute_ms=late_compute, late_comm_ms=late_comm, offset_ms=offset_ms)

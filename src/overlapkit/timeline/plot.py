@@ -69,7 +69,9 @@ def plot_groups(groups: dict[str, list[Span]], path: str | Path, title: str | No
     ax.set_yticks(range(len(labels)))
     ax.set_yticklabels([labels[len(labels) - 1 - y] for y in range(len(labels))], fontsize=8)
     ax.set_xlabel("time (ms)")
-    ax.set_xlim(left=0)
+    lo, hi = min((s.start_ms for s in everything), default=0.0), max((s.end_ms for s in everything), default=0.0)
+    if hi > lo:
+        ax.set_xlim(lo, hi)
     ax.grid(axis="x", alpha=0.3)
     shown = {s.kind for s in everything}
     handles = [Patch(color=c, label=k) for k, c in colors.items() if k in shown]

@@ -79,7 +79,11 @@ def collective_kind(name: str) -> str:
 
 
 class _Ranges:
-    """Named time ranges per thread; finds the innermost one holding a time stamp."""
+    """Named time ranges per thread; finds the innermost one holding a time stamp.
+
+    Ranges of one thread nest like a call stack, so the innermost range holding a time is the
+    last one started before it, or the nearest enclosing range of that one.
+    """
 
     def __init__(self) -> None:
         self._by_tid: dict[object, list[tuple[float, float, dict]]] = {}
@@ -88,20 +92,25 @@ class _Ranges:
         self._by_tid.setdefault(tid, []).append((start, end, value))
 
     def freeze(self) -> None:
-        for rows in self._by_tid.values():
-            rows.sort(key=lambda r: r[0])
-        self._starts = {t: [r[0] for r in rows] for t, rows in self._by_tid.items()}
+        self._starts, self._parent = {}, {}
+        for tid, rows in self._by_tid.items():
+            rows.sort(key=lambda r: (r[0], -r[1]))
+            parent, stack = [], []
+            for i, (start, end, _) in enumerate(rows):
+                while stack and rows[stack[-1]][1] < start:
+                    stack.pop()
+                parent.append(stack[-1] if stack else -1)
+                stack.append(i)
+            self._starts[tid], self._parent[tid] = [r[0] for r in rows], parent
 
-    def find(self, tid, ts: float, depth: int = 16) -> dict | None:
+    def find(self, tid, ts: float) -> dict | None:
         rows = self._by_tid.get(tid)
         if not rows:
             return None
         i = bisect.bisect_right(self._starts[tid], ts) - 1
-        # Ranges on one thread nest or follow each other: the innermost is among the last few started.
-        for start, end, value in reversed(rows[max(0, i - depth + 1):i + 1]):
-            if start <= ts <= end:
-                return value
-        return None
+        while i >= 0 and rows[i][1] < ts:
+            i = self._parent[tid][i]
+        return rows[i][2] if i >= 0 else None
 
     def all(self) -> list[tuple[object, float, float, dict]]:
         return [(t, s, e, v) for t, rows in self._by_tid.items() for s, e, v in rows]

@@ -1,0 +1,47 @@
+"""Pairing a recorder's spans with a trace's: constructed cases with known pairings."""
+
+import pytest
+
+from overlapkit.timeline import Span
+from overlapkit.timeline.agree import compare_spans, estimate_offset
+
+
+def rec(kind, a, b, name="x"):
+    return Span(kind, name, "comm" if kind != "compute" else "compute", a, b)
+
+
+def test_overlapping_transfers_of_one_kind_pair_in_issue_order():
+    # bucket 1 is issued while bucket 0 runs; each traced transfer starts after its own issue
+    recorded = [rec("dp_all_reduce", 0, 10, "b0"), rec("dp_all_reduce", 5, 14, "b1")]
+    traced = [rec("dp_all_reduce", 1, 10, "gloo:all_reduce"), rec("dp_all_reduce", 9.5, 13, "gloo:all_reduce")]
+    a = compare_spans(recorded, traced, offset_ms=0.0)
+    assert a.ok(0.1) and a.matched == 2 and a.late_comm_ms == 0
+    # a greedy pairing would give both to b0; issue order gives the second to b1
+    late = compare_spans(recorded, [traced[0], rec("dp_all_reduce", 9.5, 15, "g")], offset_ms=0.0)
+    assert late.late_comm_ms == pytest.approx(1.0) and not late.ok(0.5) and late.ok(0.5, comm_end_tol_ms=2.0)
+
+
+def test_an_exchange_and_a_gemm_may_hold_several_traced_spans():
+    recorded = [rec("tp_all_gather", 0, 10), rec("compute", 1, 9, "fc1"), rec("compute", 9.2, 12, "fc1")]
+    traced = [rec("tp_all_gather", 0.5, 9, "send"), rec("tp_all_gather", 0.6, 9.5, "recv"),
+              rec("compute", 2, 4, "fc1"), rec("compute", 4, 8.9, "fc1"), rec("compute", 9.3, 11, "fc1")]
+    a = compare_spans(recorded, traced, offset_ms=0.0, tol_ms=0.05)
+    assert a.ok(0.05) and a.matched == 3
+
+
+def test_missing_unmatched_and_sticking_out_are_reported():
+    recorded = [rec("compute", 0, 5, "fc1"), rec("dp_all_reduce", 0, 5)]
+    traced = [rec("compute", 1, 7, "fc1"), rec("tp_all_gather", 1, 2), rec("compute", 1, 2, "other_kernel")]
+    a = compare_spans(recorded, traced, offset_ms=0.0)
+    assert a.missing == ["dp_all_reduce:x@0.000"]
+    assert a.unmatched == ["tp_all_gather:x@1.000"]  # ours by kind, but nothing recorded it
+    assert a.late_compute_ms == 2 and not a.ok(0.5)  # 'other_kernel' is not ours: ignored
+
+
+def test_offset_from_the_first_of_each_computation():
+    recorded = [rec("compute", 0, 5, "a"), rec("compute", 6, 9, "b"), rec("compute", 10, 12, "a")]
+    traced = [s.shifted(-100.0) for s in recorded]  # the trace's clock runs 100 ms ahead
+    assert estimate_offset(recorded, traced) == 100.0
+    assert compare_spans(recorded, traced).ok(1e-9)
+    with pytest.raises(ValueError, match="no computation appears in both"):
+        estimate_offset(recorded, [])
