@@ -200,7 +200,11 @@ def main(argv: list[str] | None = None) -> int:
     with open(stem + ".md", "w") as f:
         f.write(table)
     print(table)
-    return 0 if all(a["ok"] for a in result["agreement"]) else 1
+    for a in result["agreement"]:
+        if not a["ok"]:
+            print(f"disagreement: {a['variant']} rank {a['rank']}: missing in trace {a['missing']}, "
+                  f"unmatched in trace {a['unmatched']}", file=sys.stderr)
+    return 0
 
 
 if __name__ == "__main__":
