@@ -93,7 +93,8 @@ class GradSync:
                                  first_bucket_mb=config.first_bucket_mb, pad_to=self.world * SHARD_ALIGN)
         self.params = self.buffer.params
         self.names = [n for b in self.buffer.buckets for n in b.names]
-        self._index = {p: i for i, p in enumerate(self.params)}
+        # param -> (its index in backward order, its bucket): one lookup per gradient in the hook
+        self.slot = {p: (i, self.buffer.bucket_of(p)) for i, p in enumerate(self.params)}
         rd = config.grad_reduce_dtype
         self.reduce_dtype = rd if rd is not None else self.buffer.dtype
         # Staging in the reduce dtype, kept for the buffer's life so that no collective ever
@@ -143,11 +144,11 @@ class GradSync:
         if not self._syncing:
             return
         self.buffer.attach(p)
-        i = self._index[p]
+        i, b = self.slot[p]
         if self._ready[i]:
             return  # a second accumulation in one backward (reentrant checkpointing): already counted
         self._ready[i] = True
-        self._missing[self.buffer.bucket_of(p)] -= 1
+        self._missing[b] -= 1
         if self.config.overlap:
             while self._next < len(self._missing) and self._missing[self._next] == 0:
                 self._launch(self._next)

@@ -73,7 +73,7 @@ class ShardedOptimizer:
         if module is not None:
             if overlap_param_gather:
                 for m in module.modules():
-                    mine = sorted({buf.bucket_of(p) for p in m.parameters(recurse=False) if p in self.sync._index})
+                    mine = sorted({buf.bucket_of(p) for p in m.parameters(recurse=False) if p in self.sync.slot})
                     if mine:
                         self._hooks.append(m.register_forward_pre_hook(
                             lambda _m, _args, mine=mine: self._wait_buckets(mine)))

@@ -1,0 +1,196 @@
+"""Data-parallel step time, side by side in one run: overlapkit DataParallel with the bucket
+reductions overlapped with backward, the same without overlap (all reductions after
+backward), PyTorch DistributedDataParallel, and the same model with no communication at all.
+
+Variants take turns step by step (the order rotates every round), so that load that comes
+and goes on a shared machine hits them alike. A step's time is the slowest rank's; the table
+gives the median over the timed steps. Exposed communication of overlapkit's variants comes
+from the timeline recorder (communication not covered by forward/backward compute, recorded
+in separate steps after the timed ones so that recording never slows a timed step); for
+every variant, "step − no-comm" is what communication and its bookkeeping added.
+
+    python benchmarks/dp_overlap.py                       # CPU, gloo, 2 ranks
+    python3 benchmarks/dp_overlap.py --device cuda        # NCCL, one rank per visible GPU
+
+Writes benchmarks/results/dp_overlap_<device>.json and .md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from dataclasses import asdict
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from overlapkit.data_parallel import DataParallel
+from overlapkit.launch import spawn
+from overlapkit.models.gpt import GPT, GPTConfig, lm_loss
+from overlapkit.timeline import record
+from overlapkit.timeline.report import measure
+
+PRESETS = {
+    # Small enough that 2 CPU ranks step in ~0.1 s, big enough (5 M parameters, 21 MB of fp32
+    # gradients) that the all-reduce is a real share of the step. 4 MiB buckets (for both
+    # overlapkit and DDP) give this small model several buckets to overlap, as 25 MiB do a big one.
+    "cpu": dict(gpt=dict(vocab_size=4096, seq_len=64, hidden=256, num_heads=4, ffn_hidden=1024, num_layers=4),
+                batch=1, bucket_mb=4.0),
+    "cuda": dict(gpt=dict(vocab_size=32768, seq_len=512, hidden=1024, num_heads=16, ffn_hidden=4096, num_layers=8),
+                 batch=8, bucket_mb=25.0),
+}
+VARIANTS = ("overlapkit overlap=True", "overlapkit overlap=False", "torch DDP", "no communication")
+
+
+def _sync(device: torch.device) -> None:
+    """All ranks line up (and the GPU drains) before a timed step starts."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    dist.all_reduce(torch.zeros(1, device=device))
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _rank_body(device_type: str, preset: dict, steps: int, warmup: int, recorded: int, seed: int) -> dict:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device(device_type, rank) if device_type == "cuda" else torch.device("cpu")
+    cfg = GPTConfig(**preset["gpt"])
+    group = dist.group.WORLD
+
+    def fresh():
+        torch.manual_seed(seed)
+        return GPT(cfg).to(device)
+
+    models = {
+        VARIANTS[0]: DataParallel(fresh(), group, overlap=True, bucket_mb=preset["bucket_mb"]),
+        VARIANTS[1]: DataParallel(fresh(), group, overlap=False, bucket_mb=preset["bucket_mb"]),
+        VARIANTS[2]: DistributedDataParallel(fresh(), process_group=group, bucket_cap_mb=preset["bucket_mb"],
+                                             device_ids=[device.index] if device.type == "cuda" else None),
+        VARIANTS[3]: fresh(),
+    }
+    opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-4) for k, m in models.items()}
+    g = torch.Generator().manual_seed(seed + rank)
+    idx = torch.randint(0, cfg.vocab_size, (preset["batch"], cfg.seq_len + 1), generator=g).to(device)
+    x, y = idx[:, :-1], idx[:, 1:]
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
+
+    def step(name: str) -> None:
+        opts[name].zero_grad()
+        with autocast:
+            loss = lm_loss(models[name](x), y)
+        loss.backward()
+        opts[name].step()
+
+    times: dict[str, list[float]] = {k: [] for k in VARIANTS}
+    for i in range(warmup + steps):
+        order = VARIANTS[i % len(VARIANTS):] + VARIANTS[:i % len(VARIANTS)]
+        for name in order:
+            _sync(device)
+            t0 = time.perf_counter()
+            step(name)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            if i >= warmup:
+                times[name].append((time.perf_counter() - t0) * 1e3)
+
+    per_step: dict[str, list] = {k: [] for k in VARIANTS[:2]}
+    with record(device=device) as rec:
+        for _ in range(recorded):
+            for name in VARIANTS[:2]:
+                _sync(device)
+                rec.next_step()
+                step(name)
+                per_step[name].append(rec.step)
+    by_step: dict[int, list] = {}
+    for s in rec.spans:
+        by_step.setdefault(s.step, []).append(s)
+    recorded_times = {name: [asdict(measure(by_step.get(k, []))) for k in ks] for name, ks in per_step.items()}
+    comm_bytes = sum(s.nbytes for s in by_step.get(per_step[VARIANTS[0]][0], []) if s.name.startswith("bucket"))
+    return dict(times=times, recorded=recorded_times, comm_bytes=comm_bytes,
+                params=sum(p.numel() for p in models[VARIANTS[3]].parameters()),
+                buckets=len(models[VARIANTS[0]].sync.buffer.buckets))
+
+
+def _median(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def summarize(per_rank: list[dict]) -> dict:
+    """Slowest rank per step, median over steps; ratios to DDP and to no-comm taken round by round
+    (the variants of one round ran back to back, under the same load), then the median; recorder
+    numbers as medians over steps and ranks."""
+    steps = {name: [max(r["times"][name][i] for r in per_rank) for i in range(len(per_rank[0]["times"][name]))]
+             for name in VARIANTS}
+    rows = {}
+    for name, step in steps.items():
+        row = rows[name] = {"step_ms": _median(step), "step_ms_all": step}
+        ratios = sorted(a / b for a, b in zip(step, steps["torch DDP"]))
+        row["vs_ddp"] = _median(ratios)
+        row["vs_ddp_iqr"] = [ratios[len(ratios) // 4], ratios[(3 * len(ratios)) // 4]] if ratios else None
+        row["added_by_comm_ms"] = _median([a - b for a, b in zip(step, steps["no communication"])])
+        recs = [t for r in per_rank for t in r["recorded"].get(name, [])]
+        for key in ("exposed_comm_ms", "comm_ms", "overlap_pct", "t_last_ms"):
+            vals = [t[key] for t in recs if t[key] is not None]
+            row[key] = _median(vals) if vals else None
+    return rows
+
+
+def markdown(result: dict) -> str:
+    head = (f"DP step time, {result['device']}, world size {result['world']}, torch {result['torch']}: "
+            f"GPT {result['params'] / 1e6:.1f} M parameters, {result['comm_mb']:.1f} MB reduced per step "
+            f"in {result['buckets']} buckets (cap {result['preset']['bucket_mb']:g} MiB, first 1 MiB). "
+            f"Median of {result['steps']} steps (slowest rank); 'vs DDP' and 'step − no-comm' are medians "
+            "of per-round ratios and differences; exposed comm, comm and overlap from the recorder.\n\n")
+    lines = ["| variant | step ms | vs DDP | vs DDP, middle half of rounds | step − no-comm ms | exposed comm ms "
+             "| comm ms | overlap % |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    fmt = lambda v, spec: "—" if v is None else format(v, spec)  # noqa: E731
+    for name, row in result["rows"].items():
+        iqr = "—" if row["vs_ddp_iqr"] is None else "{:.3f} – {:.3f}".format(*row["vs_ddp_iqr"])
+        lines.append(f"| {name} | {row['step_ms']:.2f} | {row['vs_ddp']:.3f} | {iqr} | {row['added_by_comm_ms']:.2f} | "
+                     f"{fmt(row['exposed_comm_ms'], '.2f')} | {fmt(row['comm_ms'], '.2f')} | "
+                     f"{fmt(row['overlap_pct'], '.0f')} |")
+    return head + "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    ap.add_argument("--world", type=int, default=None, help="ranks (default: 2 on CPU, every visible GPU on CUDA)")
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--recorded", type=int, default=3, help="extra recorded steps per overlapkit variant")
+    ap.add_argument("--bucket-mb", type=float, default=None, help="bucket cap for overlapkit and DDP alike")
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    args = ap.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("--device cuda: no CUDA device is visible", file=sys.stderr)
+        return 2
+    world = args.world or (torch.cuda.device_count() if args.device == "cuda" else 2)
+    preset = dict(PRESETS[args.device])
+    if args.bucket_mb is not None:
+        preset["bucket_mb"] = args.bucket_mb
+    per_rank = spawn(_rank_body, world, args.device, preset, args.steps, args.warmup, args.recorded, 0,
+                     backend="nccl" if args.device == "cuda" else "gloo", timeout_s=600.0)
+    result = dict(device=torch.cuda.get_device_name(0) if args.device == "cuda" else f"CPU ({platform.machine()}, gloo)",
+                  world=world, torch=torch.__version__, preset=preset, steps=args.steps,
+                  params=per_rank[0]["params"], buckets=per_rank[0]["buckets"],
+                  comm_mb=per_rank[0]["comm_bytes"] / 1e6, rows=summarize(per_rank))
+    os.makedirs(args.out, exist_ok=True)
+    stem = os.path.join(args.out, f"dp_overlap_{args.device}")
+    with open(stem + ".json", "w") as f:
+        json.dump(result, f, indent=2)
+    table = markdown(result)
+    with open(stem + ".md", "w") as f:
+        f.write(table)
+    print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
