@@ -1,0 +1,58 @@
+"""Validation shared by the cost model's configs: one-line errors that name the field.
+
+Nothing here overlaps anything; it keeps bad sizes (heads that don't split over TP ranks,
+layers that don't split over pipeline stages) from reaching the arithmetic that predicts
+how much communication the GEMMs can hide.
+"""
+
+from __future__ import annotations
+
+
+class ConfigError(ValueError):
+    """A configuration value is out of range; the message names the field and the value."""
+
+
+def positive(owner: str, field: str, value, *, allow_zero: bool = False) -> None:
+    """Fail unless `value` is a number > 0 (or >= 0 when `allow_zero`)."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if ok and (value > 0 or (allow_zero and value == 0)):
+        return
+    bound = ">= 0" if allow_zero else "> 0"
+    raise ConfigError(f"{owner}.{field}={value!r}: must be a number {bound}")
+
+
+def positive_int(owner: str, field: str, value) -> None:
+    """Fail unless `value` is an int >= 1."""
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+        return
+    raise ConfigError(f"{owner}.{field}={value!r}: must be an integer >= 1")
+
+
+def fraction(owner: str, field: str, value) -> None:
+    """Fail unless 0 < value <= 1."""
+    if isinstance(value, (int, float)) and 0 < value <= 1:
+        return
+    raise ConfigError(f"{owner}.{field}={value!r}: must be in (0, 1]")
+
+
+def one_of(owner: str, field: str, value, allowed) -> None:
+    """Fail unless `value` is one of `allowed`."""
+    if value not in allowed:
+        raise ConfigError(f"{owner}.{field}={value!r}: must be one of {', '.join(map(str, allowed))}")
+
+
+def divides(owner: str, field: str, value: int, by_field: str, by: int) -> None:
+    """Fail unless `by` divides `value`."""
+    if by <= 0 or value % by != 0:
+        raise ConfigError(f"{owner}.{field}={value} is not divisible by {by_field}={by}")
+
+
+def from_dict(cls, data: dict, owner: str):
+    """Build a dataclass from a dict, rejecting unknown keys by name."""
+    import dataclasses
+
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise ConfigError(f"{owner}: unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(names))}")
+    return cls(**data)

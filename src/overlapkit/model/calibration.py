@@ -1,0 +1,72 @@
+"""Turn a measured GEMM/attention grid into the curves that predict compute time.
+
+The grid format is the one `overlapkit bench gemm` writes (and the H200 calibration runs
+used): `gemm` rows of (M, K, N, fwd_ms, dgrad_ms, wgrad_ms) for the TP GEMMs of a layer,
+`attention` rows, `memory_bound` rows. The compute times fitted here are what the planner
+weighs communication against when it decides how much of it a GEMM can hide.
+
+Some rows can be held out (by M): they are not fitted, so they can check the prediction.
+"""
+
+from __future__ import annotations
+
+from .gemm import fit_attention_curve, fit_gemm_curve
+
+HELD_OUT_M = (2048,)
+"""GEMM rows (token count M) the shipped H200 curve was not fitted on."""
+HELD_OUT_ATTENTION_TP = (8,)
+"""Attention rows (TP size) the shipped H200 curve was not fitted on."""
+FITTED_HIDDEN = 8192
+"""Hidden size of the memory-bound rows that were fitted; the others are held out."""
+
+
+def gemm_shapes(row: dict) -> list[tuple[int, int, int, float]]:
+    """The three GEMMs of one grid row as (m, k, n, ms): forward, dgrad, wgrad."""
+    m, k, n = row["M"], row["K"], row["N"]
+    return [(m, k, n, row["fwd_ms"]), (m, n, k, row["dgrad_ms"]), (k, m, n, row["wgrad_ms"])]
+
+
+def split_gemm(grid: dict, held_out_m=HELD_OUT_M) -> tuple[list, list]:
+    """(fitted, held-out) distinct GEMM shapes; a shape also measured in a fitted row is fitted."""
+    fitted: dict = {}
+    held: dict = {}
+    for row in grid["gemm"]:
+        target = held if row["M"] in held_out_m else fitted
+        for m, k, n, ms in gemm_shapes(row):
+            target.setdefault((m, k, n), ms)
+    return ([(*s, ms) for s, ms in fitted.items()],
+            [(*s, ms) for s, ms in held.items() if s not in fitted])
+
+
+def attention_rows(grid: dict, tp_sizes) -> list[tuple]:
+    """(batch, heads, seq, head_dim, fwd_ms, fwd_bwd_ms) rows of the given TP sizes."""
+    return [(1, a["heads"], a["seq"], a["head_dim"], a["fwd_ms"], a["fwd_bwd_ms"])
+            for a in grid["attention"] if a["tp"] in tp_sizes]
+
+
+def memory_curve(grid: dict, hidden: int = FITTED_HIDDEN) -> dict:
+    """Elementwise and norm bandwidths from the memory-bound row of one hidden size."""
+    row = next((r for r in grid["memory_bound"] if r["hidden"] == hidden), None)
+    if row is None:
+        raise ValueError(f"memory_bound has no row with hidden={hidden}")
+    elements = row["tokens"] * row["hidden"]
+    return {"elementwise_gbps": 3 * elements * 2 / row["add_ms"] / 1e6,
+            "norm_gbps": 2 * elements * 2 / row["layernorm_ms"] / 1e6}
+
+
+def fit_curves(grid: dict, bf16_tflops: float, sm_count: int, *, held_out_m=HELD_OUT_M,
+               held_out_attention_tp=HELD_OUT_ATTENTION_TP, source: str = "") -> dict:
+    """The `gemm`, `attention`, `memory` entries of a hardware JSON, fitted on the grid."""
+    fitted, _ = split_gemm(grid, held_out_m)
+    gemm = fit_gemm_curve(fitted, bf16_tflops)
+    tps = sorted({a["tp"] for a in grid["attention"]} - set(held_out_attention_tp))
+    att = fit_attention_curve(attention_rows(grid, tps), bf16_tflops, sm_count)
+    return {
+        "gemm": {"peak_fraction": gemm.peak_fraction, "mem_gbps": gemm.mem_gbps,
+                 "launch_us": gemm.launch_us, "k_half": gemm.k_half, "table_dtype": "bf16",
+                 "table": [list(p) for p in gemm.table]},
+        "attention": {"peak_fraction": att.peak_fraction, "launch_us": att.launch_us,
+                      "bwd_ratio": att.bwd_ratio},
+        "memory": memory_curve(grid),
+        "source": source,
+    }

@@ -1,0 +1,230 @@
+"""The GPU and its links: how fast GEMMs run and how fast bytes move while they run.
+
+Overlap hides a collective's time behind GEMMs; whether it can depends on these numbers:
+matrix peak and the GEMM-efficiency curve (compute), link latency and bandwidth per tier
+(communication), and how much a GEMM slows down while communication shares the GPU.
+
+Presets carry published figures (source beside each) and, for H200, curves fitted on our own
+measurements (`data/h200-sxm.json`, written by benchmarks/model_vs_measured.py). Other GPUs
+borrow H200's curve *shape* — the same share of peak, launch cost and short-K penalty — with
+their own peak and HBM bandwidth: an assumption, stated, until `overlapkit bench gemm` measures.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, replace
+from functools import lru_cache
+from importlib import resources
+from pathlib import Path
+
+from . import _validate as v
+from .gemm import AttentionCurve, GemmCurve, MemoryCurve
+
+DTYPE_BYTES = {"fp8": 1, "bf16": 2, "fp16": 2, "fp32": 4}
+"""Bytes per element of each data type the model knows."""
+
+
+@dataclass(frozen=True)
+class Link:
+    """One tier of interconnect, as seen by one GPU (alpha-beta model)."""
+
+    name: str
+    """What it is, e.g. 'NVLink 4 via NVSwitch'."""
+    alpha_us: float
+    """Latency of one algorithm step (one hop of a ring), microseconds."""
+    bandwidth_gbps: float
+    """Peak bandwidth per GPU per direction, GB/s (for a network: the GPU's NIC share)."""
+    efficiency: float = 0.8
+    """Share of the peak a large collective reaches (nccl-tests bus bandwidth / peak)."""
+
+    def __post_init__(self) -> None:
+        v.positive("Link", "alpha_us", self.alpha_us, allow_zero=True)
+        v.positive("Link", "bandwidth_gbps", self.bandwidth_gbps)
+        v.fraction("Link", "efficiency", self.efficiency)
+
+    @property
+    def bus_gbps(self) -> float:
+        """Bandwidth a large collective actually gets, GB/s."""
+        return self.bandwidth_gbps * self.efficiency
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """One kind of GPU node: compute curves, memory, links and contention."""
+
+    name: str
+    """Preset name or a user's label."""
+    bf16_tflops: float
+    """Dense bf16/fp16 matrix peak, TFLOP/s (no sparsity)."""
+    fp8_tflops: float
+    """Dense fp8 matrix peak, TFLOP/s; 0 when the GPU has no fp8 tensor cores."""
+    fp32_tflops: float
+    """Dense tf32 matrix peak, TFLOP/s (what fp32 GEMMs use)."""
+    hbm_gbps: float
+    """HBM bandwidth, GB/s."""
+    hbm_gib: float
+    """HBM capacity, GiB."""
+    sm_count: int
+    """Streaming multiprocessors: attention's last-wave fill depends on it."""
+    gpus_per_node: int
+    """GPUs sharing the intra-node link (one NVLink/NVSwitch domain)."""
+    intra: Link
+    """Link between GPUs of one node."""
+    inter: Link
+    """Link between nodes (per GPU: the node's network bandwidth / gpus_per_node)."""
+    gemm: GemmCurve
+    """GEMM time model."""
+    attention: AttentionCurve
+    """Flash-attention time model."""
+    memory: MemoryCurve
+    """Memory-bound op model."""
+    sm_comm_slowdown: float = 1.10
+    """GEMM time factor while an SM-driven collective (NCCL kernels) runs beside it: the
+    kernels take SMs, and cuBLAS may then need an extra wave (PyTorch async-TP post)."""
+    copy_engine_slowdown: float = 1.02
+    """GEMM time factor beside copy-engine transfers (symmetric memory): they take no SMs,
+    only HBM bandwidth; H200 hid 98.6% of a copy-engine transfer behind a GEMM."""
+    source: str = ""
+    """Where the numbers come from."""
+
+    def __post_init__(self) -> None:
+        o = f"Hardware({self.name})"
+        for f in ("bf16_tflops", "fp32_tflops", "hbm_gbps", "hbm_gib"):
+            v.positive(o, f, getattr(self, f))
+        v.positive(o, "fp8_tflops", self.fp8_tflops, allow_zero=True)
+        v.positive_int(o, "sm_count", self.sm_count)
+        v.positive_int(o, "gpus_per_node", self.gpus_per_node)
+        for f in ("sm_comm_slowdown", "copy_engine_slowdown"):
+            if not 1.0 <= getattr(self, f) <= 3.0:
+                raise v.ConfigError(f"{o}.{f}={getattr(self, f)}: must be in [1, 3]")
+
+    def peak_tflops(self, dtype: str) -> float:
+        v.one_of("Hardware", "dtype", dtype, tuple(DTYPE_BYTES))
+        peak = {"fp8": self.fp8_tflops, "fp32": self.fp32_tflops}.get(dtype, self.bf16_tflops)
+        if peak <= 0:
+            raise v.ConfigError(f"Hardware({self.name}).fp8_tflops=0: this GPU has no {dtype} matrix units")
+        return peak
+
+    def gemm_ms(self, m: int, k: int, n: int, dtype: str = "bf16") -> float:
+        """Predicted time of an (m x k) @ (k x n) GEMM, milliseconds."""
+        return self.gemm.time_ms(m, k, n, self.peak_tflops(dtype), DTYPE_BYTES[dtype], dtype)
+
+    def attention_ms(self, batch: int, heads: int, seq: int, head_dim: int,
+                     dtype: str = "bf16") -> tuple[float, float]:
+        """Causal attention (forward, backward) milliseconds for heads on this GPU."""
+        args = (batch, heads, seq, head_dim, self.peak_tflops(dtype), self.sm_count)
+        return self.attention.forward_ms(*args), self.attention.backward_ms(*args)
+
+    def comm_slowdown(self, transport: str) -> float:
+        """GEMM slowdown beside a transfer of this transport ('nccl', 'p2p' or 'symm_mem')."""
+        return self.copy_engine_slowdown if transport == "symm_mem" else self.sm_comm_slowdown
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["gemm"].pop("_memo", None)
+        d["gemm"]["table"] = [list(p) for p in self.gemm.table]
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Hardware":
+        d = dict(d)
+        try:
+            d["intra"], d["inter"] = (v.from_dict(Link, d[k], f"hardware.{k}") for k in ("intra", "inter"))
+            g = dict(d["gemm"])
+            g["table"] = tuple(tuple(p) for p in g.get("table", ()))
+            d["gemm"] = v.from_dict(GemmCurve, g, "hardware.gemm")
+            d["attention"] = v.from_dict(AttentionCurve, d["attention"], "hardware.attention")
+            d["memory"] = v.from_dict(MemoryCurve, d["memory"], "hardware.memory")
+        except KeyError as e:
+            raise v.ConfigError(f"hardware: missing key {e.args[0]!r}") from None
+        return v.from_dict(cls, d, "hardware")
+
+
+# -- presets -----------------------------------------------------------------------------------
+
+def _h200_measured() -> dict:
+    """H200 curves fitted on the calibration runs (see benchmarks/model_vs_measured.py)."""
+    text = resources.files("overlapkit.model").joinpath("data/h200-sxm.json").read_text()
+    return json.loads(text)
+
+
+# Links. NVLink 4 (H100/H200 SXM): 18 links, 900 GB/s bidirectional = 450 GB/s per direction
+# (NVIDIA H100 datasheet); nccl-tests all-reduce bus bandwidth on DGX H100 without NVLS is
+# ~360 GB/s, hence 0.8. NVLink 3 (A100 SXM): 600 GB/s bidirectional (A100 datasheet).
+# H800 / A800 are export variants with NVLink cut to 400 GB/s bidirectional (NVIDIA H800 and
+# A800 product briefs). Networks: DGX H100/H200 have 8x ConnectX-7 400 Gb/s = 50 GB/s per GPU;
+# DGX A100 has 8x ConnectX-6 200 Gb/s HDR = 25 GB/s per GPU (DGX user guides). Alphas are
+# per ring step: ~2 us over NVSwitch, ~5 us over InfiniBand (nccl-tests small-message times).
+_NVLINK4 = Link("NVLink 4 via NVSwitch", alpha_us=2.0, bandwidth_gbps=450.0, efficiency=0.8)
+_NVLINK4_EXPORT = Link("NVLink 4, export variant (400 GB/s bidirectional)", 2.0, 200.0, 0.8)
+_NVLINK3 = Link("NVLink 3 via NVSwitch", alpha_us=2.5, bandwidth_gbps=300.0, efficiency=0.8)
+_NVLINK3_EXPORT = Link("NVLink 3, export variant (400 GB/s bidirectional)", 2.5, 200.0, 0.8)
+_NDR400 = Link("InfiniBand NDR 400 Gb/s per GPU", alpha_us=5.0, bandwidth_gbps=50.0, efficiency=0.9)
+_HDR200 = Link("InfiniBand HDR 200 Gb/s per GPU", alpha_us=5.0, bandwidth_gbps=25.0, efficiency=0.9)
+
+
+def _like_h200(name: str, hbm_gbps: float, **published) -> Hardware:
+    """A GPU with published figures and H200's measured curve shape (see module docstring)."""
+    h200 = preset("h200-sxm")
+    ratio = hbm_gbps / h200.hbm_gbps
+    gemm = replace(h200.gemm, table=(), mem_gbps=h200.gemm.mem_gbps * ratio)
+    memory = MemoryCurve(h200.memory.elementwise_gbps * ratio, h200.memory.norm_gbps * ratio)
+    return Hardware(name=name, hbm_gbps=hbm_gbps, gemm=gemm, attention=h200.attention,
+                    memory=memory, **published)
+
+
+@lru_cache(maxsize=None)
+def preset(name: str) -> Hardware:
+    """A hardware preset by name (see PRESETS)."""
+    if name == "h200-sxm":
+        # H200 SXM: 989.4 bf16 / 1978.9 fp8 dense TFLOP/s, 4.8 TB/s HBM3e, 141 GB, 132 SMs
+        # (NVIDIA H200 datasheet). Curves: measured, data/h200-sxm.json.
+        m = _h200_measured()
+        return Hardware(
+            name=name, bf16_tflops=989.4, fp8_tflops=1978.9, fp32_tflops=494.7, hbm_gbps=4800.0,
+            hbm_gib=141 * 1e9 / 2**30, sm_count=132, gpus_per_node=8, intra=_NVLINK4, inter=_NDR400,
+            gemm=v.from_dict(GemmCurve, {**m["gemm"], "table": tuple(map(tuple, m["gemm"]["table"]))}, "h200.gemm"),
+            attention=v.from_dict(AttentionCurve, m["attention"], "h200.attention"),
+            memory=v.from_dict(MemoryCurve, m["memory"], "h200.memory"), source=m["source"])
+    # H100 SXM5: 989.4 bf16 / 1978.9 fp8 dense TFLOP/s, 3.35 TB/s HBM3, 80 GB, 132 SMs
+    # (NVIDIA H100 Tensor Core GPU datasheet); DGX H100: 8 GPUs, 8x 400 Gb/s.
+    hopper = dict(bf16_tflops=989.4, fp8_tflops=1978.9, fp32_tflops=494.7, hbm_gib=80 * 1e9 / 2**30,
+                  sm_count=132, gpus_per_node=8, inter=_NDR400)
+    # A100 SXM4 80GB: 312 bf16 / 156 tf32 dense TFLOP/s, 2.039 TB/s HBM2e, 108 SMs, no fp8
+    # (NVIDIA A100 datasheet); DGX A100: 8 GPUs, NVLink 3, 8x 200 Gb/s HDR.
+    ampere = dict(bf16_tflops=312.0, fp8_tflops=0.0, fp32_tflops=156.0, hbm_gib=80 * 1e9 / 2**30,
+                  sm_count=108, gpus_per_node=8, inter=_HDR200)
+    borrowed = "published figures; GEMM/attention curve shape borrowed from H200 measurements"
+    if name == "h100-sxm":
+        return _like_h200(name, 3350.0, intra=_NVLINK4, source=borrowed, **hopper)
+    if name == "h800-sxm":
+        return _like_h200(name, 3350.0, intra=_NVLINK4_EXPORT, source=borrowed, **hopper)
+    if name == "a100-sxm-80g":
+        return _like_h200(name, 2039.0, intra=_NVLINK3, source=borrowed, **ampere)
+    if name == "a800-sxm-80g":
+        return _like_h200(name, 2039.0, intra=_NVLINK3_EXPORT, source=borrowed, **ampere)
+    raise v.ConfigError(f"hardware={name!r}: unknown preset; known: {', '.join(PRESETS)} "
+                        f"(or a path to a JSON file)")
+
+
+PRESETS = ("h100-sxm", "h200-sxm", "a100-sxm-80g", "h800-sxm", "a800-sxm-80g")
+"""Names `preset` and `load_hardware` accept."""
+
+
+def load_hardware(spec: "str | Path | Hardware") -> Hardware:
+    """A preset name, a JSON file (as written by `Hardware.to_dict` / `overlapkit bench gemm`), or a Hardware."""
+    if isinstance(spec, Hardware):
+        return spec
+    if str(spec) in PRESETS:
+        return preset(str(spec))
+    path = Path(spec)
+    if path.suffix == ".json" or path.exists():
+        if not path.is_file():
+            raise v.ConfigError(f"hardware={str(spec)!r}: no such file")
+        try:
+            return Hardware.from_dict(json.loads(path.read_text()))
+        except json.JSONDecodeError as e:
+            raise v.ConfigError(f"hardware={str(spec)!r}: not valid JSON ({e.msg} at line {e.lineno})") from None
+    return preset(str(spec))
