@@ -1,0 +1,70 @@
+"""Predictions against published per-operation results (Flux) and speed-ups (PyTorch async-TP).
+
+The numbers and their sources live in benchmarks/model_vs_measured.py, which writes the error
+table of docs/model.md; these checks keep the errors inside the bands reported there.
+"""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "model_vs_measured.py"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("model_vs_measured", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_flux_ag_gemm_and_gemm_rs_times(bench):
+    rows = bench.flux_rows()
+    assert len(rows) == 16
+    for r in rows:
+        assert abs(bench.err(r["predicted"], r["measured"])) < 20.0, r
+    by = {r["what"]: r["predicted"] for r in rows}
+    for label in ("AG+GEMM A800", "GEMM+RS A800", "AG+GEMM H800", "GEMM+RS H800"):
+        overlapped = next(v for k, v in by.items() if k.startswith(f"Flux {label}: overlapped"))
+        gemm, total = by[f"Flux {label}: GEMM"], by[f"Flux {label}: sequential total"]
+        assert gemm < overlapped < total  # overlap pays, but the GEMM alone stays the floor
+
+
+def test_async_tp_speedups(bench):
+    rows = {r["what"]: r for r in bench.async_tp_rows()}
+    for name in ("llama3-8b", "llama3-70b"):
+        fwd, e2e = rows[f"async-TP {name} forward speed-up"], rows[f"async-TP {name} end-to-end speed-up"]
+        assert fwd["predicted"] == pytest.approx(fwd["measured"], rel=0.12)
+        assert e2e["predicted"] == pytest.approx(e2e["measured"], rel=0.2)
+        assert 1.0 < e2e["predicted"] < fwd["predicted"]  # backward and FSDP dilute the forward's gain
+
+
+def test_seed_worked_examples_reproduce(bench):
+    rows = bench.worked_examples()
+    for r in rows[:4]:
+        assert r["predicted"] == pytest.approx(r["measured"], rel=2e-3), r
+    bf16 = [r for r in rows[4:] if "bf16" in r["what"]]
+    assert bf16 and all(0.05 <= r["predicted"] <= 0.6 for r in bf16)
+
+
+def test_engine_benchmark_results_are_predicted_when_present(bench, tmp_path):
+    """The shape of tp_overlap.py / dp_overlap.py CUDA results; values made up to exercise the reader."""
+    tp = {"device": "NVIDIA H200", "world": 1, "tokens": 8192, "summary": {"gemms": {"llama3-70b qkv": {
+        "kind": "ag", "K": 8192, "N": 1280, "tp": 8,
+        "rows": {"gemm": {"ms": 0.21}, "pipelined p2p c=8": {"ms": 0.32},
+                 "pipelined symm_mem c=4": {"ms": None, "error": "x"}}}}}}
+    dp = {"device": "NVIDIA H200", "world": 1, "preset": {"gpt": dict(vocab_size=32768, seq_len=512, hidden=1024,
+          num_heads=16, ffn_hidden=4096, num_layers=8), "batch": 8, "bucket_mb": 25.0},
+          "rows": {"no communication": {"step_ms": 20.0}, "overlapkit overlap=True": {"comm_ms": None}}}
+    import json
+    (tmp_path / "tp_overlap_cuda_ws1.json").write_text(json.dumps(tp))
+    (tmp_path / "dp_overlap_cuda.json").write_text(json.dumps(dp))
+    rows = {r["what"]: r for r in bench.engine_rows(tmp_path)}
+    gemm = rows["TP benchmark llama3-70b qkv (M=8192, K=8192, N=1280): GEMM"]
+    assert gemm["predicted"] == pytest.approx(0.2137, rel=0.01)  # a fitted shape: the measured table value
+    chunked = rows["TP benchmark llama3-70b qkv: pipelined p2p c=8"]
+    assert chunked["predicted"] == pytest.approx(0.2137 / 0.6254, rel=0.02)  # 8 chunks at 0.63 efficiency
+    assert len(rows) == 3 and rows["DP benchmark GPT, world 1: step without communication, ms"]["predicted"] > 0
+    assert bench.engine_rows(tmp_path / "nothing") == []
