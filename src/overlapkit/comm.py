@@ -9,6 +9,7 @@ having to remember to stamp it.
 from __future__ import annotations
 
 import os
+import time
 import warnings
 from typing import Sequence
 
@@ -43,10 +44,13 @@ class Handle:
     def wait(self) -> None:
         if self._done:
             return
+        host_clock = self._rec is not None and not self._rec.cuda
+        t0 = time.perf_counter() if host_clock else 0.0
         for w in self._works:
             w.wait()
-        if self._pending is not None and not self._rec.cuda:
+        if host_clock:
             self._rec.comm_done(self._pending)
+            self._rec.blocked(t0, time.perf_counter())
         self._done = True
 
     def is_completed(self) -> bool:

@@ -182,7 +182,7 @@ def print_results(cfg: DemoConfig, results: list[dict], plot_path: str | None) -
     console.print(layers)
 
     spans = [s for r in results for s in r["spans"]]
-    from .timeline.report import print_report, report_spans
+    from .timeline import print_report, report_spans
     report = report_spans(spans)
     print_report(report, console=console)
     if plot_path:

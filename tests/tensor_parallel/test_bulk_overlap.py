@@ -1,9 +1,18 @@
-"""Bulk overlap is measured, not assumed: the recorder shows backward's collectives running under its GEMMs."""
+"""Bulk overlap is measured, not assumed: the recorder shows backward's collectives running under its GEMMs.
+
+Rank 1 joins every backward collective late (a slowed-down transfer), so on rank 0 each
+collective is surely still in flight when the GEMM issued after it runs: with bulk overlap
+the two intersect on rank 0's timeline, with none they never do. No wall-clock ratio is
+asserted, so load on the machine cannot flip the result.
+"""
+
+import time
 
 import torch
 import torch.distributed as dist
 
 from distributed import distributed
+from overlapkit import comm
 from overlapkit.tensor_parallel.layers import ColumnParallelLinear
 from overlapkit.timeline import record
 
@@ -12,8 +21,18 @@ def _overlap_ms(a, b) -> float:
     return max(0.0, min(a.end_ms, b.end_ms) - max(a.start_ms, b.start_ms))
 
 
+def _late(fn, delay_s: float):
+    def issue_late(*args, **kwargs):
+        time.sleep(delay_s)
+        return fn(*args, **kwargs)
+    return issue_late
+
+
 @distributed(world_size=2)
 def _backward_spans(overlap: str):
+    if dist.get_rank() == 1:
+        comm.all_gather = _late(comm.all_gather, 0.2)
+        comm.reduce_scatter = _late(comm.reduce_scatter, 0.2)
     torch.manual_seed(0)
     layer = ColumnParallelLinear(512, 1024, dist.group.WORLD, sequence_parallel=True, overlap=overlap, name="fc")
     x = torch.randn(256, 512, requires_grad=True)
@@ -32,12 +51,12 @@ def _backward_spans(overlap: str):
 
 
 def test_bulk_backward_runs_collectives_under_gemms():
-    for r in _backward_spans("bulk"):
+    for r in _backward_spans("bulk")[:1]:
         assert r["ag_issued_first"] and r["rs_issued_first"], r
         assert r["ag_under_dgrad"] > 0.0, r  # the re-gather was still running when dgrad computed
         assert r["rs_under_wgrad"] > 0.0, r
 
 
 def test_none_backward_serializes():
-    for r in _backward_spans("none"):
+    for r in _backward_spans("none")[:1]:
         assert r["ag_under_dgrad"] == 0.0 and r["rs_under_wgrad"] == 0.0, r

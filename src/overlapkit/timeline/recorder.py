@@ -26,6 +26,7 @@ from typing import Iterator
 import torch
 
 from .spans import COMM_KINDS, COMPUTE, Span
+from .intervals import subtract, union
 
 COMM_RANGE_PREFIX = "overlapkit.comm."
 """Profiler ranges named `overlapkit.comm.<kind>` or `overlapkit.comm.<kind>:<name>` mark transfers."""
@@ -88,6 +89,7 @@ class Recorder:
         self.cuda = self.device.type == "cuda"
         self.step = 0
         self._pending: list[_Pending] = []
+        self._blocked: list[tuple[float, float]] = []
         self._spans: list[Span] | None = None
         self._lock = threading.Lock()
         self._poll_s = poll_s
@@ -143,6 +145,10 @@ class Recorder:
             self._pending.append(p)
         return p
 
+    def blocked(self, t0: float, t1: float) -> None:
+        """The host thread waited for communication from t0 to t1 (host clock): not compute."""
+        self._blocked.append((t0, t1))
+
     def comm_done(self, p: _Pending, stamp=None) -> None:
         if p.end is None:
             p.end = stamp if stamp is not None else self._now()
@@ -188,14 +194,19 @@ class Recorder:
             self._watch_cv.notify()
         if self._watcher is not None:
             self._watcher.join(timeout=5.0)
+        blocked = union((self._to_ms(a), self._to_ms(b)) for a, b in self._blocked)
         spans = []
         for p in self._pending:
             if p.end is None:
                 continue  # a collective nobody waited for: no honest end time exists
             start, end = self._to_ms(p.start), self._to_ms(p.end)
-            spans.append(Span(kind=p.kind, name=p.name, stream=p.stream, start_ms=start,
-                              end_ms=max(start, end), rank=self.rank, nbytes=p.nbytes,
-                              group_size=p.group_size, step=p.step))
+            pieces = [(start, max(start, end))]
+            if p.kind == COMPUTE and blocked:
+                # A compute span that encloses communication (a whole forward, say) computed
+                # only while its thread was not blocked in a wait.
+                pieces = subtract(pieces, blocked)
+            spans += [Span(kind=p.kind, name=p.name, stream=p.stream, start_ms=a, end_ms=b, rank=self.rank,
+                           nbytes=p.nbytes, group_size=p.group_size, step=p.step) for a, b in pieces]
         spans.sort(key=lambda s: (s.start_ms, s.end_ms))
         self._spans = spans
 
