@@ -95,6 +95,8 @@ def test_expert_all_to_all_hides_behind_chunked_expert_gemms():
     assert none.exposed_by_kind["ep_all_to_all"] == pytest.approx(none.comm_by_kind["ep_all_to_all"])
     assert chunked.exposed_by_kind["ep_all_to_all"] < none.exposed_by_kind["ep_all_to_all"]
     assert moe.params > 8 * 8 * 3 * 4096 * 14336
+    r = chunked
+    assert makespan(simulate(layer_tasks(r))) == pytest.approx(r.layer_fwd.wall_ms + r.layer_bwd.wall_ms, rel=1e-6)
 
 
 @pytest.mark.parametrize("mode", ["none", "bulk", "auto"])

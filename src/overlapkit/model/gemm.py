@@ -41,6 +41,7 @@ class GemmCurve:
     reach_octaves: float = 2.0
     """How far (log2 distance) a measurement's correction still reaches, fading as a Gaussian."""
     _memo: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    """Predictions already made, and the table's residuals (planning asks for the same shapes often)."""
 
     def __post_init__(self) -> None:
         o = "GemmCurve"

@@ -45,9 +45,11 @@ class Site:
     nbytes: int
     """Collective size (nccl-tests convention: gathered output / input before scatter)."""
     m: int
+    """Rows of the GEMM it meets (the dependent GEMM, or for `beside` the independent one)."""
     k: int
+    """That GEMM's reduction size."""
     n: int
-    """The GEMM it meets: the dependent one, or for `beside` the independent one."""
+    """That GEMM's columns on this rank."""
 
 
 @dataclass(frozen=True)

@@ -37,7 +37,9 @@ def _site(lane: _Lane, row: dict) -> None:
     kind, comm = row["comm"], dict(contention=row["contention"], nbytes=row["nbytes"], group_size=row["group_size"])
     name, pattern, mode = row["op"], row["pattern"], row["mode"]
     last = (len(lane.tasks) - 1,) if lane.tasks else ()
-    if mode == "pipelined":
+    if pattern == "exposed":  # only the un-hidden part is known: drawn as a wait on the comm lane
+        lane.waits = (lane.put(name, kind, "comm", row["exposed_ms"], last + tuple(lane.waits), **comm),)
+    elif mode == "pipelined":
         pieces, local = ring_pieces(row["chunks"], row["group_size"])
         per_chunk = pieces // row["chunks"]
         piece = dict(comm, nbytes=row["nbytes"] // pieces)

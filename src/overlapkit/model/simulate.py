@@ -50,8 +50,11 @@ class Placed:
     """A task with the times the simulation gave it."""
 
     task: Task
+    """What ran."""
     start_ms: float
+    """When it started, milliseconds from the schedule's start."""
     end_ms: float
+    """When it ended (contention included)."""
 
 
 def _finish(start: float, work: float, busy: list[tuple[float, float, float]]) -> float:

@@ -80,24 +80,41 @@ class StepReport:
     """The prediction for one step on the slowest pipeline stage, milliseconds."""
 
     model: ModelConfig
+    """The model predicted."""
     par: ParallelConfig
+    """How it is split and what overlaps."""
     hardware: str
+    """Hardware name."""
     step_ms: float
+    """compute_ms + exposed_ms + bubble_ms."""
     compute_ms: float
+    """Every GEMM, attention, memory-bound op and the optimizer step, nothing else."""
     comm_ms: float
+    """All communication, hidden or not."""
     exposed_ms: float
+    """What communication adds to the step: un-hidden time plus contention and chunking losses."""
     bubble_ms: float
+    """Pipeline fill and drain."""
     comm_by_kind: dict
+    """comm_ms per timeline kind (tp_all_gather, dp_all_reduce, ...)."""
     exposed_by_kind: dict
+    """exposed_ms per kind."""
     layer_fwd: Block
+    """One layer's forward for one micro-batch."""
     layer_bwd: Block
+    """One layer's backward (with recomputation) for one micro-batch."""
     head_fwd: Block
+    """The LM head's forward on the last stage."""
     head_bwd: Block
+    """The LM head's backward."""
     layers_per_stage: int
+    """Layers on each pipeline rank (all its virtual stages)."""
     optimizer_ms: float = 0.0
     """The optimizer step (part of compute_ms)."""
     notes: list = field(default_factory=list)
+    """Where overlap cannot help, and switches that would not gain."""
     recommendations: list = field(default_factory=list)
+    """advice.Recommendation rows, best first."""
 
     def r(self, kind: str) -> float:
         """Overlap ratio of one kind: the share of its communication that was hidden."""
@@ -191,12 +208,13 @@ def _layer(ctx: _Ctx) -> tuple[Block, Block]:
     bwd.add_compute("norms, residuals, activation, rope (backward)", 2 * elementwise)
     if model.num_experts > 1 and par.ep > 1:
         _expert_all_to_all(ctx, fwd, bwd, gemms)
+    recompute = Block()  # runs at the start of the layer's backward
     if par.recompute == "selective":
-        bwd.add_compute("recompute attention", att_f)
+        recompute.add_compute("recompute attention", att_f)
     elif par.recompute == "full":
-        bwd = bwd + Block(fwd.compute_ms, fwd.wall_ms, dict(fwd.comm), dict(fwd.exposed),
+        recompute = Block(fwd.compute_ms, fwd.wall_ms, dict(fwd.comm), dict(fwd.exposed),
                           [dict(r, op="recompute " + r["op"]) for r in fwd.rows])
-    return fwd, bwd
+    return fwd, recompute + bwd
 
 
 def _expert_all_to_all(ctx: _Ctx, fwd: Block, bwd: Block, gemms: list[Gemm]) -> None:
@@ -206,14 +224,20 @@ def _expert_all_to_all(ctx: _Ctx, fwd: Block, bwd: Block, gemms: list[Gemm]) -> 
     tokens = ctx.tokens // par.tp if par.sp else ctx.tokens
     a2a = ctx.coll.time_ms("all_to_all", tokens * model.top_k * model.hidden * ctx.db, group)
     expert_fwd = sum(ctx.gemm(g.m, g.k, g.n) for g in gemms[2:])
+    chunked = par.overlap.ep in ("pipelined", "auto")
+    c = 4 if chunked else 1
     for block, expert_ms in ((fwd, expert_fwd), (bwd, 2 * expert_fwd)):  # backward: dgrad + wgrad
-        if par.overlap.ep in ("pipelined", "auto"):
-            c = 4
+        if chunked:
             wall = layered_ms([a2a / c] * c, [expert_ms / c] * c, [a2a / c] * c, ctx.hw.sm_comm_slowdown, prefetch=c)
             exposed = max(0.0, wall - expert_ms)
         else:
             exposed = 2 * a2a
         block.add_comm("ep_all_to_all", 2 * a2a, exposed)
+        block.rows.append({"op": "MoE dispatch + combine (exposed part)", "comm": "ep_all_to_all", "pattern": "exposed",
+                           "comm_ms": 2 * a2a, "gemm_ms": 0.0, "time_ms": exposed, "exposed_ms": exposed,
+                           "mode": "pipelined" if chunked else "none", "chunks": c, "group_size": par.ep,
+                           "nbytes": tokens * model.top_k * model.hidden * ctx.db, "note": "",
+                           "contention": ctx.hw.sm_comm_slowdown})
 
 
 def _lm_head(ctx: _Ctx) -> tuple[Block, Block]:

@@ -246,9 +246,13 @@ class Gemm:
     """One TP-split GEMM of a layer, forward shape on one rank: (m x k) @ (k x n)."""
 
     name: str
+    """qkv, proj, fc1, fc2 or lm_head."""
     m: int
+    """Rows: the micro-batch's tokens (times top_k for experts)."""
     k: int
+    """Reduction size on this rank."""
     n: int
+    """Columns on this rank."""
     column: bool
     """Column-parallel (input gathered before it) or row-parallel (output reduced after it)."""
 
