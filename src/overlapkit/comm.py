@@ -9,7 +9,6 @@ having to remember to stamp it.
 from __future__ import annotations
 
 import os
-import time
 import warnings
 from typing import Sequence
 
@@ -44,13 +43,16 @@ class Handle:
     def wait(self) -> None:
         if self._done:
             return
-        host_clock = self._rec is not None and not self._rec.cuda
-        t0 = time.perf_counter() if host_clock else 0.0
+        rec = self._rec
+        # The stretch the caller spends waiting (the host on CPU, the current stream on
+        # CUDA) is not compute, even inside a compute span that encloses it.
+        t0 = rec._now() if rec is not None else None
         for w in self._works:
             w.wait()
-        if host_clock:
-            self._rec.comm_done(self._pending)
-            self._rec.blocked(t0, time.perf_counter())
+        if rec is not None:
+            if not rec.cuda:
+                rec.comm_done(self._pending)
+            rec.blocked(t0, rec._now())
         self._done = True
 
     def is_completed(self) -> bool:

@@ -145,8 +145,9 @@ class Recorder:
             self._pending.append(p)
         return p
 
-    def blocked(self, t0: float, t1: float) -> None:
-        """The host thread waited for communication from t0 to t1 (host clock): not compute."""
+    def blocked(self, t0, t1) -> None:
+        """The caller waited for communication from stamp t0 to t1 (host clock, or CUDA events
+        on the waiting stream): that stretch is not compute, even inside a compute span."""
         self._blocked.append((t0, t1))
 
     def comm_done(self, p: _Pending, stamp=None) -> None:
