@@ -1,8 +1,28 @@
-"""overlapkit: hide communication behind computation in PyTorch distributed training, and prove it."""
+"""overlapkit: hide communication behind computation in PyTorch distributed training, and prove it.
 
-from . import timeline
-from .groups import ParallelGroups, ParallelSizes, init
+Names load on first use (PEP 562), so `overlapkit plan` — pure arithmetic — answers without
+paying for importing torch.
+"""
+
+from __future__ import annotations
+
+import importlib
 
 __version__ = "0.1.0"
 
-__all__ = ["ParallelGroups", "ParallelSizes", "init", "timeline", "__version__"]
+_LAZY = {
+    "ParallelGroups": ("overlapkit.groups", "ParallelGroups"),
+    "ParallelSizes": ("overlapkit.groups", "ParallelSizes"),
+    "init": ("overlapkit.groups", "init"),
+    "timeline": ("overlapkit.timeline", None),
+}
+
+__all__ = [*_LAZY, "__version__"]
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module 'overlapkit' has no attribute {name!r}")
+    module, attr = _LAZY[name]
+    value = importlib.import_module(module)
+    return value if attr is None else getattr(value, attr)

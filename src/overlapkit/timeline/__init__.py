@@ -1,12 +1,26 @@
-"""What really overlapped: engine-side recording, profiler-trace reading, one report, one picture."""
+"""What really overlapped: engine-side recording, profiler-trace reading, one report, one picture.
 
-from .plot import plot_spans, write_chrome_trace
-from .recorder import Recorder, active, comm_range, compute_span, record
-from .report import Report, report_spans, report_traces
-from .spans import COMM_KINDS, COMPUTE, Span
-from .table import print_report
-from .trace import Trace, TraceError, read_trace, read_traces
+Names load on first use (PEP 562): reading a trace or drawing needs no torch import.
+"""
 
-__all__ = ["Recorder", "Span", "COMM_KINDS", "COMPUTE", "active", "comm_range", "compute_span", "record",
-           "Report", "report_spans", "report_traces", "print_report", "plot_spans", "write_chrome_trace",
-           "Trace", "TraceError", "read_trace", "read_traces"]
+from __future__ import annotations
+
+import importlib
+
+_WHERE = {
+    "Recorder": "recorder", "active": "recorder", "comm_range": "recorder", "compute_span": "recorder",
+    "record": "recorder",
+    "Span": "spans", "COMM_KINDS": "spans", "COMPUTE": "spans",
+    "plot_spans": "plot", "write_chrome_trace": "plot",
+    "Report": "report", "report_spans": "report", "report_traces": "report",
+    "print_report": "table",
+    "Trace": "trace", "TraceError": "trace", "read_trace": "trace", "read_traces": "trace",
+}
+
+__all__ = list(_WHERE)
+
+
+def __getattr__(name: str):
+    if name not in _WHERE:
+        raise AttributeError(f"module 'overlapkit.timeline' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_WHERE[name]}"), name)

@@ -25,13 +25,8 @@ from typing import Iterator
 
 import torch
 
-from .spans import COMM_KINDS, COMPUTE, Span
 from .intervals import subtract, union
-
-COMM_RANGE_PREFIX = "overlapkit.comm."
-"""Profiler ranges named `overlapkit.comm.<kind>` or `overlapkit.comm.<kind>:<name>` mark transfers."""
-COMPUTE_RANGE_PREFIX = "overlapkit.compute."
-"""Profiler ranges named `overlapkit.compute.<name>` mark computations."""
+from .spans import COMM_KINDS, COMM_RANGE_PREFIX, COMPUTE, COMPUTE_RANGE_PREFIX, Span
 
 _autograd_profiler = torch.autograd.profiler
 

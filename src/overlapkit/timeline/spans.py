@@ -28,6 +28,12 @@ OTHER_KINDS = ("memcpy", "memset")
 """Spans that are neither compute nor communication (trace memcpy/memset): shown, not counted."""
 
 
+COMM_RANGE_PREFIX = "overlapkit.comm."
+"""Profiler ranges named `overlapkit.comm.<kind>` or `overlapkit.comm.<kind>:<name>` mark transfers."""
+COMPUTE_RANGE_PREFIX = "overlapkit.compute."
+"""Profiler ranges named `overlapkit.compute.<name>` mark computations."""
+
+
 @dataclass(frozen=True)
 class Span:
     """One interval on one stream of one rank."""

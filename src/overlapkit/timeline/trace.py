@@ -25,8 +25,7 @@ import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
-from .recorder import COMM_RANGE_PREFIX, COMPUTE_RANGE_PREFIX
-from .spans import COMPUTE, Span
+from .spans import COMM_RANGE_PREFIX, COMPUTE, COMPUTE_RANGE_PREFIX, Span
 
 GPU_CATEGORIES = {"kernel": "kernel", "gpu_memcpy": "memcpy", "memcpy": "memcpy",
                   "gpu_memset": "memset", "memset": "memset"}
