@@ -64,12 +64,13 @@ def _wall_clock_at(t: float) -> float:
 class _Pending:
     """A span whose end is not known yet."""
 
-    __slots__ = ("kind", "name", "stream", "start", "end", "nbytes", "group_size", "step")
+    __slots__ = ("kind", "name", "stream", "start", "end", "nbytes", "group_size", "step", "lane")
 
     def __init__(self, kind, name, stream, start, nbytes, group_size, step):
         self.kind, self.name, self.stream = kind, name, stream
         self.start, self.end = start, None
         self.nbytes, self.group_size, self.step = nbytes, group_size, step
+        self.lane = None
 
 
 class Recorder:
@@ -84,7 +85,7 @@ class Recorder:
         self.cuda = self.device.type == "cuda"
         self.step = 0
         self._pending: list[_Pending] = []
-        self._blocked: list[tuple[float, float]] = []
+        self._blocked: dict[object, list[tuple[object, object]]] = {}
         self._spans: list[Span] | None = None
         self._lock = threading.Lock()
         self._poll_s = poll_s
@@ -123,6 +124,7 @@ class Recorder:
     @contextlib.contextmanager
     def compute(self, name: str, stream: str = "compute") -> Iterator[None]:
         p = _Pending(COMPUTE, name, stream, self._now(), 0, 1, self.step)
+        p.lane = self._lane()
         try:
             yield
         finally:
@@ -140,10 +142,15 @@ class Recorder:
             self._pending.append(p)
         return p
 
+    def _lane(self):
+        """What a wait stalls: the current CUDA stream, or (on CPU) the host."""
+        return torch.cuda.current_stream(self.device).cuda_stream if self.cuda else None
+
     def blocked(self, t0, t1) -> None:
         """The caller waited for communication from stamp t0 to t1 (host clock, or CUDA events
-        on the waiting stream): that stretch is not compute, even inside a compute span."""
-        self._blocked.append((t0, t1))
+        on the waiting stream): that stretch is not compute for spans of the same lane, even
+        a compute span that encloses it. A side stream's wait takes nothing from compute."""
+        self._blocked.setdefault(self._lane(), []).append((t0, t1))
 
     def comm_done(self, p: _Pending, stamp=None) -> None:
         if p.end is None:
@@ -190,17 +197,18 @@ class Recorder:
             self._watch_cv.notify()
         if self._watcher is not None:
             self._watcher.join(timeout=5.0)
-        blocked = union((self._to_ms(a), self._to_ms(b)) for a, b in self._blocked)
+        blocked = {lane: union((self._to_ms(a), self._to_ms(b)) for a, b in pairs)
+                   for lane, pairs in self._blocked.items()}
         spans = []
         for p in self._pending:
             if p.end is None:
                 continue  # a collective nobody waited for: no honest end time exists
             start, end = self._to_ms(p.start), self._to_ms(p.end)
             pieces = [(start, max(start, end))]
-            if p.kind == COMPUTE and blocked:
+            if p.kind == COMPUTE and blocked.get(p.lane):
                 # A compute span that encloses communication (a whole forward, say) computed
                 # only while its thread was not blocked in a wait.
-                pieces = subtract(pieces, blocked)
+                pieces = subtract(pieces, blocked[p.lane])
             spans += [Span(kind=p.kind, name=p.name, stream=p.stream, start_ms=a, end_ms=b, rank=self.rank,
                            nbytes=p.nbytes, group_size=p.group_size, step=p.step) for a, b in pieces]
         spans.sort(key=lambda s: (s.start_ms, s.end_ms))
