@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import os
+import re
 from dataclasses import dataclass
 
 import torch
@@ -123,17 +124,25 @@ def _progress(total: int):
     return p, p.add_task("training", total=total)
 
 
+_PHASE = re.compile(r"^(?P<layer>.+?)\.(?P<phase>fwd|bwd)(?:\.[\w.]+)?(?:\[[^\]]*\])?$")
+
+
 def collectives_by_layer(spans, step: int = 0) -> dict[str, dict[str, list[str]]]:
-    """{layer: {"fwd": [kinds…], "bwd": [kinds…]}} from one step's communication spans of one rank."""
+    """{layer: {"fwd": [kinds…], "bwd": [kinds…]}} from one step's communication spans of one rank.
+
+    Transfer names are `<layer>.<fwd|bwd>[.<gemm>][<chunk>]`; the chunks of one pipelined
+    collective count once. Names without a phase (a gradient sync) are listed under backward.
+    """
     out: dict[str, dict[str, list[str]]] = {}
     for s in sorted(spans, key=lambda s: s.start_ms):
         if not s.is_comm or s.step != step:
             continue
-        layer, _, phase = s.name.rpartition(".")
-        if phase not in ("fwd", "bwd"):
-            layer, phase = s.name, "bwd" if "grad" in s.name else "fwd"
+        m = _PHASE.match(s.name)
+        layer, phase = (m.group("layer"), m.group("phase")) if m else (s.name, "bwd")
         kinds = out.setdefault(layer, {"fwd": [], "bwd": []})[phase]
-        kinds.append(s.kind.removeprefix("tp_").removeprefix("dp_").replace("_", "-"))
+        kind = s.kind.removeprefix("tp_").removeprefix("dp_").replace("_", "-")
+        if not kinds or kinds[-1] != kind:
+            kinds.append(kind)
     return out
 
 
