@@ -40,7 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--tp", type=int, default=2, help="tensor-parallel size (default 2)")
     demo.add_argument("--dp", type=int, default=2, help="data-parallel size (default 2); ranks = tp*dp")
     demo.add_argument("--steps", type=int, default=3, help="training steps (default 3)")
-    demo.add_argument("--overlap", default="bulk", choices=("none", "bulk", "pipelined"),
+    demo.add_argument("--overlap", default="bulk", choices=("none", "bulk", "pipelined", "auto"),
                       help="overlap mode of the TP layers (default bulk)")
     demo.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="cpu: gloo ranks; cuda: NCCL, a GPU a rank")
     demo.add_argument("--seed", type=int, default=0)

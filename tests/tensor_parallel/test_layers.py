@@ -121,7 +121,7 @@ def test_bad_inputs_fail_on_every_rank_with_the_sizes():
     m = out[0]
     assert m[0] == "ColumnParallelLinear: out_features 5 is not divisible by the tensor-parallel size 2"
     assert m[1] == "RowParallelLinear: in_features 5 is not divisible by the tensor-parallel size 2"
-    assert m[2] == "overlap='fast' is not one of ('none', 'bulk', 'pipelined')"
+    assert m[2] == "overlap='fast' is not one of ('none', 'bulk', 'pipelined', 'auto')"
     assert m[3] == "ColumnParallelLinear: input's last dim is 5, expected 4"
     assert "dtype torch.float64 differs from the weight dtype torch.float32" in m[4]
     assert m[5] == "RowParallelLinear: sequence length (dim 0) 3 is not divisible by the tensor-parallel size 2"

@@ -9,6 +9,9 @@ backward GEMMs need the gathered output gradient), so bulk equals none there.
 overlap="pipelined" (sequence parallelism only): the all-gather and reduce-scatter are cut into
 `chunks` and pipelined with the GEMMs that need them, forward and backward, over `transport`
 "p2p" or "symm_mem" (see pipelined.py).
+overlap="auto": the cost model (overlapkit.model.choose_tp_overlap) picks none, bulk or
+pipelined with a chunk count for this layer's GEMM at the first input of each shape, from the
+GEMM-efficiency curve of `hardware` (a preset, or a file written by `overlapkit bench gemm`).
 
 Layout: weights are nn.Linear's [out, in]; the sequence-parallel dimension is dim 0 of the
 activation ([tokens, hidden] or [seq, batch, hidden]).
@@ -27,7 +30,7 @@ from ..timeline.recorder import compute_span
 from .mappings import _gather_dim0, _reduce_scatter_dim0, check_divisible, gather_from_tp, scatter_to_tp
 from .pipelined import check_layer_options, column_parallel_linear_pipelined, row_parallel_linear_pipelined
 
-OVERLAP_MODES = ("none", "bulk", "pipelined")
+OVERLAP_MODES = ("none", "bulk", "pipelined", "auto")
 """Accepted values of the layers' `overlap`."""
 
 
@@ -140,7 +143,8 @@ class _ParallelLinear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, group: dist.ProcessGroup, *, bias: bool,
                  sequence_parallel: bool, overlap: str, name: str, device, dtype,
-                 transport: str = "p2p", chunks: int | None = None, save_gathered_input: bool = False) -> None:
+                 transport: str = "p2p", chunks: int | None = None, save_gathered_input: bool = False,
+                 hardware: str = "h200-sxm") -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.group, self.tp_size, self.tp_rank = group, comm.group_size(group), comm.group_rank(group)
@@ -148,6 +152,9 @@ class _ParallelLinear(nn.Module):
         self.overlap = check_overlap(overlap)
         check_layer_options(overlap, sequence_parallel, transport, chunks, self.tp_size, save_gathered_input)
         self.transport, self.chunks, self.save_gathered_input = transport, chunks, save_gathered_input
+        self.hardware = hardware
+        self.auto_choices: dict[tuple, tuple[str, int | None]] = {}
+        """overlap='auto': input shape -> (mode, chunks) the cost model chose for it."""
         self.name = name
 
     def _make_params(self, w_shape, b_shape, fan_in, bias, device, dtype) -> None:
@@ -158,9 +165,28 @@ class _ParallelLinear(nn.Module):
         else:
             self.register_parameter("bias", None)
 
-    def _maybe_warn(self, x: torch.Tensor) -> None:
-        if self.overlap == "bulk":
+    def _maybe_warn(self, x: torch.Tensor, mode: str) -> None:
+        if mode == "bulk":
             comm.warn_if_max_connections_unsuited(x.device)
+
+    def _mode(self, x: torch.Tensor, m: int, k: int, n: int, collective: str, rows_per_rank: int):
+        """(mode, chunks) for this input: the fixed setting, or the cost model's pick under auto."""
+        if self.overlap != "auto":
+            return self.overlap, self.chunks
+        key = (tuple(x.shape), x.dtype)
+        if key not in self.auto_choices:
+            from ..model import ConfigError, choose_tp_overlap
+            try:
+                mode, chunks = choose_tp_overlap(m, k, n, self.tp_size, x.element_size(), self.hardware,
+                                                 comm=collective, transport=self.transport)
+            except ConfigError as e:
+                raise ValueError(f"{self.name or type(self).__name__}: overlap='auto': {e}") from None
+            if mode == "pipelined" and not self.sequence_parallel:
+                mode = "bulk"  # only the sequence-parallel collectives can be chunked
+            # The model counts chunks over all ranks; keep them only if they split this shard evenly.
+            ok = mode == "pipelined" and chunks % self.tp_size == 0 and rows_per_rank % (chunks // self.tp_size) == 0
+            self.auto_choices[key] = (mode, chunks if ok else None)
+        return self.auto_choices[key]
 
     def extra_repr(self) -> str:
         return (f"in={self.in_features}, out={self.out_features}, tp={self.tp_size}, "
@@ -178,10 +204,10 @@ class ColumnParallelLinear(_ParallelLinear):
     def __init__(self, in_features: int, out_features: int, group: dist.ProcessGroup, *, bias: bool = True,
                  gather_output: bool = False, sequence_parallel: bool = False, overlap: str = "none",
                  transport: str = "p2p", chunks: int | None = None, save_gathered_input: bool = False,
-                 name: str = "", device=None, dtype=None) -> None:
+                 hardware: str = "h200-sxm", name: str = "", device=None, dtype=None) -> None:
         super().__init__(in_features, out_features, group, bias=bias, sequence_parallel=sequence_parallel,
                          overlap=overlap, name=name, device=device, dtype=dtype, transport=transport,
-                         chunks=chunks, save_gathered_input=save_gathered_input)
+                         chunks=chunks, save_gathered_input=save_gathered_input, hardware=hardware)
         check_divisible(out_features, self.tp_size, "ColumnParallelLinear: out_features")
         self.gather_output = gather_output
         self.out_per_rank = out_features // self.tp_size
@@ -203,14 +229,16 @@ class ColumnParallelLinear(_ParallelLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         _check_input(self, x, self.in_features, sp_split=False)
-        self._maybe_warn(x)
-        if self.overlap == "pipelined":
-            y = column_parallel_linear_pipelined(x, self.weight, self.bias, self.group, chunks=self.chunks,
+        tokens = x.numel() // x.shape[-1] * (self.tp_size if self.sequence_parallel else 1)
+        mode, chunks = self._mode(x, tokens, self.in_features, self.out_per_rank, "all_gather", x.shape[0])
+        self._maybe_warn(x, mode)
+        if mode == "pipelined":
+            y = column_parallel_linear_pipelined(x, self.weight, self.bias, self.group, chunks=chunks,
                                                  transport=self.transport, name=self.name or "column",
                                                  save_gathered_input=self.save_gathered_input)
         else:
             y = _ColumnLinear.apply(x, self.weight, self.bias, self.group, self.sequence_parallel,
-                                    self.overlap == "bulk", self.name)
+                                    mode == "bulk", self.name)
         return gather_from_tp(y, self.group, self.name + ".out") if self.gather_output else y
 
 
@@ -225,11 +253,11 @@ class RowParallelLinear(_ParallelLinear):
 
     def __init__(self, in_features: int, out_features: int, group: dist.ProcessGroup, *, bias: bool = True,
                  input_is_parallel: bool = True, sequence_parallel: bool = False, overlap: str = "none",
-                 transport: str = "p2p", chunks: int | None = None,
+                 transport: str = "p2p", chunks: int | None = None, hardware: str = "h200-sxm",
                  name: str = "", device=None, dtype=None) -> None:
         super().__init__(in_features, out_features, group, bias=bias, sequence_parallel=sequence_parallel,
                          overlap=overlap, name=name, device=device, dtype=dtype, transport=transport,
-                         chunks=chunks)
+                         chunks=chunks, hardware=hardware)
         check_divisible(in_features, self.tp_size, "RowParallelLinear: in_features")
         self.input_is_parallel = input_is_parallel
         self.in_per_rank = in_features // self.tp_size
@@ -254,11 +282,13 @@ class RowParallelLinear(_ParallelLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         expected = self.in_per_rank if self.input_is_parallel else self.in_features
         _check_input(self, x, expected, sp_split=self.sequence_parallel)
-        self._maybe_warn(x)
+        mode, chunks = self._mode(x, x.numel() // x.shape[-1], self.in_per_rank, self.out_features,
+                                  "reduce_scatter", x.shape[0] // self.tp_size)
+        self._maybe_warn(x, mode)
         if not self.input_is_parallel:
             x = scatter_to_tp(x, self.group, self.name + ".in")
-        if self.overlap == "pipelined":
-            return row_parallel_linear_pipelined(x, self.weight, self.bias, self.group, chunks=self.chunks,
+        if mode == "pipelined":
+            return row_parallel_linear_pipelined(x, self.weight, self.bias, self.group, chunks=chunks,
                                                  transport=self.transport, name=self.name or "row")
         return _RowLinear.apply(x, self.weight, self.bias, self.group, self.sequence_parallel, self.name)
 

@@ -66,10 +66,19 @@ def _chunks_per_rank(chunks, ws: int, rows_per_rank: int, dim: int) -> int:
 def check_layer_options(overlap: str, sequence_parallel: bool, transport, chunks, tp_size: int,
                         save_gathered_input: bool = False) -> None:
     """Construction-time checks of a parallel layer's pipelining options (shape-free ones)."""
+    if overlap == "auto":
+        # auto picks the chunk count per GEMM; the transport is the user's (it depends on the machine).
+        if chunks is not None:
+            raise ValueError(f"chunks={chunks!r}: overlap='auto' chooses the chunk count itself; "
+                             "pass overlap='pipelined' to fix it")
+        if transport not in TRANSPORTS:
+            raise ValueError(f"transport={transport!r} is not one of {TRANSPORTS}")
+        return
     if overlap != "pipelined":
         if transport != "p2p" or chunks is not None or save_gathered_input:
             raise ValueError(f"transport={transport!r}, chunks={chunks!r}, save_gathered_input="
-                             f"{save_gathered_input!r} apply to overlap='pipelined' only, not overlap={overlap!r}")
+                             f"{save_gathered_input!r} apply to overlap='pipelined' or 'auto' only, "
+                             f"not overlap={overlap!r}")
         return
     if not sequence_parallel:
         raise ValueError("overlap='pipelined' chunks the sequence-parallel all-gather/reduce-scatter: "
