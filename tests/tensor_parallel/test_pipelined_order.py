@@ -130,5 +130,5 @@ def test_bad_arguments_fail_alike_on_every_rank_before_communicating():
                      "it needs sequence_parallel=True")
     assert m[13] == ("ValueError", "chunks=4 must be None (one chunk per rank) or a positive multiple of the "
                      "tensor-parallel size 3")
-    assert m[14][0] == "ValueError" and "apply to overlap='pipelined' only" in m[14][1]
+    assert m[14][0] == "ValueError" and "apply to overlap='pipelined' or 'auto' only" in m[14][1]
     assert m[15] == [0.0, 1.0, 2.0]
