@@ -18,9 +18,7 @@ Writes benchmarks/results/dp_overlap_<device>.json and .md.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -30,6 +28,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from _common import add_common_args, backend, device_label, world_size, write_results
 from overlapkit.data_parallel import DataParallel
 from overlapkit.launch import spawn
 from overlapkit.models.gpt import GPT, GPTConfig, lm_loss
@@ -160,35 +159,25 @@ def markdown(result: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    ap.add_argument("--world", type=int, default=None, help="ranks (default: 2 on CPU, every visible GPU on CUDA)")
+    add_common_args(ap)
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--recorded", type=int, default=3, help="extra recorded steps per overlapkit variant")
     ap.add_argument("--bucket-mb", type=float, default=None, help="bucket cap for overlapkit and DDP alike")
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     args = ap.parse_args(argv)
-    if args.device == "cuda" and not torch.cuda.is_available():
-        print("--device cuda: no CUDA device is visible", file=sys.stderr)
+    world = world_size(args)
+    if world is None:
         return 2
-    world = args.world or (torch.cuda.device_count() if args.device == "cuda" else 2)
     preset = dict(PRESETS[args.device])
     if args.bucket_mb is not None:
         preset["bucket_mb"] = args.bucket_mb
     per_rank = spawn(_rank_body, world, args.device, preset, args.steps, args.warmup, args.recorded, 0,
-                     backend="nccl" if args.device == "cuda" else "gloo", timeout_s=600.0)
-    result = dict(device=torch.cuda.get_device_name(0) if args.device == "cuda" else f"CPU ({platform.machine()}, gloo)",
+                     backend=backend(args.device), timeout_s=600.0)
+    result = dict(device=device_label(args.device),
                   world=world, torch=torch.__version__, preset=preset, steps=args.steps,
                   params=per_rank[0]["params"], buckets=per_rank[0]["buckets"],
                   comm_mb=per_rank[0]["comm_bytes"] / 1e6, rows=summarize(per_rank))
-    os.makedirs(args.out, exist_ok=True)
-    stem = os.path.join(args.out, f"dp_overlap_{args.device}")
-    with open(stem + ".json", "w") as f:
-        json.dump(result, f, indent=2)
-    table = markdown(result)
-    with open(stem + ".md", "w") as f:
-        f.write(table)
-    print(table)
+    write_results(result, os.path.join(args.out, f"dp_overlap_{args.device}"), markdown)
     return 0
 
 

@@ -18,9 +18,7 @@ overlapped variants (trace and recorder) as .png; `--trace-dir` keeps the profil
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import sys
 import tempfile
 
@@ -28,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile, schedule
 
+from _common import add_common_args, backend, device_label, world_size, write_results
 from overlapkit import comm
 from overlapkit.data_parallel import DataParallel
 from overlapkit.launch import spawn
@@ -173,33 +172,25 @@ def markdown(result: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    ap.add_argument("--world", type=int, default=None, help="ranks (default: 2 on CPU, every visible GPU on CUDA)")
+    add_common_args(ap)
     ap.add_argument("--steps", type=int, default=3, help="profiled steps per variant")
     ap.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
     ap.add_argument("--trace-dir", default=None, help="keep the profiler traces here (default: a temporary folder)")
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     args = ap.parse_args(argv)
-    if args.device == "cuda" and not torch.cuda.is_available():
-        print("--device cuda: no CUDA device is visible", file=sys.stderr)
+    world = world_size(args)
+    if world is None:
         return 2
-    world = args.world or (torch.cuda.device_count() if args.device == "cuda" else 2)
     os.makedirs(args.out, exist_ok=True)
     stem = os.path.join(args.out, f"profile_step_{args.device}")
     with tempfile.TemporaryDirectory() as tmp:
         trace_dir = args.trace_dir or tmp
         os.makedirs(trace_dir, exist_ok=True)
         per_rank = spawn(_rank_body, world, args.device, PRESETS[args.device], args.steps, trace_dir,
-                         args.variants, backend="nccl" if args.device == "cuda" else "gloo", timeout_s=600.0)
+                         args.variants, backend=backend(args.device), timeout_s=600.0)
         result = analyze(per_rank, args.device, stem)
-    result.update(device=torch.cuda.get_device_name(0) if args.device == "cuda" else f"CPU ({platform.machine()}, gloo)",
+    result.update(device=device_label(args.device),
                   world=world, torch=torch.__version__, steps=args.steps, preset=PRESETS[args.device])
-    with open(stem + ".json", "w") as f:
-        json.dump(result, f, indent=2)
-    table = markdown(result)
-    with open(stem + ".md", "w") as f:
-        f.write(table)
-    print(table)
+    write_results(result, stem, markdown)
     for a in result["agreement"]:
         if not a["ok"]:
             print(f"disagreement: {a['variant']} rank {a['rank']}: missing in trace {a['missing']}, "

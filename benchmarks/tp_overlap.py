@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -39,6 +38,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from _common import add_common_args, backend, device_label, world_size, write_results
 from overlapkit import comm
 from overlapkit.launch import spawn
 from overlapkit.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
@@ -287,47 +287,35 @@ def device_slug(device: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    ap.add_argument("--world", type=int, default=None, help="ranks (default: 2 on CPU, every visible GPU on CUDA)")
+    add_common_args(ap)
     ap.add_argument("--shape-tp", type=int, default=None, help="TP degree of the per-rank shapes (default: world size)")
     ap.add_argument("--tokens", type=int, default=None, help="tokens per step (default: 8192 on CUDA, 384 on CPU)")
     ap.add_argument("--reps", type=int, default=None, help="timed rounds per GEMM variant (default: 30 CUDA, 15 CPU)")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--calibration", default=CALIBRATION, help="one-GPU probe JSON to compare chunk costs with")
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     ap.add_argument("--render", metavar="JSON", help="no run: re-summarize a result JSON (e.g. with --calibration)")
     a = ap.parse_args(argv)
     if a.render:
         with open(a.render) as f:
             result = json.load(f)
         result["summary"] = summarize(result["raw"], result["world"], _calibration(a.calibration, result))
-        return _write(result, os.path.join(a.out, os.path.splitext(os.path.basename(a.render))[0]))
-    if a.device == "cuda" and not torch.cuda.is_available():
-        print("--device cuda: no CUDA device is visible", file=sys.stderr)
+        write_results(result, os.path.join(a.out, os.path.splitext(os.path.basename(a.render))[0]), markdown)
+        return 0
+    world = world_size(a)
+    if world is None:
         return 2
-    world = a.world or (torch.cuda.device_count() if a.device == "cuda" else 2)
     args = dict(device=a.device, shape_tp=a.shape_tp, warmup=a.warmup,
                 tokens=a.tokens or (8192 if a.device == "cuda" else 384),
                 reps=a.reps or (30 if a.device == "cuda" else 15))
-    per_rank = spawn(_rank_body, world, args, backend="nccl" if a.device == "cuda" else "gloo", timeout_s=900.0)
-    result = dict(device=torch.cuda.get_device_name(0) if a.device == "cuda" else f"CPU ({platform.machine()}, gloo)",
+    per_rank = spawn(_rank_body, world, args, backend=backend(a.device), timeout_s=900.0)
+    result = dict(device=device_label(a.device),
                   world=world, shape_tp=a.shape_tp or world, tokens=args["tokens"], reps=args["reps"],
                   dtype="bf16" if a.device == "cuda" else "fp32", torch=torch.__version__,
                   cuda_device_max_connections=os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS"),
                   raw=per_rank)
     result["summary"] = summarize(per_rank, world, _calibration(a.calibration, result))
-    os.makedirs(a.out, exist_ok=True)
     tp_tag = f"_tp{a.shape_tp}" if a.shape_tp not in (None, world) else ""
-    return _write(result, os.path.join(a.out, f"tp_overlap_{device_slug(a.device)}_ws{world}{tp_tag}"))
-
-
-def _write(result: dict, stem: str) -> int:
-    with open(stem + ".json", "w") as f:
-        json.dump(result, f, indent=2)
-    table = markdown(result)
-    with open(stem + ".md", "w") as f:
-        f.write(table)
-    print(table)
+    write_results(result, os.path.join(a.out, f"tp_overlap_{device_slug(a.device)}_ws{world}{tp_tag}"), markdown)
     return 0
 
 

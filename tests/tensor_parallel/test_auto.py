@@ -1,6 +1,5 @@
 """overlap='auto': the cost model's choice per GEMM, and the layers stay exact whatever it picks."""
 
-import pytest
 import torch
 import torch.distributed as dist
 

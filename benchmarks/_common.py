@@ -1,0 +1,48 @@
+"""What every benchmark script shares: device/world/out arguments, the machine's label, and
+writing a result as JSON + a markdown table (printed too)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+from typing import Callable
+
+import torch
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+
+def add_common_args(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    ap.add_argument("--world", type=int, default=None, help="ranks (default: 2 on CPU, every visible GPU on CUDA)")
+    ap.add_argument("--out", default=RESULTS)
+
+
+def world_size(args: argparse.Namespace) -> int | None:
+    """Ranks to spawn, or None (after saying why) when --device cuda has no GPU to run on."""
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("--device cuda: no CUDA device is visible", file=sys.stderr)
+        return None
+    return args.world or (torch.cuda.device_count() if args.device == "cuda" else 2)
+
+
+def backend(device: str) -> str:
+    return "nccl" if device == "cuda" else "gloo"
+
+
+def device_label(device: str) -> str:
+    return torch.cuda.get_device_name(0) if device == "cuda" else f"CPU ({platform.machine()}, gloo)"
+
+
+def write_results(result: dict, stem: str, markdown: Callable[[dict], str]) -> None:
+    """stem.json and stem.md (the table), and the table on stdout."""
+    os.makedirs(os.path.dirname(stem) or ".", exist_ok=True)
+    with open(stem + ".json", "w") as f:
+        json.dump(result, f, indent=2)
+    table = markdown(result)
+    with open(stem + ".md", "w") as f:
+        f.write(table)
+    print(table)
