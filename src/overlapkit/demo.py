@@ -71,7 +71,9 @@ def run_rank(cfg: DemoConfig) -> dict:
     model = parallelize(copy.deepcopy(reference), groups, sequence_parallel=True, overlap=cfg.overlap)
     if cfg.dp > 1:
         from .data_parallel import DataParallel
-        model = DataParallel(model, groups.dp)
+        # Sequence-parallel grads (layer norms, row biases) are summed over TP in backward,
+        # bucket by bucket, before their data-parallel all-reduce.
+        model = DataParallel(model, groups.dp, sequence_parallel_group=groups.tp)
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.5)
     batch = 2 * cfg.dp
@@ -88,7 +90,8 @@ def run_rank(cfg: DemoConfig) -> dict:
             logits = model(idx[rows])
             loss = lm_loss(logits, tgt[rows])
             loss.backward()
-            allreduce_sequence_parallel_grads(model, groups.tp)
+            if cfg.dp == 1:
+                allreduce_sequence_parallel_grads(model, groups.tp)
 
             ref_opt.zero_grad()
             ref_logits = reference(idx)

@@ -77,8 +77,9 @@ class GradSync:
     """
 
     def __init__(self, named_params: Sequence[tuple[str, nn.Parameter]], group,
-                 config: DataParallelConfig) -> None:
+                 config: DataParallelConfig, sequence_parallel_group=None) -> None:
         self.group, self.config = group, config
+        self.sp_group = sequence_parallel_group
         self.world = comm.group_size(group)
         self.rank = comm.group_rank(group)
         if named_params:
@@ -95,6 +96,10 @@ class GradSync:
         self.names = [n for b in self.buffer.buckets for n in b.names]
         # param -> (its index in backward order, its bucket): one lookup per gradient in the hook
         self.slot = {p: (i, self.buffer.bucket_of(p)) for i, p in enumerate(self.params)}
+        # Per bucket, the parameters whose gradient covers only this rank's tokens under
+        # sequence parallelism: summed over the TP group just before the bucket is reduced.
+        self._sp_params = [[p for p in b.params if getattr(p, "sequence_parallel", False)]
+                           if sequence_parallel_group is not None else [] for b in self.buffer.buckets]
         rd = config.grad_reduce_dtype
         self.reduce_dtype = rd if rd is not None else self.buffer.dtype
         # Staging in the reduce dtype, kept for the buffer's life so that no collective ever
@@ -156,6 +161,8 @@ class GradSync:
     def _launch(self, b: int) -> None:
         assert b == self._next, "buckets launch in order on every rank"
         self._next += 1
+        if self._sp_params[b]:
+            self._sum_sequence_parallel(b)
         data = self.buffer.bucket_data(b)
         if self.group is None:
             if self.shards is not None:
@@ -173,6 +180,21 @@ class GradSync:
         else:
             h = comm.reduce_scatter(self.shards[b], src, self.group, kind="dp_reduce_scatter", name=name)
         self._handles.append((b, h))
+
+    def _sum_sequence_parallel(self, b: int) -> None:
+        """Sum this bucket's sequence-parallel gradients over the TP group (one flat all-reduce).
+
+        Done here, before the bucket's own reduction, because a sharded optimizer's
+        reduce-scatter leaves no full gradient behind to fix up after backward.
+        """
+        grads = [p.grad for p in self._sp_params[b]]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        comm.all_reduce(flat, self.sp_group, kind="tp_all_reduce", name=f"sequence_parallel_grads.bucket{b}",
+                        async_op=False)
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()
 
     def _end_backward(self) -> None:
         span, self._span = self._span, None
@@ -222,11 +244,15 @@ class DataParallel(nn.Module):
     are views into one buffer: keep them (zero with `zero_grad`; an optimizer's
     `zero_grad(set_to_none=True)` also works, at the cost of a copy per parameter).
     `overlap` also takes the engine-wide names "none" (False) and "bulk" (True).
+    `sequence_parallel_group` (the TP group of a sequence-parallel model): the gradients of
+    parameters marked `sequence_parallel` are summed over it in backward, bucket by bucket,
+    before the data-parallel reduction — required with ShardedOptimizer, whose reduce-scatter
+    consumes the gradients; then do not call allreduce_sequence_parallel_grads.
     """
 
     def __init__(self, module: nn.Module, group, *, bucket_mb: float = 25.0, first_bucket_mb: float = 1.0,
                  overlap: bool | str = True, grad_reduce_dtype: torch.dtype | None = None,
-                 find_unused: bool = False) -> None:
+                 find_unused: bool = False, sequence_parallel_group=None) -> None:
         super().__init__()
         if isinstance(overlap, str):
             if overlap not in ("none", "bulk"):
@@ -237,7 +263,10 @@ class DataParallel(nn.Module):
         self.module = module
         self.group = group
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
-        self.sync = GradSync(named, group, self.config)
+        self.sync = GradSync(named, group, self.config, sequence_parallel_group)
+        # With a sequence_parallel_group the TP sum of sequence-parallel gradients happens in
+        # backward; allreduce_sequence_parallel_grads refuses to do it a second time.
+        self.sums_sequence_parallel_grads = sequence_parallel_group is not None
         with torch.no_grad():
             copy_from_first_rank(list(module.parameters()) + list(module.buffers()), group)
 

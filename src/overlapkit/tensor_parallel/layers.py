@@ -301,6 +301,9 @@ def allreduce_sequence_parallel_grads(module: nn.Module, group: dist.ProcessGrou
     optimizer step (and before or after data-parallel reduction: sums commute). One flat
     all-reduce for all of them.
     """
+    if getattr(module, "sums_sequence_parallel_grads", False):
+        raise ValueError("allreduce_sequence_parallel_grads: this DataParallel already sums sequence-parallel "
+                         "gradients over its sequence_parallel_group in backward; a second sum would double them")
     grads = [p.grad for p in module.parameters() if getattr(p, "sequence_parallel", False) and p.grad is not None]
     if not grads or comm.group_size(group) == 1:
         return
