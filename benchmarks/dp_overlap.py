@@ -35,7 +35,7 @@ from overlapkit.models.gpt import GPT, GPTConfig, lm_loss
 from overlapkit.timeline import record
 from overlapkit.timeline.report import measure
 
-PRESETS = {
+PRESETS = {  # also read by dp_overhead_probe.py
     # Small enough that 2 CPU ranks step in ~0.1 s, big enough (5 M parameters, 21 MB of fp32
     # gradients) that the all-reduce is a real share of the step. 4 MiB buckets (for both
     # overlapkit and DDP) give this small model several buckets to overlap, as 25 MiB do a big one.
@@ -43,6 +43,9 @@ PRESETS = {
                 batch=1, bucket_mb=4.0),
     "cuda": dict(gpt=dict(vocab_size=32768, seq_len=512, hidden=1024, num_heads=16, ffn_hidden=4096, num_layers=8),
                  batch=8, bucket_mb=25.0),
+    # ~0.94 B parameters (3.8 GB of fp32 gradients): the multi-GPU comparison with DDP.
+    "cuda-1b": dict(gpt=dict(vocab_size=32768, seq_len=1024, hidden=2048, num_heads=16, ffn_hidden=8192, num_layers=16),
+                    batch=4, bucket_mb=25.0),
 }
 VARIANTS = ("overlapkit overlap=True", "overlapkit overlap=False", "torch DDP", "no communication")
 
@@ -164,11 +167,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--recorded", type=int, default=3, help="extra recorded steps per overlapkit variant")
     ap.add_argument("--bucket-mb", type=float, default=None, help="bucket cap for overlapkit and DDP alike")
+    ap.add_argument("--preset", choices=sorted(PRESETS), default=None, help="model size (default: the device's)")
     args = ap.parse_args(argv)
     world = world_size(args)
     if world is None:
         return 2
-    preset = dict(PRESETS[args.device])
+    preset_name = args.preset or args.device
+    preset = dict(PRESETS[preset_name])
     if args.bucket_mb is not None:
         preset["bucket_mb"] = args.bucket_mb
     per_rank = spawn(_rank_body, world, args.device, preset, args.steps, args.warmup, args.recorded, 0,
@@ -177,7 +182,9 @@ def main(argv: list[str] | None = None) -> int:
                   world=world, torch=torch.__version__, preset=preset, steps=args.steps,
                   params=per_rank[0]["params"], buckets=per_rank[0]["buckets"],
                   comm_mb=per_rank[0]["comm_bytes"] / 1e6, rows=summarize(per_rank))
-    write_results(result, os.path.join(args.out, f"dp_overlap_{args.device}"), markdown)
+    # dp_overlap_cpu / dp_overlap_cuda for the default runs; preset and GPU count named otherwise
+    tag = ("" if preset_name == args.device else f"_{preset_name}") + (f"_ws{world}" if args.device == "cuda" and world > 1 else "")
+    write_results(result, os.path.join(args.out, f"dp_overlap_{args.device}{tag}"), markdown)
     return 0
 
 

@@ -14,7 +14,7 @@ def _demo(args) -> int:
     from .demo import DemoConfig, run
     try:
         cfg = DemoConfig(tp=args.tp, dp=args.dp, steps=args.steps, overlap=args.overlap,
-                         device=args.device, seed=args.seed)
+                         device=args.device, seed=args.seed, trace_dir=args.trace)
     except ValueError as e:
         print(f"overlapkit demo: {e}", file=sys.stderr)
         return 2
@@ -45,6 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="cpu: gloo ranks; cuda: NCCL, a GPU a rank")
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--plot", default="timeline.png", help="timeline picture to write ('' for none)")
+    demo.add_argument("--trace", metavar="DIR", default=None,
+                      help="also write a PyTorch profiler trace per rank to DIR (for overlapkit analyze)")
     demo.set_defaults(func=_demo)
 
     doctor = sub.add_parser("doctor", help="versions, GPUs, peer access, CUDA_DEVICE_MAX_CONNECTIONS and what it means")

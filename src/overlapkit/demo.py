@@ -9,6 +9,7 @@ collectives each layer ran in forward and in backward, and the overlap report.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import re
@@ -37,6 +38,9 @@ class DemoConfig:
     """cpu (gloo) or cuda (NCCL, one GPU a rank)."""
     seed: int = 0
     """Seed of the model and the data; the same on every rank."""
+    trace_dir: str | None = None
+    """If set, every rank also runs torch.profiler and writes its trace there
+    (rank<N>.json), ready for `overlapkit analyze`."""
 
     def __post_init__(self) -> None:
         for name in ("tp", "dp", "steps"):
@@ -82,7 +86,7 @@ def run_rank(cfg: DemoConfig) -> dict:
     steps = []
     show = groups.rank == 0
     progress = _progress(cfg.steps) if show else None
-    with record(device=device) as rec:
+    with record(device=device) as rec, _profiler(cfg.trace_dir, groups.rank, device) as prof:
         for step in range(cfg.steps):
             idx = torch.randint(0, mcfg.vocab_size, (batch, mcfg.seq_len), generator=gen).to(device)
             tgt = torch.randint(0, mcfg.vocab_size, (batch, mcfg.seq_len), generator=gen).to(device)
@@ -110,11 +114,27 @@ def run_rank(cfg: DemoConfig) -> dict:
             opt.step()
             ref_opt.step()
             rec.next_step()
+            if prof is not None:
+                prof.step()
             if progress is not None:
                 progress[0].update(progress[1], advance=1, description=f"step {step}: loss {ref_loss.item():.4f}")
     if progress is not None:
         progress[0].stop()
     return dict(rank=groups.rank, steps=steps, spans=rec.spans)
+
+
+@contextlib.contextmanager
+def _profiler(trace_dir: str | None, rank: int, device: torch.device):
+    """torch.profiler over the steps (each a ProfilerStep#N), exported to trace_dir/rank<N>.json."""
+    if trace_dir is None:
+        yield None
+        return
+    from torch.profiler import ProfilerActivity, profile
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        yield prof
+    os.makedirs(trace_dir, exist_ok=True)
+    prof.export_chrome_trace(os.path.join(trace_dir, f"rank{rank}.json"))
 
 
 def _progress(total: int):
