@@ -184,7 +184,10 @@ def tp_engine_rows(d: dict) -> list[dict]:
         return []
     rows, world, m = [], d["world"], d["tokens"]
     for name, g in d["summary"]["gemms"].items():
+        # K and N are the unsharded layer's; the GEMM timed is one rank's shard of it
+        # (column layers split N, row layers split K over the tp ranks).
         k, n, tp = g["K"], g["N"], g["tp"]
+        k, n = (k, n // tp) if g["kind"] == "ag" else (k // tp, n)
         measured = {key: r["ms"] for key, r in g["rows"].items() if r.get("ms") is not None}
         if "gemm" in measured:
             rows.append(dict(what=f"TP benchmark {name} (M={m}, K={k}, N={n}): GEMM", predicted=hw.gemm_ms(m, k, n),
@@ -230,7 +233,7 @@ def dp_engine_rows(r: dict) -> list[dict]:
 def engine_rows(results: Path) -> list[dict]:
     """The engines' own CUDA benchmark results in `results`, where they have run."""
     rows = []
-    for path in sorted(results.glob("tp_overlap_cuda_ws*.json")):
+    for path in sorted(p for p in results.glob("tp_overlap_*_ws*.json") if "_cpu_" not in p.name):
         rows += tp_engine_rows(json.loads(path.read_text()))
     if (results / "dp_overlap_cuda.json").is_file():
         rows += dp_engine_rows(json.loads((results / "dp_overlap_cuda.json").read_text()))
