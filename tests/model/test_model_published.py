@@ -50,9 +50,12 @@ def test_seed_worked_examples_reproduce(bench):
 
 
 def test_engine_benchmark_results_are_predicted_when_present(bench, tmp_path):
-    """The shape of tp_overlap.py / dp_overlap.py CUDA results; values made up to exercise the reader."""
+    """The shape of tp_overlap.py / dp_overlap.py CUDA results; values made up to exercise the reader.
+
+    tp_overlap.py records the unsharded layer's K x N and the TP degree; the GEMM it times is
+    one rank's shard (N / tp for a column layer like qkv)."""
     tp = {"device": "NVIDIA H200", "world": 1, "tokens": 8192, "summary": {"gemms": {"llama3-70b qkv": {
-        "kind": "ag", "K": 8192, "N": 1280, "tp": 8,
+        "kind": "ag", "K": 8192, "N": 1280 * 8, "tp": 8,
         "rows": {"gemm": {"ms": 0.21}, "pipelined p2p c=8": {"ms": 0.32},
                  "pipelined symm_mem c=4": {"ms": None, "error": "x"}}}}}}
     dp = {"device": "NVIDIA H200", "world": 1, "preset": {"gpt": dict(vocab_size=32768, seq_len=512, hidden=1024,
