@@ -33,6 +33,15 @@ def backend(device: str) -> str:
     return "nccl" if device == "cuda" else "gloo"
 
 
+def line_up(device: torch.device) -> None:
+    """All ranks line up (and the GPU drains) before a timed call or step starts."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    torch.distributed.all_reduce(torch.zeros(1, device=device))
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def device_label(device: str) -> str:
     return torch.cuda.get_device_name(0) if device == "cuda" else f"CPU ({platform.machine()}, gloo)"
 

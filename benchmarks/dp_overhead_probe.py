@@ -48,7 +48,7 @@ def _body(device_type: str, steps: int) -> dict:
         model = wrap(GPT(cfg).to(device))
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
 
-        def step():
+        def step(model=model, opt=opt):
             opt.zero_grad()
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
                 loss = lm_loss(model(x), y)
@@ -63,7 +63,6 @@ def _body(device_type: str, steps: int) -> dict:
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
         tables[name] = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=60)
-        del model, opt
     return tables
 
 

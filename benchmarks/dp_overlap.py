@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from _common import add_common_args, backend, device_label, world_size, write_results
+from _common import add_common_args, backend, device_label, line_up, world_size, write_results
 from overlapkit.data_parallel import DataParallel
 from overlapkit.launch import spawn
 from overlapkit.models.gpt import GPT, GPTConfig, lm_loss
@@ -50,17 +50,8 @@ PRESETS = {  # also read by dp_overhead_probe.py
 VARIANTS = ("overlapkit overlap=True", "overlapkit overlap=False", "torch DDP", "no communication")
 
 
-def _sync(device: torch.device) -> None:
-    """All ranks line up (and the GPU drains) before a timed step starts."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    dist.all_reduce(torch.zeros(1, device=device))
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _rank_body(device_type: str, preset: dict, steps: int, warmup: int, recorded: int, seed: int) -> dict:
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     device = torch.device(device_type, rank) if device_type == "cuda" else torch.device("cpu")
     cfg = GPTConfig(**preset["gpt"])
     group = dist.group.WORLD
@@ -93,7 +84,7 @@ def _rank_body(device_type: str, preset: dict, steps: int, warmup: int, recorded
     for i in range(warmup + steps):
         order = VARIANTS[i % len(VARIANTS):] + VARIANTS[:i % len(VARIANTS)]
         for name in order:
-            _sync(device)
+            line_up(device)
             t0 = time.perf_counter()
             step(name)
             if device.type == "cuda":
@@ -105,7 +96,7 @@ def _rank_body(device_type: str, preset: dict, steps: int, warmup: int, recorded
     with record(device=device) as rec:
         for _ in range(recorded):
             for name in VARIANTS[:2]:
-                _sync(device)
+                line_up(device)
                 rec.next_step()
                 step(name)
                 per_step[name].append(rec.step)

@@ -38,7 +38,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from _common import add_common_args, backend, device_label, world_size, write_results
+from _common import add_common_args, backend, device_label, line_up, world_size, write_results
 from overlapkit import comm
 from overlapkit.launch import spawn
 from overlapkit.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
@@ -66,16 +66,8 @@ def tp_gemms(model: str, shrink: int) -> list[tuple[str, str, int, int]]:
     return [(n, kind, k // shrink, nn // shrink) for n, kind, k, nn in full]
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    dist.all_reduce(torch.zeros(1, device=device))
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _time_ms(fn, device: torch.device) -> float:
-    _sync(device)
+    line_up(device)
     if device.type == "cuda":
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()

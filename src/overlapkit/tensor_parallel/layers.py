@@ -188,6 +188,17 @@ class _ParallelLinear(nn.Module):
             self.auto_choices[key] = (mode, chunks if ok else None)
         return self.auto_choices[key]
 
+    @classmethod
+    def from_full(cls, linear: nn.Linear, group: dist.ProcessGroup, **kwargs):
+        """This rank's shard of an unsharded nn.Linear (same dtype and device); kwargs go to the layer."""
+        layer = cls(linear.in_features, linear.out_features, group, bias=linear.bias is not None,
+                    device=linear.weight.device, dtype=linear.weight.dtype, **kwargs)
+        with torch.no_grad():
+            layer.weight.copy_(layer.shard_of(linear.weight))
+            if linear.bias is not None:
+                layer.bias.copy_(layer.shard_of(linear.bias))
+        return layer
+
     def extra_repr(self) -> str:
         return (f"in={self.in_features}, out={self.out_features}, tp={self.tp_size}, "
                 f"sp={self.sequence_parallel}, overlap={self.overlap!r}")
@@ -216,16 +227,6 @@ class ColumnParallelLinear(_ParallelLinear):
     def shard_of(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's slice of a full weight [out, in] or bias [out] (rows)."""
         return full.chunk(self.tp_size, dim=0)[self.tp_rank]
-
-    @classmethod
-    def from_full(cls, linear: nn.Linear, group: dist.ProcessGroup, **kwargs) -> "ColumnParallelLinear":
-        layer = cls(linear.in_features, linear.out_features, group, bias=linear.bias is not None,
-                    device=linear.weight.device, dtype=linear.weight.dtype, **kwargs)
-        with torch.no_grad():
-            layer.weight.copy_(layer.shard_of(linear.weight))
-            if linear.bias is not None:
-                layer.bias.copy_(layer.shard_of(linear.bias))
-        return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         _check_input(self, x, self.in_features, sp_split=False)
@@ -268,16 +269,6 @@ class RowParallelLinear(_ParallelLinear):
     def shard_of(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's slice of a full weight [out, in] (columns); a bias is not split."""
         return full.chunk(self.tp_size, dim=-1)[self.tp_rank] if full.dim() == 2 else full
-
-    @classmethod
-    def from_full(cls, linear: nn.Linear, group: dist.ProcessGroup, **kwargs) -> "RowParallelLinear":
-        layer = cls(linear.in_features, linear.out_features, group, bias=linear.bias is not None,
-                    device=linear.weight.device, dtype=linear.weight.dtype, **kwargs)
-        with torch.no_grad():
-            layer.weight.copy_(layer.shard_of(linear.weight))
-            if linear.bias is not None:
-                layer.bias.copy_(linear.bias)
-        return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         expected = self.in_per_rank if self.input_is_parallel else self.in_features
