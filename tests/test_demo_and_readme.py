@@ -18,10 +18,14 @@ def test_readme_opens_with_the_two_commands_ci_runs():
     assert lines[1] in ci  # .ci/run runs exactly the README's test command
 
 
-def test_demo_tp2_dp2_passes_its_check_and_draws(tmp_path):
-    png = tmp_path / "timeline.png"
-    assert run(DemoConfig(tp=2, dp=2, steps=2, overlap="bulk"), plot_path=str(png)) == 0
+def test_demo_tp2_dp2_passes_its_check_draws_and_traces(tmp_path):
+    png, traces = tmp_path / "timeline.png", tmp_path / "traces"
+    assert run(DemoConfig(tp=2, dp=2, steps=2, overlap="bulk", trace_dir=str(traces)), plot_path=str(png)) == 0
     assert png.stat().st_size > 10_000
+    from overlapkit.timeline import read_traces, report_traces
+    report = report_traces(read_traces(sorted(traces.glob("rank*.json")))).to_dict()
+    assert sorted(r["rank"] for r in report["ranks"]) == [0, 1, 2, 3]
+    assert all(r["comm_ms"] > 0 and r["compute_ms"] > 0 for r in report["ranks"])
 
 
 def test_demo_pipelined_odd_tp_mirrors_forward_in_backward():

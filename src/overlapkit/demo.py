@@ -86,7 +86,7 @@ def run_rank(cfg: DemoConfig) -> dict:
     steps = []
     show = groups.rank == 0
     progress = _progress(cfg.steps) if show else None
-    with record(device=device) as rec, _profiler(cfg.trace_dir, groups.rank, device) as prof:
+    with record(device=device) as rec, _profiler(cfg.trace_dir, groups.rank, device, cfg.steps) as prof:
         for step in range(cfg.steps):
             idx = torch.randint(0, mcfg.vocab_size, (batch, mcfg.seq_len), generator=gen).to(device)
             tgt = torch.randint(0, mcfg.vocab_size, (batch, mcfg.seq_len), generator=gen).to(device)
@@ -124,17 +124,19 @@ def run_rank(cfg: DemoConfig) -> dict:
 
 
 @contextlib.contextmanager
-def _profiler(trace_dir: str | None, rank: int, device: torch.device):
+def _profiler(trace_dir: str | None, rank: int, device: torch.device, steps: int):
     """torch.profiler over the steps (each a ProfilerStep#N), exported to trace_dir/rank<N>.json."""
     if trace_dir is None:
         yield None
         return
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import ProfilerActivity, profile, schedule
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with profile(activities=activities) as prof:
-        yield prof
     os.makedirs(trace_dir, exist_ok=True)
-    prof.export_chrome_trace(os.path.join(trace_dir, f"rank{rank}.json"))
+    path = os.path.join(trace_dir, f"rank{rank}.json")
+    # A schedule makes the profiler mark each step (ProfilerStep#N), which the analyzer reports on.
+    with profile(activities=activities, schedule=schedule(wait=0, warmup=0, active=steps, repeat=1),
+                 on_trace_ready=lambda p: p.export_chrome_trace(path)) as prof:
+        yield prof
 
 
 def _progress(total: int):
@@ -177,8 +179,12 @@ def run(cfg: DemoConfig, plot_path: str | None = "timeline.png") -> int:
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun: this process is a rank
         from .groups import init
         init(tp=cfg.tp, dp=cfg.dp, backend="nccl" if cfg.device == "cuda" else "gloo")
-        results = [run_rank(cfg)]
-        if dist.get_rank() != 0:
+        try:
+            results = [run_rank(cfg)]
+        finally:
+            rank = dist.get_rank()
+            dist.destroy_process_group()
+        if rank != 0:
             return 0 if results[0]["steps"][-1]["rel_err"] <= TOLERANCE else 1
     else:
         if cfg.device == "cuda" and torch.cuda.device_count() < world:
