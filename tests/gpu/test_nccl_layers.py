@@ -31,7 +31,8 @@ def test_layers_on_nccl():
 
 @distributed(world_size=None, backend="nccl", timeout_s=120)
 def _gpt_nccl():
-    return {(sp, ov): _on_cuda(_gpt_errors, sp, ov) for sp in (False, True) for ov in ("none", "bulk")}
+    cases = [(sp, ov) for sp in (False, True) for ov in ("none", "bulk", "auto")] + [(True, "pipelined")]
+    return {(sp, ov): _on_cuda(_gpt_errors, sp, ov) for sp, ov in cases}
 
 
 def test_parallel_gpt_on_nccl():
