@@ -22,6 +22,9 @@ def test_demo_tp2_dp2_passes_its_check_draws_and_traces(tmp_path):
     png, traces = tmp_path / "timeline.png", tmp_path / "traces"
     assert run(DemoConfig(tp=2, dp=2, steps=2, overlap="bulk", trace_dir=str(traces)), plot_path=str(png)) == 0
     assert png.stat().st_size > 10_000
+    events = __import__("json").loads((tmp_path / "timeline_perfetto.json").read_text())
+    events = events["traceEvents"] if isinstance(events, dict) else events
+    assert any(e.get("ph") == "X" for e in events)  # complete events Perfetto draws
     from overlapkit.timeline import read_traces, report_traces
     report = report_traces(read_traces(sorted(traces.glob("rank*.json")))).to_dict()
     assert sorted(r["rank"] for r in report["ranks"]) == [0, 1, 2, 3]

@@ -224,8 +224,10 @@ def print_results(cfg: DemoConfig, results: list[dict], plot_path: str | None) -
     report = report_spans(spans)
     print_report(report, console=console)
     if plot_path:
-        from .timeline.plot import plot_spans
+        from .timeline.plot import plot_spans, write_chrome_trace
         plot_spans(spans, plot_path, title=f"overlapkit demo: tp={cfg.tp} dp={cfg.dp} overlap={cfg.overlap}")
-        console.print(f"timeline picture: {plot_path}")
+        perfetto = os.path.splitext(plot_path)[0] + "_perfetto.json"
+        write_chrome_trace(spans, perfetto)
+        console.print(f"timeline picture: {plot_path}; the same spans for Perfetto / chrome://tracing: {perfetto}")
     console.print("[green]demo passed[/green]" if ok else "[red]demo FAILED: parallel and single-process numbers differ[/red]")
     return 0 if ok else 1

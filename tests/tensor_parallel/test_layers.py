@@ -18,6 +18,17 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
+def scaled_err(a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor) -> float:
+    """Largest |a - b| relative to the sum of the magnitudes of the terms that made b.
+
+    Each element of an output or gradient is a sum (over tokens or features); when its terms
+    cancel, the sum is tiny and its own size is no yardstick for rounding (a bias gradient of
+    0.005 summed from twelve O(1) terms carries ~1e-7 of fp32 rounding either way). Relative to
+    the sum of |terms| the error of any correct reduction order is ~n·2^-24, far below RTOL; a
+    wrong sharding or a missing reduction is O(1)."""
+    return ((a - b).abs() / scale.clamp_min(1e-30)).max().item()
+
+
 def _configs(ws: int, seed: int):
     rng = random.Random(seed)
     for kind in ("column", "row"):
@@ -32,7 +43,7 @@ def _configs(ws: int, seed: int):
 
 
 def check_layer(cfg, group) -> float:
-    """Largest relative error of output and grads of one parallel layer vs nn.Linear."""
+    """Largest error of output and grads of one parallel layer vs nn.Linear (see scaled_err)."""
     ws, r = dist.get_world_size(group), dist.get_rank(group)
     torch.manual_seed(1234)  # same full layer and data on every rank
     full = nn.Linear(cfg["fin"], cfg["fout"], bias=cfg["bias"])
@@ -40,27 +51,37 @@ def check_layer(cfg, group) -> float:
     G = torch.randn(*cfg["lead"], cfg["fout"])
     Y = full(X)
     (Y * G).sum().backward()
+    # The same products with every term made positive: their sums are the error yardsticks.
+    absf = nn.Linear(cfg["fin"], cfg["fout"], bias=cfg["bias"])
+    with torch.no_grad():
+        absf.weight.copy_(full.weight.abs())
+        if cfg["bias"]:
+            absf.bias.copy_(full.bias.abs())
+    Xa = X.detach().abs().requires_grad_(True)
+    Ya = absf(Xa)
+    (Ya * G.abs()).sum().backward()
 
     sp = cfg["sp"]
     if cfg["kind"] == "column":
         layer = ColumnParallelLinear.from_full(full, group, sequence_parallel=sp, overlap=cfg["overlap"])
         x = X.detach().chunk(ws, 0)[r] if sp else X.detach()
-        y_ref = Y.detach().chunk(ws, -1)[r]
+        y_ref, y_scale = Y.detach().chunk(ws, -1)[r], Ya.detach().chunk(ws, -1)[r]
         g = G.chunk(ws, -1)[r]
-        dx_ref = X.grad.chunk(ws, 0)[r] if sp else X.grad
+        dx_ref, dx_scale = (X.grad.chunk(ws, 0)[r], Xa.grad.chunk(ws, 0)[r]) if sp else (X.grad, Xa.grad)
     else:
         layer = RowParallelLinear.from_full(full, group, sequence_parallel=sp, overlap=cfg["overlap"])
         x = X.detach().chunk(ws, -1)[r]
-        y_ref = Y.detach().chunk(ws, 0)[r] if sp else Y.detach()
+        y_ref, y_scale = (Y.detach().chunk(ws, 0)[r], Ya.detach().chunk(ws, 0)[r]) if sp else (Y.detach(), Ya.detach())
         g = G.chunk(ws, 0)[r] if sp else G
-        dx_ref = X.grad.chunk(ws, -1)[r]
+        dx_ref, dx_scale = X.grad.chunk(ws, -1)[r], Xa.grad.chunk(ws, -1)[r]
     x = x.clone().requires_grad_(True)
     y = layer(x)
     (y * g).sum().backward()
     allreduce_sequence_parallel_grads(layer, group)
-    errs = [rel_err(y, y_ref), rel_err(x.grad, dx_ref), rel_err(layer.weight.grad, layer.shard_of(full.weight.grad))]
+    errs = [scaled_err(y, y_ref, y_scale), scaled_err(x.grad, dx_ref, dx_scale),
+            scaled_err(layer.weight.grad, layer.shard_of(full.weight.grad), layer.shard_of(absf.weight.grad))]
     if cfg["bias"]:
-        errs.append(rel_err(layer.bias.grad, layer.shard_of(full.bias.grad)))
+        errs.append(scaled_err(layer.bias.grad, layer.shard_of(full.bias.grad), layer.shard_of(absf.bias.grad)))
     return max(errs)
 
 
