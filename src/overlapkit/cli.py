@@ -54,11 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.set_defaults(func=_doctor)
 
     for module in _REGISTERED:
-        try:
-            importlib.import_module(module).register(sub)
-        except ModuleNotFoundError as e:
-            if e.name != module:
-                raise
+        importlib.import_module(module).register(sub)
     return parser
 
 
