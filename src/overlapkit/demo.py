@@ -120,7 +120,7 @@ def run_rank(cfg: DemoConfig) -> dict:
                 progress[0].update(progress[1], advance=1, description=f"step {step}: loss {ref_loss.item():.4f}")
     if progress is not None:
         progress[0].stop()
-    return dict(rank=groups.rank, steps=steps, spans=rec.spans)
+    return dict(rank=groups.rank, steps=steps, spans=rec.spans, origin_unix_ms=rec.origin_unix_ms)
 
 
 @contextlib.contextmanager
@@ -219,13 +219,19 @@ def print_results(cfg: DemoConfig, results: list[dict], plot_path: str | None) -
         layers.add_row(layer, ", ".join(phases["fwd"]) or "-", ", ".join(phases["bwd"]) or "-")
     console.print(layers)
 
-    spans = [s for r in results for s in r["spans"]]
+    # Every rank's spans on one clock (the ranks' recorders started at different moments).
+    origin = min(r["origin_unix_ms"] for r in results)
+    spans = [s.shifted(origin - r["origin_unix_ms"]) for r in results for s in r["spans"]]
     from .timeline import print_report, report_spans
     report = report_spans(spans)
     print_report(report, console=console)
     if plot_path:
         from .timeline.plot import plot_spans, write_chrome_trace
-        plot_spans(spans, plot_path, title=f"overlapkit demo: tp={cfg.tp} dp={cfg.dp} overlap={cfg.overlap}")
+        # Step 0 pays for start-up (ranks joining their first collective at different times):
+        # the picture shows the steps after it, the report above covers every step.
+        shown = [s for s in spans if s.step != 0] if cfg.steps > 1 else spans
+        steps = f"steps 1-{cfg.steps - 1}" if cfg.steps > 1 else "step 0"
+        plot_spans(shown, plot_path, title=f"overlapkit demo: tp={cfg.tp} dp={cfg.dp} overlap={cfg.overlap}, {steps}")
         perfetto = os.path.splitext(plot_path)[0] + "_perfetto.json"
         write_chrome_trace(spans, perfetto)
         console.print(f"timeline picture: {plot_path}; the same spans for Perfetto / chrome://tracing: {perfetto}")
