@@ -56,3 +56,14 @@ def test_readme_example_runs_on_four_ranks():
     out = spawn(_readme_example, 4)
     assert all(n > 0 for _, n in out)
     assert all(abs(loss - out[0][0]) < 1e-5 for loss, _ in out[:2])  # TP ranks see one loss
+
+
+def test_demo_under_torchrun(tmp_path):
+    """The README's torchrun form: every process is a rank, overlapkit.init reads the environment."""
+    import subprocess
+    import sys
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "overlapkit", "demo", "--tp", "2", "--dp", "1", "--steps", "1", "--plot", ""]
+    out = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    assert "demo passed" in out.stdout
