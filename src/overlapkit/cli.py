@@ -22,13 +22,24 @@ def _demo(args) -> int:
 
 
 def _doctor(args) -> int:
-    from .doctor import facts, print_doctor
+    from .doctor import facts, print_doctor, print_probe
     info = facts()
+    if args.probe:
+        if not info["cuda_available"]:
+            print("overlapkit doctor --probe: needs a CUDA device (it times a GEMM beside transfers on a "
+                  "side stream); this machine has none", file=sys.stderr)
+            return 2
+        from dataclasses import asdict
+
+        from .probe import measure
+        info["probe"] = [dict(asdict(c), hidden_fraction=c.hidden_fraction, verdict=c.verdict) for c in measure()]
     if args.json:
         import json
         print(json.dumps(info, indent=2))
     else:
         print_doctor(info)
+        if "probe" in info:
+            print_probe(info["probe"])
     return 0
 
 
@@ -51,6 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     doctor = sub.add_parser("doctor", help="versions, GPUs, peer access, CUDA_DEVICE_MAX_CONNECTIONS and what it means")
     doctor.add_argument("--json", action="store_true", help="print the facts as JSON")
+    doctor.add_argument("--probe", action="store_true",
+                        help="measure whether transfers on a side stream really overlap a GEMM on this GPU")
     doctor.set_defaults(func=_doctor)
 
     for module in _REGISTERED:

@@ -107,3 +107,21 @@ def print_doctor(info: dict | None = None) -> None:
         console.print(p)
     for line in advice(info):
         console.print(line)
+
+
+def print_probe(rows: list[dict]) -> None:
+    """The overlap probe's rows (see overlapkit.probe), with what they mean."""
+    lines = [f"{r['transfer']}: GEMM {r['gemm_ms']:.2f} ms, transfer {r['transfer_ms']:.2f} ms, together "
+             f"{r['both_ms']:.2f} ms -> {r['hidden_fraction']:.2f} of the shorter hidden: {r['verdict']}"
+             for r in rows]
+    lines.append("Copy-engine transfers can hide behind GEMMs; transfers that run as SM kernels compete with "
+                 "them. This is measured with this process's CUDA_DEVICE_MAX_CONNECTIONS.")
+    try:
+        from rich.console import Console
+    except ImportError:
+        print("\n".join(lines))
+        return
+    console = Console()
+    console.print("[bold]overlap probe[/bold] (one GPU, a bf16 GEMM beside a transfer on a side stream)")
+    for line in lines:
+        console.print(line)
