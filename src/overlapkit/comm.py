@@ -123,6 +123,19 @@ def all_reduce(t: torch.Tensor, group, *, kind: str = "tp_all_reduce", name: str
     return _finish(h, async_op)
 
 
+def all_reduce_coalesced(tensors: Sequence[torch.Tensor], group, *, kind: str, name: str = "") -> None:
+    """Sum `tensors` (one dtype) over the group in place, as one flat synchronous all-reduce."""
+    if not tensors:
+        return
+    flat = torch.cat([t.detach().reshape(-1) for t in tensors])
+    all_reduce(flat, group, kind=kind, name=name, async_op=False)
+    offset = 0
+    with torch.no_grad():
+        for t in tensors:
+            t.copy_(flat[offset:offset + t.numel()].view_as(t))
+            offset += t.numel()
+
+
 def exchange(sends: Sequence[tuple[torch.Tensor, int]], recvs: Sequence[tuple[torch.Tensor, int]],
              group, *, kind: str = "tp_all_gather", name: str = "", async_op: bool = True) -> Handle:
     """Batched point-to-point: send each (tensor, group_peer) and receive each (tensor, group_peer)."""

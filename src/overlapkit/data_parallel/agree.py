@@ -55,12 +55,8 @@ def copy_from_first_rank(tensors: list[torch.Tensor], group) -> None:
             by_dtype.setdefault(t.dtype, []).append(t)
     first = comm.group_rank(group) == 0
     for ts in by_dtype.values():
-        with torch.no_grad():
-            flat = torch.cat([t.detach().reshape(-1) for t in ts])
-            if not first:
-                flat.zero_()
-            comm.all_reduce(flat, group, kind="dp_all_reduce", name="broadcast", async_op=False)
-            offset = 0
-            for t in ts:
-                t.copy_(flat[offset:offset + t.numel()].view_as(t))
-                offset += t.numel()
+        if not first:
+            with torch.no_grad():
+                for t in ts:
+                    t.zero_()
+        comm.all_reduce_coalesced(ts, group, kind="dp_all_reduce", name="broadcast")

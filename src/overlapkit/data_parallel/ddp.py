@@ -187,14 +187,8 @@ class GradSync:
         Done here, before the bucket's own reduction, because a sharded optimizer's
         reduce-scatter leaves no full gradient behind to fix up after backward.
         """
-        grads = [p.grad for p in self._sp_params[b]]
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        comm.all_reduce(flat, self.sp_group, kind="tp_all_reduce", name=f"sequence_parallel_grads.bucket{b}",
-                        async_op=False)
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset:offset + g.numel()].view_as(g))
-            offset += g.numel()
+        comm.all_reduce_coalesced([p.grad for p in self._sp_params[b]], self.sp_group, kind="tp_all_reduce",
+                                  name=f"sequence_parallel_grads.bucket{b}")
 
     def _end_backward(self) -> None:
         span, self._span = self._span, None

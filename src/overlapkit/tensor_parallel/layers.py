@@ -296,11 +296,5 @@ def allreduce_sequence_parallel_grads(module: nn.Module, group: dist.ProcessGrou
         raise ValueError("allreduce_sequence_parallel_grads: this DataParallel already sums sequence-parallel "
                          "gradients over its sequence_parallel_group in backward; a second sum would double them")
     grads = [p.grad for p in module.parameters() if getattr(p, "sequence_parallel", False) and p.grad is not None]
-    if not grads or comm.group_size(group) == 1:
-        return
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    comm.all_reduce(flat, group, kind="tp_all_reduce", name="sequence_parallel_grads", async_op=False)
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset : offset + g.numel()].view_as(g))
-        offset += g.numel()
+    if comm.group_size(group) > 1:
+        comm.all_reduce_coalesced(grads, group, kind="tp_all_reduce", name="sequence_parallel_grads")
