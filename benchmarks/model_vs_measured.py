@@ -3,7 +3,7 @@
 What the model predicts — GEMM, chunked-GEMM, attention and memory-bound times on H200, the
 seeds' worked examples, Flux's AG+GEMM / GEMM+RS times, PyTorch async-TP's speed-ups, and the
 engines' own benchmarks where they have run — next to what was measured, with the error.
-H200 rows are held out of the fit (see overlapkit.model.calibration): the model never saw them.
+H200 rows are held out of the fit (see overlapkit.costmodel.calibration): the model never saw them.
 
     python benchmarks/model_vs_measured.py                 # tables -> benchmarks/results/
     python benchmarks/model_vs_measured.py --update-docs   # also refresh docs/model.md's table
@@ -22,12 +22,12 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from overlapkit.model import Collectives, Group, ModelConfig, Overlap, ParallelConfig, load_model, predict, preset
-from overlapkit.model.calibration import FITTED_HIDDEN, HELD_OUT_ATTENTION_TP, fit_curves, split_gemm
-from overlapkit.model.hardware import Link
-from overlapkit.model.overlap import bucket_sizes, buckets_ms
-from overlapkit.model.planner import Site, plan_site
-from overlapkit.model.transformer import layer_gemms
+from overlapkit.costmodel import Collectives, Group, ModelConfig, Overlap, ParallelConfig, load_model, predict, preset
+from overlapkit.costmodel.calibration import FITTED_HIDDEN, HELD_OUT_ATTENTION_TP, fit_curves, split_gemm
+from overlapkit.costmodel.hardware import Link
+from overlapkit.costmodel.overlap import bucket_sizes, buckets_ms
+from overlapkit.costmodel.planner import Site, plan_site
+from overlapkit.costmodel.transformer import layer_gemms
 
 ROOT = Path(__file__).resolve().parents[1]
 PRESET_JSON = ROOT / "src" / "overlapkit" / "model" / "data" / "h200-sxm.json"
@@ -263,7 +263,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--calibration", help="folder with h200_gemm_grid.json and h200_1gpu_probe.json")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
-    ap.add_argument("--write-preset", action="store_true", help="refit src/overlapkit/model/data/h200-sxm.json")
+    ap.add_argument("--write-preset", action="store_true", help="refit src/overlapkit/costmodel/data/h200-sxm.json")
     ap.add_argument("--update-docs", action="store_true", help="rewrite the table block in docs/model.md")
     args = ap.parse_args(argv)
     cal = calibration_dir(args.calibration)

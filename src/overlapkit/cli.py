@@ -7,7 +7,7 @@ import importlib
 import sys
 
 # Subcommands that live with their concern; each module exposes register(subparsers).
-_REGISTERED = ("overlapkit.timeline.cli", "overlapkit.model.cli")
+_REGISTERED = ("overlapkit.timeline.cli", "overlapkit.costmodel.cli")
 
 
 def _demo(args) -> int:

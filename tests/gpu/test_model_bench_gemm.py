@@ -5,10 +5,10 @@ import statistics
 
 import torch
 
-from overlapkit.model import ParallelConfig, load_hardware, plan
-from overlapkit.model.bench_gemm import hardware_from_grid, measure
-from overlapkit.model.calibration import split_gemm
-from overlapkit.model.hardware import preset
+from overlapkit.costmodel import ParallelConfig, load_hardware, plan
+from overlapkit.costmodel.bench_gemm import hardware_from_grid, measure
+from overlapkit.costmodel.calibration import split_gemm
+from overlapkit.costmodel.hardware import preset
 
 
 def test_bench_gemm_writes_a_hardware_file_the_planner_reads(tmp_path):

@@ -5,7 +5,7 @@ import torch.distributed as dist
 
 from distributed import distributed
 from models.test_parallel_gpt import _gpt_errors
-from overlapkit.model import choose_tp_overlap
+from overlapkit.costmodel import choose_tp_overlap
 from overlapkit.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
 

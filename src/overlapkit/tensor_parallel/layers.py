@@ -9,7 +9,7 @@ backward GEMMs need the gathered output gradient), so bulk equals none there.
 overlap="pipelined" (sequence parallelism only): the all-gather and reduce-scatter are cut into
 `chunks` and pipelined with the GEMMs that need them, forward and backward, over `transport`
 "p2p" or "symm_mem" (see pipelined.py).
-overlap="auto": the cost model (overlapkit.model.choose_tp_overlap) picks none, bulk or
+overlap="auto": the cost model (overlapkit.costmodel.choose_tp_overlap) picks none, bulk or
 pipelined with a chunk count for this layer's GEMM at the first input of each shape, from the
 GEMM-efficiency curve of `hardware` (a preset, or a file written by `overlapkit bench gemm`).
 
@@ -175,7 +175,7 @@ class _ParallelLinear(nn.Module):
             return self.overlap, self.chunks
         key = (tuple(x.shape), x.dtype)
         if key not in self.auto_choices:
-            from ..model import ConfigError, choose_tp_overlap
+            from ..costmodel import ConfigError, choose_tp_overlap
             try:
                 mode, chunks = choose_tp_overlap(m, k, n, self.tp_size, x.element_size(), self.hardware,
                                                  comm=collective, transport=self.transport)

@@ -5,7 +5,7 @@ from dataclasses import replace
 
 import pytest
 
-from overlapkit.model import Collectives, ConfigError, Group, Link, parse_nccl_tests, preset
+from overlapkit.costmodel import Collectives, ConfigError, Group, Link, parse_nccl_tests, preset
 
 FLAT_50 = Link("50 GB/s", alpha_us=0.0, bandwidth_gbps=50.0, efficiency=1.0)
 

@@ -4,9 +4,9 @@ from dataclasses import replace
 
 import pytest
 
-from overlapkit.model import MODEL_PRESETS, ConfigError, Overlap, ParallelConfig, choose_tp_overlap, plan, preset
-from overlapkit.model.collectives import Collectives, Group
-from overlapkit.model.planner import Site, chunk_candidates, plan_site
+from overlapkit.costmodel import MODEL_PRESETS, ConfigError, Overlap, ParallelConfig, choose_tp_overlap, plan, preset
+from overlapkit.costmodel.collectives import Collectives, Group
+from overlapkit.costmodel.planner import Site, chunk_candidates, plan_site
 
 H200 = preset("h200-sxm")
 

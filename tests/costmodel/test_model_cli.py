@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from overlapkit.model.cli import register
+from overlapkit.costmodel.cli import register
 
 
 def run(argv, capsys):

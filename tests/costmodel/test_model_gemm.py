@@ -5,9 +5,9 @@ import statistics
 
 import pytest
 
-from overlapkit.model import preset
-from overlapkit.model.calibration import HELD_OUT_ATTENTION_TP, split_gemm
-from overlapkit.model.gemm import GemmCurve, fit_gemm_curve, nelder_mead
+from overlapkit.costmodel import preset
+from overlapkit.costmodel.calibration import HELD_OUT_ATTENTION_TP, split_gemm
+from overlapkit.costmodel.gemm import GemmCurve, fit_gemm_curve, nelder_mead
 
 
 def test_roofline_is_memory_bound_for_few_rows_and_compute_bound_for_many():

@@ -4,11 +4,11 @@ An analytic cost model (GEMM curves measured on H200, alpha-beta collectives) an
 stream simulator predict, for a transformer on a cluster, how much of each collective the
 GEMMs can hide, choose the TP overlap per GEMM, and say which switch to turn on next.
 
-    from overlapkit.model import plan, ParallelConfig, Overlap
+    from overlapkit.costmodel import plan, ParallelConfig, Overlap
     report = plan("llama3-70b", "h200-sxm", ParallelConfig(tp=8, dp=4, overlap=Overlap.all("auto")))
     report.to_dict()["step_time_s"]
 
-    from overlapkit.model import choose_tp_overlap
+    from overlapkit.costmodel import choose_tp_overlap
     choose_tp_overlap(8192, 8192, 1280, tp=8, dtype_bytes=2, hardware="h200-sxm")  # ('pipelined', 8)
 """
 

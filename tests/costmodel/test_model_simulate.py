@@ -2,8 +2,8 @@
 
 import pytest
 
-from overlapkit.model.overlap import ag_gemm_ms, bucket_sizes, buckets_ms, bulk_ms, gemm_rs_ms, layered_ms, ring_pieces
-from overlapkit.model.simulate import COMPUTE, Task, makespan, simulate
+from overlapkit.costmodel.overlap import ag_gemm_ms, bucket_sizes, buckets_ms, bulk_ms, gemm_rs_ms, layered_ms, ring_pieces
+from overlapkit.costmodel.simulate import COMPUTE, Task, makespan, simulate
 
 MIB = 2**20
 

@@ -146,7 +146,7 @@ class Hardware:
 
 def _h200_measured() -> dict:
     """H200 curves fitted on the calibration runs (see benchmarks/model_vs_measured.py)."""
-    text = resources.files("overlapkit.model").joinpath("data/h200-sxm.json").read_text()
+    text = resources.files("overlapkit.costmodel").joinpath("data/h200-sxm.json").read_text()
     return json.loads(text)
 
 

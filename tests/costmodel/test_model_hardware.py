@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from overlapkit.model import PRESETS, ConfigError, Hardware, Link, load_hardware, preset
+from overlapkit.costmodel import PRESETS, ConfigError, Hardware, Link, load_hardware, preset
 
 
 def test_presets_load_with_their_published_figures():

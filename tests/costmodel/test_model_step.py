@@ -2,9 +2,9 @@
 
 import pytest
 
-from overlapkit.model import MODEL_PRESETS, ConfigError, ModelConfig, Overlap, ParallelConfig, predict, preset
-from overlapkit.model.schedule import layer_tasks, step_tasks
-from overlapkit.model.simulate import makespan, simulate
+from overlapkit.costmodel import MODEL_PRESETS, ConfigError, ModelConfig, Overlap, ParallelConfig, predict, preset
+from overlapkit.costmodel.schedule import layer_tasks, step_tasks
+from overlapkit.costmodel.simulate import makespan, simulate
 
 H200 = preset("h200-sxm")
 L8, L70 = MODEL_PRESETS["llama3-8b"], MODEL_PRESETS["llama3-70b"]
