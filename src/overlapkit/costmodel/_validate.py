@@ -7,6 +7,8 @@ how much communication the GEMMs can hide.
 
 from __future__ import annotations
 
+import math
+
 
 class ConfigError(ValueError):
     """A configuration value is out of range; the message names the field and the value."""
@@ -19,6 +21,15 @@ def positive(owner: str, field: str, value, *, allow_zero: bool = False) -> None
         return
     bound = ">= 0" if allow_zero else "> 0"
     raise ConfigError(f"{owner}.{field}={value!r}: must be a number {bound}")
+
+
+def finite(owner: str, field: str, value, *, allow_zero: bool = False) -> None:
+    """Fail unless `value` is a finite number > 0 (>= 0 when `allow_zero`): no NaN, no Infinity."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if ok and (value > 0 or (allow_zero and value == 0)):
+        return
+    bound = ">= 0" if allow_zero else "> 0"
+    raise ConfigError(f"{owner}.{field}={value!r}: must be a finite number {bound}")
 
 
 def positive_int(owner: str, field: str, value) -> None:
