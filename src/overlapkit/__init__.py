@@ -14,6 +14,8 @@ _LAZY = {
     "ParallelGroups": ("overlapkit.groups", "ParallelGroups"),
     "ParallelSizes": ("overlapkit.groups", "ParallelSizes"),
     "init": ("overlapkit.groups", "init"),
+    "resolve_group": ("overlapkit.groups", "resolve_group"),
+    "RankMismatchError": ("overlapkit.agreement", "RankMismatchError"),
     "timeline": ("overlapkit.timeline", None),
 }
 

@@ -1,11 +1,15 @@
-"""Process groups for tensor, data, pipeline and expert parallelism, as one explicit object.
+"""The DeviceMesh of a job (named dims pp, dp, cp, tp) and `ParallelGroups`, a view of it.
 
 Nothing here overlaps anything: it lays the world out so that the engines know which ranks
-they talk to. Tensor-parallel ranks are adjacent (rank = tp + tp_size * (dp + dp_size * pp)),
-as in Megatron, so that the chattiest group stays inside a node where NVLink is.
-Expert-parallel groups are carved out of the data-parallel group (adjacent DP ranks).
+they talk to. The mesh is row-major over (pp, dp, cp, tp), so tensor-parallel ranks are
+adjacent (rank = tp + tp_size * (cp + cp_size * (dp + dp_size * pp))), as in Megatron and
+torchtitan: the chattiest group stays inside a node where NVLink is. Expert-parallel groups
+are carved out of the data-parallel group (adjacent DP ranks).
 
-No module globals: every engine takes the group it uses as an argument.
+Every group is created here with the job's timeout (torch's `new_group` and
+`init_device_mesh` would otherwise give each group torch's 30-minute default, whatever the
+user asked for). No module globals: every engine takes its mesh dim or group as an argument,
+and `resolve_group` turns whatever the user passes into the ProcessGroup an engine needs.
 """
 
 from __future__ import annotations
@@ -13,14 +17,30 @@ from __future__ import annotations
 import datetime
 import os
 from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 
+DIMS = ("pp", "dp", "cp", "tp")
+"""Mesh dimension names, outermost first (the order ranks are laid out in)."""
+
+DEFAULT_TIMEOUT_S = 300.0
+"""Timeout of the groups when neither the caller nor the world's group says otherwise."""
+
+
+class Coords(NamedTuple):
+    """Where a rank sits on each mesh dim."""
+
+    tp: int
+    dp: int
+    pp: int
+    cp: int = 0
+
 
 @dataclass(frozen=True)
 class ParallelSizes:
-    """The sizes of each parallel dimension; their product (without ep) is the world size."""
+    """The sizes of each parallel dimension; pp * dp * cp * tp is the world size (ep is carved from dp)."""
 
     tp: int = 1
     """Tensor-parallel size: ranks that split every GEMM of a layer. Adjacent ranks."""
@@ -30,11 +50,13 @@ class ParallelSizes:
     """Pipeline-parallel size: ranks that hold consecutive stages of layers."""
     ep: int = 1
     """Expert-parallel size: carved out of dp (must divide it), like Megatron's expert DP."""
+    cp: int = 1
+    """Context-parallel size: ranks that split the sequence inside attention (ring attention)."""
 
     def __post_init__(self) -> None:
-        for name in ("tp", "dp", "pp", "ep"):
+        for name in ("tp", "dp", "pp", "ep", "cp"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"ParallelSizes.{name} must be an integer >= 1, got {value!r}")
         if self.dp % self.ep != 0:
             raise ValueError(
@@ -44,30 +66,49 @@ class ParallelSizes:
 
     @property
     def world_size(self) -> int:
-        return self.tp * self.dp * self.pp
+        return self.tp * self.cp * self.dp * self.pp
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        """Mesh shape in DIMS order (pp, dp, cp, tp)."""
+        return (self.pp, self.dp, self.cp, self.tp)
 
     def check_world(self, world_size: int) -> None:
         if self.world_size != world_size:
             raise ValueError(
-                f"tp={self.tp} x dp={self.dp} x pp={self.pp} = {self.world_size} "
+                f"pp={self.pp} x dp={self.dp} x cp={self.cp} x tp={self.tp} = {self.world_size} "
                 f"does not equal the world size {world_size}"
             )
 
-    def coords(self, rank: int) -> tuple[int, int, int]:
-        """(tp_rank, dp_rank, pp_rank) of a global rank."""
-        return rank % self.tp, (rank // self.tp) % self.dp, rank // (self.tp * self.dp)
+    def coords(self, rank: int) -> Coords:
+        """(tp, dp, pp, cp) coordinates of a global rank."""
+        tp, rest = rank % self.tp, rank // self.tp
+        cp, rest = rest % self.cp, rest // self.cp
+        return Coords(tp=tp, dp=rest % self.dp, pp=rest // self.dp, cp=cp)
 
-    def rank_of(self, tp: int, dp: int, pp: int) -> int:
-        return tp + self.tp * (dp + self.dp * pp)
+    def rank_of(self, tp: int, dp: int, pp: int, cp: int = 0) -> int:
+        return tp + self.tp * (cp + self.cp * (dp + self.dp * pp))
+
+    def mesh_tensor(self) -> torch.Tensor:
+        return torch.arange(self.world_size).reshape(self.shape)
+
+    def groups_of(self, dim: str) -> list[list[int]]:
+        """Every group of ranks along one mesh dim, in a fixed order (every rank creates them all)."""
+        axis = DIMS.index(dim)
+        mesh = self.mesh_tensor().movedim(axis, -1)
+        return mesh.reshape(-1, self.shape[axis]).tolist()
 
     def tp_groups(self) -> list[list[int]]:
-        return [[self.rank_of(t, d, p) for t in range(self.tp)] for p in range(self.pp) for d in range(self.dp)]
+        return self.groups_of("tp")
 
     def dp_groups(self) -> list[list[int]]:
-        return [[self.rank_of(t, d, p) for d in range(self.dp)] for p in range(self.pp) for t in range(self.tp)]
+        return self.groups_of("dp")
 
     def pp_groups(self) -> list[list[int]]:
-        return [[self.rank_of(t, d, p) for p in range(self.pp)] for d in range(self.dp) for t in range(self.tp)]
+        return self.groups_of("pp")
+
+    def cp_groups(self) -> list[list[int]]:
+        return self.groups_of("cp")
 
     def ep_groups(self) -> list[list[int]]:
         out = []
@@ -78,7 +119,12 @@ class ParallelSizes:
 
 @dataclass(frozen=True)
 class ParallelGroups:
-    """This rank's process groups and coordinates. Build with `ParallelGroups.build` or `init`."""
+    """This rank's mesh, process groups and coordinates. Build with `ParallelGroups.build` or `init`.
+
+    `mesh` is the job's DeviceMesh with dims ("pp", "dp", "cp", "tp"); `tp`, `dp`, `pp`, `cp`
+    are its groups (`groups.tp is groups.mesh["tp"].get_group()`), `ep` the expert group
+    carved from dp.
+    """
 
     sizes: ParallelSizes
     """The layout the groups were built from."""
@@ -92,45 +138,171 @@ class ParallelGroups:
     """Pipeline-parallel group of this rank."""
     ep: dist.ProcessGroup | None = field(repr=False)
     """Expert-parallel group of this rank."""
+    cp: dist.ProcessGroup | None = field(default=None, repr=False)
+    """Context-parallel group of this rank."""
+    mesh: Any = field(default=None, repr=False)
+    """The DeviceMesh over (pp, dp, cp, tp) these groups are the dims of."""
+    timeout_s: float = DEFAULT_TIMEOUT_S
+    """Timeout every group here was created with (seconds)."""
+
+    @property
+    def coords(self) -> Coords:
+        if self.mesh is None:
+            return self.sizes.coords(self.rank)
+        # Read from the mesh: a user's mesh may order its dims differently from ours.
+        names = tuple(self.mesh.mesh_dim_names)
+        return Coords(**{d: self.mesh.get_local_rank(d) if d in names else 0 for d in DIMS})
 
     @property
     def tp_rank(self) -> int:
-        return self.sizes.coords(self.rank)[0]
+        return self.coords.tp
 
     @property
     def dp_rank(self) -> int:
-        return self.sizes.coords(self.rank)[1]
+        return self.coords.dp
 
     @property
     def pp_rank(self) -> int:
-        return self.sizes.coords(self.rank)[2]
+        return self.coords.pp
+
+    @property
+    def cp_rank(self) -> int:
+        return self.coords.cp
+
+    def group(self, dim: str) -> dist.ProcessGroup:
+        """The group of one dim by name ("tp", "dp", "pp", "cp", "ep")."""
+        if dim not in (*DIMS, "ep"):
+            raise ValueError(f"unknown parallel dim {dim!r}; expected one of {(*DIMS, 'ep')}")
+        return getattr(self, dim)
 
     @classmethod
-    def build(cls, tp: int = 1, dp: int | None = None, pp: int = 1, ep: int = 1) -> "ParallelGroups":
-        """Build every group from the already initialized default process group.
+    def build(cls, tp: int = 1, dp: int | None = None, pp: int = 1, ep: int = 1, cp: int = 1, *,
+              timeout_s: float | None = None, device_type: str | None = None) -> "ParallelGroups":
+        """Build the mesh and every group from the already initialized default process group.
 
         Collective: every rank must call it with the same sizes. `dp=None` takes what is left
-        of the world after tp and pp.
+        of the world after tp, cp and pp. `timeout_s=None` gives every group the world's
+        timeout (what `init_process_group` / `init(timeout_s=)` / `launch.spawn` set).
         """
         if not dist.is_initialized():
             raise RuntimeError("torch.distributed is not initialized: call overlapkit.init() or init_process_group first")
         world = dist.get_world_size()
         if dp is None:
-            if world % (tp * pp) != 0:
-                raise ValueError(f"tp={tp} x pp={pp} = {tp * pp} does not divide the world size {world}")
-            dp = world // (tp * pp)
-        sizes = ParallelSizes(tp=tp, dp=dp, pp=pp, ep=ep)
+            if world % (tp * pp * cp) != 0:
+                raise ValueError(f"tp={tp} x cp={cp} x pp={pp} = {tp * cp * pp} does not divide the world size {world}")
+            dp = world // (tp * pp * cp)
+        sizes = ParallelSizes(tp=tp, dp=dp, pp=pp, ep=ep, cp=cp)
         sizes.check_world(world)
+        timeout_s = world_timeout_s() if timeout_s is None else _check_timeout(timeout_s)
+        timeout = datetime.timedelta(seconds=timeout_s)
         rank = dist.get_rank()
         mine = {}
         # Every rank must create every group, in the same order, even those it is not in.
-        for name, layout in (("tp", sizes.tp_groups()), ("dp", sizes.dp_groups()),
-                             ("pp", sizes.pp_groups()), ("ep", sizes.ep_groups())):
+        for name in (*DIMS, "ep"):
+            layout = sizes.ep_groups() if name == "ep" else sizes.groups_of(name)
             for ranks in layout:
-                group = dist.new_group(ranks)
+                group = dist.new_group(ranks, timeout=timeout)
                 if rank in ranks:
                     mine[name] = group
-        return cls(sizes=sizes, rank=rank, **mine)
+        from torch.distributed.device_mesh import DeviceMesh
+
+        device_type = device_type or _device_type()
+        mesh = DeviceMesh.from_group([mine[d] for d in DIMS], device_type, mesh=sizes.mesh_tensor(),
+                                     mesh_dim_names=DIMS)
+        return cls(sizes=sizes, rank=rank, mesh=mesh, timeout_s=timeout_s, **mine)
+
+    @classmethod
+    def from_mesh(cls, mesh, ep: int = 1, *, timeout_s: float | None = None) -> "ParallelGroups":
+        """A view of a user's DeviceMesh. Dims it lacks (of pp, dp, cp, tp) count as size 1.
+
+        Collective when ep > 1 (the expert groups are created then, with the world's timeout).
+        """
+        names = tuple(mesh.mesh_dim_names or ())
+        unknown = [n for n in names if n not in DIMS]
+        if not names or unknown:
+            raise ValueError(f"the DeviceMesh needs named dims among {DIMS}; it has {names or 'no names'}")
+        sizes = ParallelSizes(ep=ep, **{n: mesh.size(names.index(n)) for n in names})
+        if mesh.size() != dist.get_world_size():
+            raise ValueError(f"the DeviceMesh spans {mesh.size()} ranks but the world has {dist.get_world_size()}")
+        mine = {n: mesh.get_group(n) for n in names}
+        for n in DIMS:
+            mine.setdefault(n, None)  # a dim the mesh lacks has size 1: no group to talk over
+        timeout_s = world_timeout_s() if timeout_s is None else _check_timeout(timeout_s)
+        rank = dist.get_rank()
+        mine["ep"] = mine["dp"] if ep == sizes.dp else None
+        if mine["ep"] is None:
+            timeout = datetime.timedelta(seconds=timeout_s)
+            # ep carved from dp: the dp groups of the user's mesh, split into ep-sized runs.
+            for dp_ranks in _all_groups_along(mesh, "dp", names):
+                for i in range(0, len(dp_ranks), ep):
+                    group = dist.new_group(dp_ranks[i:i + ep], timeout=timeout)
+                    if rank in dp_ranks[i:i + ep]:
+                        mine["ep"] = group
+        return cls(sizes=sizes, rank=rank, mesh=mesh, timeout_s=timeout_s, **mine)
+
+
+def _all_groups_along(mesh, dim: str, names: tuple[str, ...]) -> list[list[int]]:
+    axis = names.index(dim)
+    t = mesh.mesh.movedim(axis, -1)
+    return t.reshape(-1, t.shape[-1]).tolist()
+
+
+def _check_timeout(timeout_s) -> float:
+    if not isinstance(timeout_s, (int, float)) or isinstance(timeout_s, bool) or not timeout_s > 0 \
+            or timeout_s == float("inf"):
+        raise ValueError(f"timeout_s must be a finite number of seconds > 0, got {timeout_s!r}")
+    return float(timeout_s)
+
+
+def _device_type() -> str:
+    pg = dist.distributed_c10d._get_default_group()
+    return "cuda" if torch.device("cuda") in getattr(pg, "_device_types", ()) and \
+        dist.get_backend() == "nccl" else "cpu"
+
+
+def group_timeout_s(group: dist.ProcessGroup | None = None) -> float:
+    """The timeout a process group was created with (the world's when `group` is None)."""
+    group = group or dist.distributed_c10d._get_default_group()
+    for device in (torch.device("cuda"), torch.device("cpu")):
+        try:
+            return group._get_backend(device).options._timeout.total_seconds()
+        except Exception:  # no backend for that device type, or no options on this build
+            continue
+    return DEFAULT_TIMEOUT_S
+
+
+def world_timeout_s() -> float:
+    """The default group's timeout: what every overlapkit group gets unless told otherwise."""
+    return group_timeout_s(None)
+
+
+def resolve_group(mesh_or_group, dim: str | None = None) -> dist.ProcessGroup | None:
+    """The ProcessGroup an engine talks over, from whatever the user passed.
+
+    Accepts a ProcessGroup (returned as is), a 1-D DeviceMesh, a DeviceMesh and the name of
+    one of its dims, a ParallelGroups and a dim name, or None — which, as everywhere in
+    torch.distributed, means the default (world) group, or no group at all when
+    torch.distributed is not initialized (one process).
+    """
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if mesh_or_group is None:
+        return dist.group.WORLD if dist.is_initialized() else None
+    if isinstance(mesh_or_group, dist.ProcessGroup):
+        return mesh_or_group
+    if isinstance(mesh_or_group, ParallelGroups):
+        if dim is None:
+            raise ValueError("a ParallelGroups needs the dim to use, e.g. resolve_group(groups, 'tp')")
+        return mesh_or_group.group(dim)
+    if isinstance(mesh_or_group, DeviceMesh):
+        names = tuple(mesh_or_group.mesh_dim_names or ())
+        if mesh_or_group.ndim == 1 and (dim is None or names in ((), (dim,))):
+            return mesh_or_group.get_group()
+        if dim is None or dim not in names:
+            raise ValueError(f"the DeviceMesh has dims {names or '(unnamed)'}; this needs a {dim or 'named'!r} dim "
+                             f"(pass mesh[{dim or 'dim'!r}] or a mesh with that dim)")
+        return mesh_or_group.get_group(dim)
+    raise TypeError(f"expected a ProcessGroup, a DeviceMesh or a ParallelGroups, got {type(mesh_or_group).__name__}")
 
 
 def default_backend(device: str | None = None) -> str:
@@ -140,16 +312,21 @@ def default_backend(device: str | None = None) -> str:
     return "nccl" if device.startswith("cuda") else "gloo"
 
 
-def init(tp: int = 1, dp: int | None = None, pp: int = 1, ep: int = 1, *,
-         backend: str | None = None, timeout_s: float = 300.0) -> ParallelGroups:
-    """Initialize torch.distributed from the torchrun environment (if not done) and build the groups.
+def init(tp: int = 1, dp: int | None = None, pp: int = 1, ep: int = 1, cp: int = 1, *,
+         mesh=None, backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> ParallelGroups:
+    """Initialize torch.distributed from the torchrun environment (if not done) and build the mesh.
 
     Under torchrun, RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT are read; with CUDA the
     process binds to cuda:LOCAL_RANK. An already initialized default group is used as it is.
+    Pass `mesh=` (a DeviceMesh with named dims among pp, dp, cp, tp) to use yours instead.
+    Every group gets `timeout_s`.
     """
+    timeout_s = _check_timeout(timeout_s)
     if not dist.is_initialized():
         backend = backend or default_backend()
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
-    return ParallelGroups.build(tp=tp, dp=dp, pp=pp, ep=ep)
+    if mesh is not None:
+        return ParallelGroups.from_mesh(mesh, ep=ep, timeout_s=timeout_s)
+    return ParallelGroups.build(tp=tp, dp=dp, pp=pp, ep=ep, cp=cp, timeout_s=timeout_s)

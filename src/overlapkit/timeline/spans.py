@@ -15,9 +15,13 @@ COMM_KINDS = (
     "dp_all_reduce",
     "dp_reduce_scatter",
     "zero_all_gather",
+    "zero_reduce_scatter",
     "pp_send",
     "pp_recv",
     "ep_all_to_all",
+    "ep_dispatch",
+    "ep_combine",
+    "cp_kv",
 )
 """Kinds of communication the engines record (trace readers may add NCCL collective names)."""
 

@@ -1,0 +1,105 @@
+"""Cross-rank agreement: ranks compare a small signature before they exchange anything big.
+
+Nothing here overlaps anything. It exists so that an argument or shape that differs between
+the ranks of a group (chunks, a sequence length, an overlap mode, SP on one rank only) fails
+on every rank with one message naming the field and each rank's value, instead of one rank
+dying inside the transport while another returns a result read from a buffer no transfer
+filled.
+
+The comparison goes through the job's rendezvous store, not through a collective of the
+group: a rank that checks while another skips its check (it reused a configuration it had
+seen, this one has a new one) then cannot meet the other's data collective and read its
+bytes as a signature. It waits on the store instead and fails within the timeout, naming the
+ranks that never answered. Engines check the first time they see a configuration
+(`Agreement.check`), so the steady state costs a set lookup and nothing else.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+from typing import Any
+
+import torch.distributed as dist
+
+_SEQ: dict[str, int] = {}
+"""Checks made so far on each group, by group name. Process state, not configuration: the k-th
+check of a group on one rank is compared with the k-th check of the same group on the others."""
+
+
+class RankMismatchError(ValueError):
+    """Ranks of one group were given different configurations (raised on every rank, same text)."""
+
+
+def _describe(value: Any) -> Any:
+    # Signatures cross processes as JSON: shapes become lists, dtypes and modes their names.
+    if isinstance(value, (bool, int, float, str)) or value is None:
+        return value
+    if isinstance(value, (tuple, list)):
+        return [_describe(v) for v in value]
+    return str(value)
+
+
+def agree(group, what: str, *, timeout_s: float | None = None, **fields: Any) -> None:
+    """Raise RankMismatchError on every rank of `group` unless all passed the same `fields`.
+
+    `what` names the layer or engine (it is part of the signature, so two ranks checking
+    different things also fail). Costs one store round trip per rank; meant for the first
+    call of a configuration, not every step. A group of one rank, or no group, passes.
+    """
+    if group is None or not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return
+    from .groups import group_timeout_s
+
+    ranks = dist.get_process_group_ranks(group)
+    me = dist.get_rank(group)
+    name = group.group_name
+    seq = _SEQ.get(name, 0)
+    _SEQ[name] = seq + 1
+    mine = {"what": what, **{k: _describe(v) for k, v in fields.items()}}
+    store = dist.distributed_c10d._get_default_store()
+    prefix = f"overlapkit/agree/{name}/{seq}/"
+    store.set(prefix + str(me), json.dumps(mine, sort_keys=True))
+    keys = [prefix + str(r) for r in range(len(ranks))]
+    timeout = timeout_s if timeout_s is not None else group_timeout_s(group)
+    try:
+        store.wait(keys, datetime.timedelta(seconds=timeout))
+    except Exception:
+        missing = [ranks[r] for r in range(len(ranks)) if r != me and not store.check([keys[r]])]
+        raise RankMismatchError(
+            f"{what}: rank(s) {missing} of the group {ranks} did not compare their configuration within "
+            f"{timeout:g} s (check #{seq} of this group): they are stuck, dead, or reused a configuration "
+            f"this rank ({dist.get_rank()}) has not used before; this rank has {_fmt(mine)}") from None
+    signatures = [json.loads(store.get(k)) for k in keys]
+    if all(s == signatures[0] for s in signatures):
+        return
+    fields_differ = sorted({k for s in signatures for k in s if any(t.get(k) != s.get(k) for t in signatures)})
+    parts = []
+    for k in fields_differ:
+        per_rank = ", ".join(f"rank {ranks[r]}: {signatures[r].get(k, '(absent)')!r}" for r in range(len(ranks)))
+        parts.append(f"{k} differs ({per_rank})")
+    whats = sorted({s.get("what") for s in signatures}, key=str)
+    label = what if len(whats) == 1 else "/".join(map(str, whats))
+    raise RankMismatchError(f"{label}: ranks {ranks} were given different configurations: " + "; ".join(parts))
+
+
+def _fmt(signature: dict) -> str:
+    return ", ".join(f"{k}={v!r}" for k, v in signature.items() if k != "what")
+
+
+class Agreement:
+    """The configurations one engine instance has already checked, so seen ones cost nothing."""
+
+    __slots__ = ("what", "_seen")
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+        self._seen: set = set()
+
+    def check(self, group, **fields: Any) -> None:
+        """`agree(group, self.what, **fields)` the first time these exact fields are seen here."""
+        key = tuple(sorted((k, repr(v)) for k, v in fields.items()))
+        if key in self._seen:
+            return
+        agree(group, self.what, **fields)
+        self._seen.add(key)
