@@ -1,0 +1,10 @@
+"""Expert parallelism: a MoE layer whose dispatch and combine all-to-alls hide behind other token chunks' expert GEMMs."""
+
+from .config import MoEConfig
+from .dispatch import DispatchPlan, ExpertsA2A, chunk_bounds, plan_dispatch
+from .experts import Experts, init_full_experts
+from .moe import LoadStats, MoE
+from .router import Router, Routing, load_balancing_loss
+
+__all__ = ["MoE", "MoEConfig", "LoadStats", "Router", "Routing", "load_balancing_loss", "Experts",
+           "init_full_experts", "DispatchPlan", "ExpertsA2A", "plan_dispatch", "chunk_bounds"]

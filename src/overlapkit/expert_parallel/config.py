@@ -1,0 +1,58 @@
+"""The configuration of a MoE layer, validated at construction; nothing here overlaps anything."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """Sizes and schedule of one mixture-of-experts layer (the same on every rank of its EP group)."""
+
+    hidden: int
+    """Model width: the size of every token's vector in and out."""
+    ffn_hidden: int
+    """Inner width of each expert's MLP (of all tensor-parallel ranks together)."""
+    num_experts: int
+    """Experts in the layer, over all expert-parallel ranks; a multiple of the EP size."""
+    top_k: int = 1
+    """Experts each token is sent to (1 = Switch, 2 = GShard/Mixtral); at most num_experts."""
+    chunks: int = 1
+    """Token chunks the dispatch/compute/combine pipeline runs in. 1 is the sequential reference:
+    dispatch all, compute all, combine all. With c > 1 the dispatch of chunk i+1 and the combine
+    of chunk i-1 are in flight while the experts compute chunk i, forward and backward."""
+    capacity_factor: float | None = None
+    """None: dropless (every assignment is computed, however skewed the routing). A number f > 0:
+    each expert takes at most ceil(f * tokens * top_k / num_experts) of a rank's assignments,
+    top-1 choices first; the rest are dropped, counted in `MoE.last_load.dropped`, never hidden."""
+    normalize_top_k: bool = True
+    """With top_k > 1, rescale a token's k routing weights to sum to 1 (Mixtral); top-1 keeps its
+    softmax probability, so that the router gets a gradient from the output."""
+
+    def __post_init__(self) -> None:
+        for name in ("hidden", "ffn_hidden", "num_experts", "top_k", "chunks"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"MoEConfig.{name} must be an integer >= 1, got {value!r}")
+        if self.top_k > self.num_experts:
+            raise ValueError(f"MoEConfig.top_k={self.top_k} exceeds num_experts={self.num_experts} "
+                             f"(allowed: 1 .. {self.num_experts})")
+        cf = self.capacity_factor
+        if cf is not None and (isinstance(cf, bool) or not isinstance(cf, (int, float)) or not 0 < cf < float("inf")):
+            raise ValueError(f"MoEConfig.capacity_factor must be None (dropless) or a finite number > 0, got {cf!r}")
+
+    def check_parallel(self, ep: int, tp: int = 1) -> None:
+        """Raise unless the experts split evenly over `ep` ranks and each expert's MLP over `tp`."""
+        if self.num_experts % ep:
+            raise ValueError(f"MoEConfig.num_experts={self.num_experts} is not divisible by the expert-parallel "
+                             f"size {ep} (each EP rank holds num_experts / ep whole experts)")
+        if self.ffn_hidden % tp:
+            raise ValueError(f"MoEConfig.ffn_hidden={self.ffn_hidden} is not divisible by the tensor-parallel "
+                             f"size {tp} inside the experts")
+
+    def capacity(self, tokens: int) -> int | None:
+        """Assignments one expert takes from `tokens` tokens of one rank; None when dropless."""
+        if self.capacity_factor is None:
+            return None
+        return math.ceil(self.capacity_factor * tokens * self.top_k / self.num_experts)

@@ -1,0 +1,97 @@
+"""The experts of one EP rank and their GEMMs, forward and backward, on tokens grouped by expert.
+
+These GEMMs are what the dispatch and combine all-to-alls of other chunks hide behind
+(dispatch.py holds that schedule); here is only the arithmetic: for each local expert e,
+y = gelu(x W1_e^T + b1_e) W2_e^T + b2_e, and its hand-written backward, so that one chunk's
+backward can run between the transfers of its neighbours.
+
+With tensor parallelism inside the experts, W1 is split by rows (column-parallel) and W2 by
+columns (row-parallel) over the TP group: y is then a partial sum, which the MoE layer adds up
+over TP after the combine; b2 is added on TP rank 0 only, so that it counts once.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Experts(nn.Module):
+    """`num_local` expert MLPs stacked: w1 [E, F, H], b1 [E, F], w2 [E, H, F], b2 [E, H].
+
+    Every parameter is marked `expert_parallel = True` (held by one EP rank, not replicated
+    over it: a data-parallel gradient sum over the EP ranks would mix different experts).
+    """
+
+    def __init__(self, num_local: int, hidden: int, ffn_local: int, *, add_output_bias: bool = True,
+                 device=None, dtype=None) -> None:
+        super().__init__()
+        kw = dict(device=device, dtype=dtype)
+        self.w1 = nn.Parameter(torch.empty(num_local, ffn_local, hidden, **kw))
+        self.b1 = nn.Parameter(torch.empty(num_local, ffn_local, **kw))
+        self.w2 = nn.Parameter(torch.empty(num_local, hidden, ffn_local, **kw))
+        self.b2 = nn.Parameter(torch.empty(num_local, hidden, **kw))
+        self.add_output_bias = add_output_bias
+        """False on TP ranks other than 0: the partial outputs are summed over TP, b2 must count once."""
+        for p in self.parameters():
+            p.expert_parallel = True
+
+    @torch.no_grad()
+    def load_full(self, w1, b1, w2, b2, experts: slice, ffn: slice = slice(None)) -> None:
+        """Copy this rank's experts (and TP slice of the inner width) out of full stacked tensors."""
+        self.w1.copy_(w1[experts, ffn])
+        self.b1.copy_(b1[experts, ffn])
+        self.w2.copy_(w2[experts][:, :, ffn])
+        self.b2.copy_(b2[experts])
+
+
+def init_full_experts(num_experts: int, hidden: int, ffn_hidden: int, generator=None, dtype=torch.float32):
+    """Full stacked expert weights initialised like nn.Linear (uniform in +-1/sqrt(fan_in)).
+
+    Every rank draws the same full tensors from the same generator state and keeps its slice,
+    so a layer sharded over any EP x TP layout starts equal to its single-process twin.
+    """
+    def uniform(shape, fan_in):
+        bound = 1.0 / math.sqrt(fan_in)
+        return (torch.rand(shape, generator=generator, dtype=dtype) * 2 - 1) * bound
+
+    return (uniform((num_experts, ffn_hidden, hidden), hidden), uniform((num_experts, ffn_hidden), hidden),
+            uniform((num_experts, hidden, ffn_hidden), ffn_hidden), uniform((num_experts, hidden), ffn_hidden))
+
+
+def experts_forward(x: torch.Tensor, sizes: list[int], w1, b1, w2, b2, add_output_bias: bool):
+    """y for rows `x` grouped by local expert (`sizes[e]` rows each); also the pre-activations for backward."""
+    pre = x.new_empty((x.shape[0], w1.shape[1]))
+    y = x.new_empty((x.shape[0], w2.shape[1]))
+    off = 0
+    for e, n in enumerate(sizes):
+        if n:
+            rows = slice(off, off + n)
+            pre[rows] = torch.addmm(b1[e], x[rows], w1[e].t())
+            h = F.gelu(pre[rows])
+            y[rows] = torch.addmm(b2[e], h, w2[e].t()) if add_output_bias else h @ w2[e].t()
+            off += n
+    return y, pre
+
+
+def experts_backward(dy: torch.Tensor, x: torch.Tensor, pre: torch.Tensor, sizes: list[int], w1, w2,
+                     grads: list[torch.Tensor]) -> torch.Tensor:
+    """dx for the grouped rows; adds dW1, db1, dW2, db2 of this chunk into `grads` (in that order)."""
+    g_w1, g_b1, g_w2, g_b2 = grads
+    dx = torch.empty_like(x)
+    off = 0
+    for e, n in enumerate(sizes):
+        if n:
+            rows = slice(off, off + n)
+            dy_e, a = dy[rows], pre[rows]
+            g_w2[e].addmm_(dy_e.t(), F.gelu(a))
+            g_b2[e].add_(dy_e.sum(0))  # on every TP rank: dy is whole there, b2 replicated
+            da = torch.ops.aten.gelu_backward(dy_e @ w2[e], a)
+            g_w1[e].addmm_(da.t(), x[rows])
+            g_b1[e].add_(da.sum(0))
+            dx[rows] = da @ w1[e]
+            off += n
+    return dx

@@ -1,0 +1,137 @@
+"""The MoE layer: route, dispatch to the experts' EP ranks, compute, combine — the all-to-alls hidden behind other chunks' experts.
+
+`MoE(hidden, ffn_hidden, num_experts, top_k, mesh_or_group, chunks=...)` replaces an MLP. Its
+experts are split over the expert-parallel group (num_experts / ep whole experts a rank), and
+optionally each expert's MLP over a tensor-parallel group (`tp_group`, ranks that hold the same
+tokens). The schedule lives in dispatch.py, the expert arithmetic in experts.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .. import comm
+from ..agreement import Agreement, agree
+from ..groups import resolve_group
+from .config import MoEConfig
+from .dispatch import ExpertsA2A, plan_dispatch
+from .experts import Experts, init_full_experts
+from .router import Router
+
+
+@dataclass(frozen=True)
+class LoadStats:
+    """What the router did with one rank's tokens in the last forward (plain ints, picklable)."""
+
+    tokens: int
+    """Tokens this rank routed."""
+    sent_per_expert: list[int]
+    """[num_experts] assignments of this rank's tokens each expert computed."""
+    dropped_per_expert: list[int]
+    """[num_experts] assignments of this rank's tokens dropped by the capacity factor (0 when dropless)."""
+    received_per_expert: list[int]
+    """[local experts] rows this rank's experts computed, from all EP ranks."""
+    first_expert: int
+    """Global id of this rank's first local expert."""
+
+    @property
+    def dropped(self) -> int:
+        return sum(self.dropped_per_expert)
+
+
+class MoE(nn.Module):
+    """x [..., hidden] -> [..., hidden]: top-k mixture of expert MLPs, experts sharded over EP.
+
+    Construction is collective over the EP group (a store-based agreement on the configuration,
+    so that mismatched arguments fail on every rank naming them). After each forward,
+    `aux_loss` holds the router's load-balancing loss (add `coef * aux_loss` to the loss) and
+    `last_load` the token counts (what went where, what was dropped). Every rank of the EP
+    group must run forward and backward the same number of times (the all-to-alls pair up).
+    """
+
+    def __init__(self, hidden: int, ffn_hidden: int, num_experts: int, top_k: int = 1, mesh_or_group=None, *,
+                 chunks: int = 1, capacity_factor: float | None = None, normalize_top_k: bool = True,
+                 tp_group=None, name: str = "moe", generator: torch.Generator | None = None,
+                 device=None, dtype=None) -> None:
+        super().__init__()
+        self.group = resolve_group(mesh_or_group, "ep")
+        self.tp_group = resolve_group(tp_group, "tp") if tp_group is not None else None
+        ep, tp = comm.group_size(self.group), comm.group_size(self.tp_group)
+        fields = dict(hidden=hidden, ffn_hidden=ffn_hidden, num_experts=num_experts, top_k=top_k, chunks=chunks,
+                      capacity_factor=capacity_factor, normalize_top_k=normalize_top_k, ep=ep, tp=tp)
+        # Compare before validating: a value bad on one rank only must fail on all of them.
+        agree(self.group, f"MoE {name}", **fields)
+        if self.tp_group is not None:
+            agree(self.tp_group, f"MoE {name} (tensor-parallel group)", **fields)
+        self.config = MoEConfig(hidden=hidden, ffn_hidden=ffn_hidden, num_experts=num_experts, top_k=top_k,
+                                chunks=chunks, capacity_factor=capacity_factor, normalize_top_k=normalize_top_k)
+        self.config.check_parallel(ep, tp)
+        self.name, self.ep, self.tp = name, ep, tp
+        self.ep_rank, self.tp_rank = comm.group_rank(self.group), comm.group_rank(self.tp_group)
+        self.num_local = num_experts // ep
+        self.router = Router(hidden, num_experts, top_k, normalize_top_k).to(device=device, dtype=dtype)
+        self.experts = Experts(self.num_local, hidden, ffn_hidden // tp, add_output_bias=self.tp_rank == 0,
+                               device=device, dtype=dtype)
+        self.load_full(*init_full_experts(num_experts, hidden, ffn_hidden, generator))
+        self._agreement = Agreement(f"MoE {name} input")
+        self.aux_loss: torch.Tensor | None = None
+        self.last_load: LoadStats | None = None
+
+    @property
+    def local_experts(self) -> slice:
+        """The global expert ids this rank holds."""
+        return slice(self.ep_rank * self.num_local, (self.ep_rank + 1) * self.num_local)
+
+    @property
+    def local_ffn(self) -> slice:
+        """The slice of each expert's inner width this TP rank holds."""
+        per = self.config.ffn_hidden // self.tp
+        return slice(self.tp_rank * per, (self.tp_rank + 1) * per)
+
+    def load_full(self, w1, b1, w2, b2) -> None:
+        """Take this rank's shard of full stacked expert weights ([E, F, H], [E, F], [E, H, F], [E, H])."""
+        self.experts.load_full(w1, b1, w2, b2, self.local_experts, self.local_ffn)
+
+    def shard_of(self, full: torch.Tensor, param: str) -> torch.Tensor:
+        """This rank's slice of a full expert tensor named like the parameter (w1, b1, w2 or b2)."""
+        rows = full[self.local_experts]
+        if param in ("w1", "b1"):
+            return rows[:, self.local_ffn]
+        return rows[:, :, self.local_ffn] if param == "w2" else rows
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        cfg = self.config
+        # Checked across ranks before any transfer: a wrong width or dtype on one rank fails on all.
+        self._agreement.check(self.group, width=x.shape[-1] if x.dim() else None, dtype=x.dtype,
+                              device=x.device.type)
+        if x.dim() < 1 or x.shape[-1] != cfg.hidden:
+            raise ValueError(f"MoE {self.name}: input's last dim must be hidden={cfg.hidden}, got shape {tuple(x.shape)}")
+        x2 = x.reshape(-1, cfg.hidden)
+        routing = self.router(x2)
+        plan = plan_dispatch(routing.experts, cfg.num_experts, cfg.chunks, cfg.capacity(x2.shape[0]),
+                             self.group, self.name)
+        rows = x2[plan.row_token]
+        if self.tp_group is not None:
+            from ..tensor_parallel.mappings import copy_to_tp
+            rows = copy_to_tp(rows, self.tp_group, f"{self.name}.experts_in")  # partial dx summed over TP
+        e = self.experts
+        y = ExpertsA2A.apply(rows, e.w1, e.b1, e.w2, e.b2, plan, self.group, e.add_output_bias, self.name)
+        if self.tp_group is not None:
+            from ..tensor_parallel.mappings import reduce_from_tp
+            y = reduce_from_tp(y, self.tp_group, f"{self.name}.experts_out")  # partial sums over TP
+        weight = routing.weights.reshape(-1)[plan.row_assignment]
+        out = x2.new_zeros(x2.shape).index_add(0, plan.row_token, y * weight[:, None])
+        self.aux_loss = routing.aux_loss
+        self.last_load = LoadStats(tokens=x2.shape[0], sent_per_expert=plan.sent_per_expert.tolist(),
+                                   dropped_per_expert=plan.dropped_per_expert.tolist(),
+                                   received_per_expert=plan.received_per_expert.tolist(),
+                                   first_expert=self.local_experts.start)
+        return out.view(x.shape)
+
+    def extra_repr(self) -> str:
+        c = self.config
+        return (f"hidden={c.hidden}, ffn_hidden={c.ffn_hidden}, experts={c.num_experts} ({self.num_local} here), "
+                f"top_k={c.top_k}, chunks={c.chunks}, capacity_factor={c.capacity_factor}, ep={self.ep}, tp={self.tp}")
