@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 # Subcommands that live with their concern; each module exposes register(subparsers).
@@ -14,11 +15,38 @@ def _demo(args) -> int:
     from .demo import DemoConfig, run
     try:
         cfg = DemoConfig(tp=args.tp, dp=args.dp, steps=args.steps, overlap=args.overlap,
-                         device=args.device, seed=args.seed, trace_dir=args.trace)
+                         device=args.device, seed=args.seed, trace_dir=args.trace, timeout_s=args.timeout)
+        plot = None if args.plot == "" else check_output_path(args.plot, "--plot")
     except ValueError as e:
         print(f"overlapkit demo: {e}", file=sys.stderr)
         return 2
-    return run(cfg, plot_path=None if args.plot == "" else args.plot)
+    from .launch import RankFailed
+    try:
+        return run(cfg, plot_path=plot)
+    except RankFailed as e:
+        # One line naming the rank; its traceback only when asked for.
+        print(f"overlapkit demo: {e.summary}", file=sys.stderr)
+        if os.environ.get("OVERLAPKIT_DEBUG") and e.detail:
+            print(e.detail, file=sys.stderr)
+        else:
+            print("overlapkit demo: set OVERLAPKIT_DEBUG=1 for that rank's traceback", file=sys.stderr)
+        return 1
+
+
+def check_output_path(path: str, flag: str) -> str:
+    """Refuse, before any work, a picture path whose folder is missing or whose type can't be drawn."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise ValueError(f"{flag} {path}: the folder {folder} does not exist")
+    if not os.access(folder, os.W_OK):
+        raise ValueError(f"{flag} {path}: the folder {folder} is not writable")
+    from matplotlib.figure import Figure
+    kinds = Figure().canvas.get_supported_filetypes()
+    ext = os.path.splitext(path)[1].lstrip(".").lower()
+    if ext not in kinds:
+        raise ValueError(f"{flag} {path}: can't draw a {ext or 'file without an extension'!r}; "
+                         f"use one of {', '.join(sorted(kinds))}")
+    return path
 
 
 def _doctor(args) -> int:
@@ -58,6 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--plot", default="timeline.png", help="timeline picture to write ('' for none)")
     demo.add_argument("--trace", metavar="DIR", default=None,
                       help="also write a PyTorch profiler trace per rank to DIR (for overlapkit analyze)")
+    demo.add_argument("--timeout", type=float, default=120.0, metavar="S",
+                      help="process-group timeout in seconds: a stuck rank fails the demo after this (default 120)")
     demo.set_defaults(func=_demo)
 
     doctor = sub.add_parser("doctor", help="versions, GPUs, peer access, CUDA_DEVICE_MAX_CONNECTIONS and what it means")

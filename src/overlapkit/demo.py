@@ -13,10 +13,17 @@ import contextlib
 import copy
 import os
 import re
+import sys
+import time
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+from .launch import progress
+
+_STARTED = time.monotonic()
+"""When the demo module was imported: `overlapkit demo` imports it first thing."""
 
 TOLERANCE = 1e-4
 """fp32 relative error allowed between parallel and single-process numbers (reduction order differs)."""
@@ -41,11 +48,15 @@ class DemoConfig:
     trace_dir: str | None = None
     """If set, every rank also runs torch.profiler and writes its trace there
     (rank<N>.json), ready for `overlapkit analyze`."""
+    timeout_s: float = 120.0
+    """Process-group timeout: a rank that stops answering fails the demo after this long."""
 
     def __post_init__(self) -> None:
         for name in ("tp", "dp", "steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"DemoConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if not self.timeout_s > 0 or self.timeout_s == float("inf"):
+            raise ValueError(f"DemoConfig.timeout_s must be a finite number of seconds > 0, got {self.timeout_s!r}")
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"DemoConfig.device={self.device!r} is not one of ('cpu', 'cuda')")
 
@@ -85,7 +96,8 @@ def run_rank(cfg: DemoConfig) -> dict:
     gen = torch.Generator().manual_seed(cfg.seed + 1)
     steps = []
     show = groups.rank == 0
-    progress = _progress(cfg.steps) if show else None
+    if show:
+        progress(f"model built (tp={cfg.tp} dp={cfg.dp}, overlap={cfg.overlap}); training {cfg.steps} steps")
     with record(device=device) as rec, _profiler(cfg.trace_dir, groups.rank, device, cfg.steps) as prof:
         for step in range(cfg.steps):
             idx = torch.randint(0, mcfg.vocab_size, (batch, mcfg.seq_len), generator=gen).to(device)
@@ -116,10 +128,9 @@ def run_rank(cfg: DemoConfig) -> dict:
             rec.next_step()
             if prof is not None:
                 prof.step()
-            if progress is not None:
-                progress[0].update(progress[1], advance=1, description=f"step {step}: loss {ref_loss.item():.4f}")
-    if progress is not None:
-        progress[0].stop()
+            if show:
+                progress(f"step {step + 1}/{cfg.steps}: loss {ref_loss.item():.4f}, "
+                         f"max rel err vs one process {errs[1].item():.1e}")
     return dict(rank=groups.rank, steps=steps, spans=rec.spans, origin_unix_ms=rec.origin_unix_ms)
 
 
@@ -137,16 +148,6 @@ def _profiler(trace_dir: str | None, rank: int, device: torch.device, steps: int
     with profile(activities=activities, schedule=schedule(wait=0, warmup=0, active=steps, repeat=1),
                  on_trace_ready=lambda p: p.export_chrome_trace(path)) as prof:
         yield prof
-
-
-def _progress(total: int):
-    try:
-        from rich.progress import Progress
-    except ImportError:  # the GPU image may lack rich; the demo still runs
-        return None
-    p = Progress(transient=True)
-    p.start()
-    return p, p.add_task("training", total=total)
 
 
 _PHASE = re.compile(r"^(?P<layer>.+?)\.(?P<phase>fwd|bwd)(?:\.[\w.]+)?(?:\[[^\]]*\])?$")
@@ -171,6 +172,11 @@ def collectives_by_layer(spans, step: int = 0) -> dict[str, dict[str, list[str]]
     return out
 
 
+def say(text: str) -> None:
+    """One plain progress line on stderr with the seconds since the demo started: readable piped too."""
+    print(f"[{time.monotonic() - _STARTED:5.1f}s] {text}", file=sys.stderr, flush=True)
+
+
 def run(cfg: DemoConfig, plot_path: str | None = "timeline.png") -> int:
     """Run the demo (spawning ranks, or in-process under torchrun) and print the results."""
     from .launch import spawn
@@ -178,7 +184,7 @@ def run(cfg: DemoConfig, plot_path: str | None = "timeline.png") -> int:
     world = cfg.tp * cfg.dp
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun: this process is a rank
         from .groups import init
-        init(tp=cfg.tp, dp=cfg.dp, backend="nccl" if cfg.device == "cuda" else "gloo")
+        init(tp=cfg.tp, dp=cfg.dp, backend="nccl" if cfg.device == "cuda" else "gloo", timeout_s=cfg.timeout_s)
         try:
             results = [run_rank(cfg)]
         finally:
@@ -190,7 +196,11 @@ def run(cfg: DemoConfig, plot_path: str | None = "timeline.png") -> int:
         if cfg.device == "cuda" and torch.cuda.device_count() < world:
             raise SystemExit(f"--device cuda needs tp*dp={world} GPUs, this machine has "
                              f"{torch.cuda.device_count()} (NCCL refuses two ranks on one GPU)")
-        results = spawn(run_rank, world, cfg, backend="nccl" if cfg.device == "cuda" else "gloo", timeout_s=120)
+        backend = "nccl" if cfg.device == "cuda" else "gloo"
+        say(f"starting {world} {backend} ranks (each imports torch first, a few seconds)")
+        results = spawn(run_rank, world, cfg, backend=backend, timeout_s=cfg.timeout_s,
+                        on_message=lambda rank, text: say(f"rank {rank}: {text}"))
+        say("all ranks finished; results follow")
     return print_results(cfg, results, plot_path)
 
 

@@ -2,20 +2,38 @@
 
 Used by the demo, the benchmarks and the tests' `@distributed` helper. Every rank gets a
 short process-group timeout so that a rank that fails can never leave the others hanging for
-long, and the first failure is raised in the parent with the failing rank named.
+long, and the first failure is raised in the parent with the failing rank named: a rank that
+raised, one that died (killed, a C++ abort), or one that stopped answering.
+
+Ranks can send one-line progress messages to the parent (`progress(text)`), which prints
+them while the ranks run (`spawn(..., on_message=print)`), so a user sees the ranks start,
+import and step from the first second instead of a silent wait.
 """
 
 from __future__ import annotations
 
 import datetime
 import os
+import queue as _queue
 import socket
+import time
 import traceback
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+_messages = None
+"""In a spawned rank: the queue to the parent (set by _entry), or None outside spawn."""
+
+
+class RankFailed(RuntimeError):
+    """A spawned rank raised, died or stopped answering; the message's first line names it."""
+
+    def __init__(self, message: str, rank: int | None = None, detail: str = "") -> None:
+        super().__init__(message + (f"\n{detail}" if detail else ""))
+        self.rank, self.summary, self.detail = rank, message, detail
 
 
 def free_port() -> int:
@@ -24,46 +42,99 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def progress(text: str) -> None:
+    """From a rank: send one line of progress to the parent (a no-op outside `spawn`)."""
+    if _messages is not None:
+        _messages.put((int(os.environ.get("RANK", 0)), text))
+
+
 def _entry(rank: int, fn: Callable, world_size: int, port: int, backend: str, timeout_s: float,
-           args: tuple, results) -> None:
+           args: tuple, results, messages) -> None:
+    global _messages
+    _messages = messages
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     if backend == "nccl":
         torch.cuda.set_device(rank)
-    torch.set_num_threads(1)  # N ranks share few cores: one thread each keeps them from thrashing
+    torch.set_num_threads(int(os.environ.get("OVERLAPKIT_RANK_THREADS", "1")))  # N ranks share few cores
     dist.init_process_group(backend, rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=timeout_s))
+    progress("joined the process group")
     try:
         out = fn(*args)
         results[rank] = ("ok", out)
     except BaseException as e:  # the parent re-raises it with the rank named
-        results[rank] = ("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
+        results[rank] = ("error", f"{type(e).__name__}: {e}", traceback.format_exc())
         raise
     finally:
         dist.destroy_process_group()
 
 
 def spawn(fn: Callable, world_size: int, *args: Any, backend: str = "gloo",
-          timeout_s: float = 60.0) -> list[Any]:
+          timeout_s: float = 60.0, on_message: Callable[[int, str], None] | None = None) -> list[Any]:
     """Run `fn(*args)` on `world_size` fresh processes with an initialized default group.
 
-    Returns the list of per-rank return values (they must be picklable). Raises RuntimeError
-    naming the rank and its traceback if any rank fails.
+    Returns the list of per-rank return values (they must be picklable). Raises RankFailed
+    naming the rank (its error on the first line, its traceback after) if any rank fails.
+    `on_message(rank, text)` receives what ranks send with `progress()` while they run.
     """
     ctx = mp.get_context("spawn")
     manager = ctx.Manager()
     results = manager.dict()
+    messages = manager.Queue() if on_message is not None else None
     port = free_port()
+    started = time.monotonic()
     try:
-        mp.start_processes(_entry, args=(fn, world_size, port, backend, timeout_s, args, results),
-                           nprocs=world_size, join=True, start_method="spawn")
+        procs = mp.start_processes(_entry, args=(fn, world_size, port, backend, timeout_s, args, results, messages),
+                                   nprocs=world_size, join=False, start_method="spawn")
+        try:
+            # grace_period: a stopped (SIGSTOP) rank ignores SIGTERM; without it torch waits 30 s to SIGKILL.
+            while not procs.join(timeout=0.2, grace_period=2.0):
+                _drain(messages, on_message)
+        finally:
+            _drain(messages, on_message)
     except Exception as e:
-        errors = {r: v[1] for r, v in results.items() if v[0] == "error"}
-        if errors:
-            rank = min(errors)
-            raise RuntimeError(f"rank {rank} of {world_size} failed: {errors[rank]}") from None
-        raise RuntimeError(f"a rank of {world_size} died: {e}") from None
+        raise _failure(e, dict(results), world_size, time.monotonic() - started, timeout_s) from None
     finally:
         out = [results.get(r, (None, None))[1] for r in range(world_size)]
         manager.shutdown()
     return out
+
+
+def _drain(messages, on_message) -> None:
+    if messages is None:
+        return
+    while True:
+        try:
+            rank, text = messages.get_nowait()
+        except (_queue.Empty, EOFError, OSError):
+            return
+        on_message(rank, text)
+
+
+def _failure(e: Exception, results: dict, world_size: int, elapsed_s: float, timeout_s: float) -> RankFailed:
+    index = getattr(e, "error_index", None)
+    signal_name = getattr(e, "signal_name", None)
+    exit_code = getattr(e, "exit_code", None)
+    if index is not None and index not in results and (signal_name or exit_code):
+        # The first process torch saw end was one that never reported: it died (killed, aborted).
+        how = f"was killed by {signal_name}" if signal_name else f"exited with code {exit_code}"
+        return RankFailed(f"rank {index} of {world_size} died: it {how} after {elapsed_s:.0f} s", index)
+    errors = {r: v for r, v in results.items() if v[0] == "error"}
+    # A rank that raised first is the cause; the others' errors are often its consequence
+    # (their collective lost its peer). Prefer a non-timeout error, then the lowest rank.
+    if errors:
+        def is_consequence(v):
+            text = v[1].lower()
+            return any(w in text for w in ("timed out", "timeout", "connection closed", "connection reset",
+                                           "broken pipe", "did not compare"))
+        rank = min(errors, key=lambda r: (is_consequence(errors[r]), r))
+        silent = [r for r in range(world_size) if r not in results]
+        if silent and is_consequence(errors[rank]):
+            # Everyone who spoke timed out waiting: the ranks that never finished are the cause.
+            return RankFailed(f"rank {silent[0]} of {world_size} stopped answering: the other ranks gave up "
+                              f"waiting for it after the {timeout_s:g} s process-group timeout "
+                              f"({elapsed_s:.0f} s in all)", silent[0], errors[rank][2])
+        first = errors[rank][1].strip().splitlines()[0] if errors[rank][1].strip() else "failed"
+        return RankFailed(f"rank {rank} of {world_size} failed: {first}", rank, errors[rank][2])
+    return RankFailed(f"a rank of {world_size} died: {e}")
