@@ -103,7 +103,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except (ValueError, OSError) as e:
+        # A bad value or an unreadable file the subcommand did not phrase itself: still one line,
+        # exit 2 like argparse's own errors. OVERLAPKIT_DEBUG=1 shows where it came from.
+        if os.environ.get("OVERLAPKIT_DEBUG"):
+            raise
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        print(f"overlapkit {args.command}: {first}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":
