@@ -57,8 +57,8 @@ def test_plan_reads_model_and_nccl_table_files(tmp_path, capsys):
     (["--model", "llama3-8b", "--tp", "3"], "num_heads=32 is not divisible by tp=3"),
     (["--model", "llama3-70b", "--tp", "8", "--pp", "3"], "num_layers=80 is not divisible by pp*vpp=3"),
     (["--model", "llama3-8b", "--tp", "16"], "tp=16 exceeds gpus_per_node=8 of h200-sxm"),
-    (["--model", "llama3-8b", "--tp", "4", "--dp", "3"], "world size tp*pp*dp=12 does not fill whole nodes"),
-    (["--model", "llama3-8b", "--tp", "8", "--gpus", "16"], "gpus=16 but tp*pp*dp"),
+    (["--model", "llama3-8b", "--tp", "4", "--dp", "3"], "world size tp*cp*pp*dp=12 does not fill whole nodes"),
+    (["--model", "llama3-8b", "--tp", "8", "--gpus", "16"], "gpus=16 but tp*cp*pp*dp"),
     (["--model", "llama3-8b", "--dp", "2", "--global-batch", "3"], "global_batch=3 is not divisible"),
     (["--model", "llama3-8b", "--nccl-table", "all_gather"], "expected KIND=FILE"),
 ])

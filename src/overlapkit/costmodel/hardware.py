@@ -6,8 +6,9 @@ matrix peak and the GEMM-efficiency curve (compute), link latency and bandwidth 
 
 Presets carry published figures (source beside each) and, for H200, curves fitted on our own
 measurements (`data/h200-sxm.json`, written by benchmarks/model_vs_measured.py). Other GPUs
-borrow H200's curve *shape* — the same share of peak, launch cost and short-K penalty — with
-their own peak and HBM bandwidth: an assumption, stated, until `overlapkit bench gemm` measures.
+take H200's fitted curve at their own published matmul efficiency (MAMF), HBM bandwidth and,
+for a power-limited H100, clock; each preset's `source` says which, until `overlapkit bench gemm`
+measures the GPU itself.
 """
 
 from __future__ import annotations
@@ -21,6 +22,10 @@ from pathlib import Path
 
 from . import _validate as v
 from .gemm import AttentionCurve, GemmCurve, MemoryCurve
+
+HOST_US_PER_OP = 30.0
+"""Calibrated once on our H200 runs (benchmarks/model_vs_measured.py, 'host' section): the DP
+benchmark's GPT step without communication, whose kernels are too short to hide their dispatch."""
 
 DTYPE_BYTES = {"fp8": 1, "bf16": 2, "fp16": 2, "fp32": 4}
 """Bytes per element of each data type the model knows."""
@@ -86,6 +91,9 @@ class Hardware:
     copy_engine_slowdown: float = 1.02
     """GEMM time factor beside copy-engine transfers (symmetric memory): they take no SMs,
     only HBM bandwidth; H200 hid 98.6% of a copy-engine transfer behind a GEMM."""
+    host_us_per_op: float = HOST_US_PER_OP
+    """Host time to dispatch one framework op (PyTorch eager, autograd included), microseconds:
+    the GPU waits when a layer's kernels are shorter than their dispatch."""
     source: str = ""
     """Where the numbers come from."""
 
@@ -93,6 +101,7 @@ class Hardware:
         o = f"Hardware({self.name})"
         for f in ("bf16_tflops", "fp32_tflops", "hbm_gbps", "hbm_gib"):
             v.positive(o, f, getattr(self, f))
+        v.positive(o, "host_us_per_op", self.host_us_per_op, allow_zero=True)
         v.positive(o, "fp8_tflops", self.fp8_tflops, allow_zero=True)
         v.positive_int(o, "sm_count", self.sm_count)
         v.positive_int(o, "gpus_per_node", self.gpus_per_node)
@@ -165,14 +174,30 @@ _NDR400 = Link("InfiniBand NDR 400 Gb/s per GPU", alpha_us=5.0, bandwidth_gbps=5
 _HDR200 = Link("InfiniBand HDR 200 Gb/s per GPU", alpha_us=5.0, bandwidth_gbps=25.0, efficiency=0.9)
 
 
-def _like_h200(name: str, hbm_gbps: float, **published) -> Hardware:
-    """A GPU with published figures and H200's measured curve shape (see module docstring)."""
+# Published matmul measurements: the "Maximum Achievable Matmul FLOPS" (MAMF) table of
+# stas00/ml-engineering (compute/accelerator/README.md; mamf-finder.py, bf16, best of a shape
+# sweep): A100 SXM 267.9 of 312 TFLOP/s (85.9%), H100 SXM 792.1 of 989 (80.1%), H100/H200 SXM
+# 794.5 (80.3%). A GPU's curve is H200's measured one with its large-GEMM share of peak scaled by
+# its MAMF efficiency relative to H200's and its own HBM bandwidth for the operand-bound part;
+# H200's measured table (its cuBLAS choices and HBM3e timing) is not carried over to any other GPU.
+MAMF_EFFICIENCY = {"h200-sxm": 794.5 / 989.4, "h100-sxm": 792.1 / 989.4, "a100-sxm-80g": 267.9 / 312.0}
+"""Published best-shape matmul rate / dense peak, per GPU (sources above)."""
+POWER_LIMIT_CLOCK = 0.874
+"""Tensor-core clock of an H100 held at 500 W, as a share of its 700 W clock under dense GEMMs:
+dynamic power ~ f·V² with V ~ f gives f ∝ P_dyn^(1/3); with ~100 W static, (400/600)^(1/3) = 0.874.
+An estimate, not a measurement (no published MAMF at 500 W): `overlapkit bench gemm` replaces it."""
+
+
+def _derived(name: str, hbm_gbps: float, mamf: float, clock: float = 1.0, **published) -> Hardware:
+    """A GPU from published figures and its MAMF efficiency on H200's measured curve (see above)."""
     h200 = preset("h200-sxm")
     ratio = hbm_gbps / h200.hbm_gbps
-    gemm = replace(h200.gemm, table=(), mem_gbps=h200.gemm.mem_gbps * ratio)
+    scale = mamf / MAMF_EFFICIENCY["h200-sxm"] * clock
+    gemm = replace(h200.gemm, peak_fraction=min(1.0, h200.gemm.peak_fraction * scale),
+                   table=(), mem_gbps=h200.gemm.mem_gbps * ratio)
+    attention = replace(h200.attention, peak_fraction=min(1.0, h200.attention.peak_fraction * scale))
     memory = MemoryCurve(h200.memory.elementwise_gbps * ratio, h200.memory.norm_gbps * ratio)
-    return Hardware(name=name, hbm_gbps=hbm_gbps, gemm=gemm, attention=h200.attention,
-                    memory=memory, **published)
+    return Hardware(name=name, hbm_gbps=hbm_gbps, gemm=gemm, attention=attention, memory=memory, **published)
 
 
 @lru_cache(maxsize=None)
@@ -196,20 +221,32 @@ def preset(name: str) -> Hardware:
     # (NVIDIA A100 datasheet); DGX A100: 8 GPUs, NVLink 3, 8x 200 Gb/s HDR.
     ampere = dict(bf16_tflops=312.0, fp8_tflops=0.0, fp32_tflops=156.0, hbm_gib=80 * 1e9 / 2**30,
                   sm_count=108, gpus_per_node=8, inter=_HDR200)
-    borrowed = "published figures; GEMM/attention curve shape borrowed from H200 measurements"
+    h100 = ("H100 SXM 700 W: published figures; GEMM curve = H200's fitted roofline (same GH100 die and clocks) "
+            "at H100's MAMF efficiency (792.1/989, ml-engineering) and HBM3 bandwidth, without H200's measured table")
+    a100 = ("A100 SXM 80GB: published figures; GEMM curve = H200's fitted roofline at A100's MAMF efficiency "
+            "(267.9/312, ml-engineering) and HBM2e bandwidth, without H200's measured table")
     if name == "h100-sxm":
-        return _like_h200(name, 3350.0, intra=_NVLINK4, source=borrowed, **hopper)
+        return _derived(name, 3350.0, MAMF_EFFICIENCY["h100-sxm"], intra=_NVLINK4, source=h100, **hopper)
+    if name == "h100-sxm-500w":
+        # Grand Teton H100 as in torchtitan's benchmarks (benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md):
+        # 96 GB HBM2e at 2.4 TB/s, the default 500 W power limit, NVLink 4, 400 Gb/s RDMA per GPU.
+        src = (f"H100 96GB HBM2e at 500 W (torchtitan benchmarks): H100's curve (MAMF 792.1/989) at 2.4 TB/s and a "
+               f"{POWER_LIMIT_CLOCK} tensor-clock share (estimated from the power limit, see POWER_LIMIT_CLOCK)")
+        return _derived(name, 2400.0, MAMF_EFFICIENCY["h100-sxm"], POWER_LIMIT_CLOCK, intra=_NVLINK4,
+                        source=src, **{**hopper, "hbm_gib": 96 * 1e9 / 2**30})
     if name == "h800-sxm":
-        return _like_h200(name, 3350.0, intra=_NVLINK4_EXPORT, source=borrowed, **hopper)
+        return _derived(name, 3350.0, MAMF_EFFICIENCY["h100-sxm"], intra=_NVLINK4_EXPORT,
+                        source=h100.replace("H100 SXM 700 W", "H800 SXM (H100 with NVLink cut)"), **hopper)
     if name == "a100-sxm-80g":
-        return _like_h200(name, 2039.0, intra=_NVLINK3, source=borrowed, **ampere)
+        return _derived(name, 2039.0, MAMF_EFFICIENCY["a100-sxm-80g"], intra=_NVLINK3, source=a100, **ampere)
     if name == "a800-sxm-80g":
-        return _like_h200(name, 2039.0, intra=_NVLINK3_EXPORT, source=borrowed, **ampere)
+        return _derived(name, 2039.0, MAMF_EFFICIENCY["a100-sxm-80g"], intra=_NVLINK3_EXPORT,
+                        source=a100.replace("A100 SXM 80GB", "A800 SXM 80GB (A100 with NVLink cut)"), **ampere)
     raise v.ConfigError(f"hardware={name!r}: unknown preset; known: {', '.join(PRESETS)} "
                         f"(or a path to a JSON file)")
 
 
-PRESETS = ("h100-sxm", "h200-sxm", "a100-sxm-80g", "h800-sxm", "a800-sxm-80g")
+PRESETS = ("h100-sxm", "h100-sxm-500w", "h200-sxm", "a100-sxm-80g", "h800-sxm", "a800-sxm-80g")
 """Names `preset` and `load_hardware` accept."""
 
 

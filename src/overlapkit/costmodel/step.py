@@ -17,13 +17,21 @@ from dataclasses import dataclass, field
 
 from .collectives import Collectives, Group
 from .hardware import DTYPE_BYTES, Hardware
+from .layer import Ctx, embedding_backward_ms, layer, lm_head
 from .overlap import bucket_sizes, buckets_ms, layered_ms
-from .planner import Site, SiteChoice, plan_site
-from .transformer import Gemm, ModelConfig, ParallelConfig, layer_gemms, validate
+from .planner import SiteChoice
+from .transformer import ModelConfig, ParallelConfig, validate
 
 MIB = 2**20
 ADAM_BYTES_PER_PARAM = 30
 """Optimizer step traffic: fp32 master, m, v read and written (24), fp32 grad read, bf16 param written."""
+GRAD_NORM_BYTES_PER_PARAM = 8
+"""Gradient-norm read for clipping (4) and the fp32 gradient buffer zeroed for the next step (4)."""
+FP16_UNSCALE_BYTES_PER_PARAM = 8
+"""fp16 loss scaling: the fp32 gradients read and written once more to unscale and check for inf/nan."""
+HOST_OPS_PER_LAYER = {False: 20, True: 45}
+"""Framework ops the host dispatches for one layer's forward (fused, eager); backward twice as many.
+While the GPU's work per layer is shorter than their dispatch, the GPU waits for the host."""
 
 
 @dataclass
@@ -40,6 +48,8 @@ class Block:
     """Exposed time per kind."""
     rows: list = field(default_factory=list)
     """Report rows, one per GEMM/site/op."""
+    host_ms: float = 0.0
+    """Time the GPU waits for the host's dispatch (one layer; not in wall_ms)."""
 
     def add_compute(self, name: str, ms: float) -> None:
         self.compute_ms += ms
@@ -86,7 +96,7 @@ class StepReport:
     hardware: str
     """Hardware name."""
     step_ms: float
-    """compute_ms + exposed_ms + bubble_ms."""
+    """compute_ms + exposed_ms + bubble_ms + host_ms."""
     compute_ms: float
     """Every GEMM, attention, memory-bound op and the optimizer step, nothing else."""
     comm_ms: float
@@ -111,6 +121,20 @@ class StepReport:
     """Layers on each pipeline rank (all its virtual stages)."""
     optimizer_ms: float = 0.0
     """The optimizer step (part of compute_ms)."""
+    host_ms: float = 0.0
+    """Time the GPU waits for the host to dispatch kernels (small layers, eager PyTorch)."""
+    stage_ms: tuple = ()
+    """One micro-batch's forward + backward on each pipeline stage, first to last."""
+    stage_layers: tuple = ()
+    """Layers of each pipeline stage."""
+    zero3: dict = field(default_factory=dict)
+    """ZeRO-3: the prefetch depth and wrap used, and why."""
+    memory: dict = field(default_factory=dict)
+    """Estimated memory per GPU (memory.estimate) and whether it fits."""
+    peak_tflops: float = 0.0
+    """The GPU's dense matrix peak in the step's dtype (for MFU)."""
+    flops_convention: str = "megatron2024"
+    """FLOP count behind the reported TFLOP/s per GPU and MFU (flops.CONVENTIONS)."""
     notes: list = field(default_factory=list)
     """Where overlap cannot help, and switches that would not gain."""
     recommendations: list = field(default_factory=list)
@@ -121,20 +145,39 @@ class StepReport:
         comm = self.comm_by_kind.get(kind, 0.0)
         return 1.0 - self.exposed_by_kind.get(kind, 0.0) / comm if comm > 0 else 1.0
 
+    def pipeline(self) -> dict:
+        """Predicted bubble and pipeline-send exposure (what a measured pipeline run is compared with)."""
+        par, step = self.par, self.step_ms
+        comm, exposed = self.comm_by_kind.get("pp_send", 0.0), self.exposed_by_kind.get("pp_send", 0.0)
+        return {"schedule": "interleaved-1f1b" if par.vpp > 1 else "1f1b", "overlap_p2p": par.overlap.pp != "none",
+                "bubble_s": self.bubble_ms * 1e-3, "bubble_fraction": self.bubble_ms / step if step else 0.0,
+                "ideal_bubble_fraction": (par.pp - 1) / (par.vpp * par.micro_batches + par.pp - 1),
+                "p2p_comm_s": comm * 1e-3, "p2p_exposed_s": exposed * 1e-3,
+                "p2p_exposed_fraction": exposed / comm if comm else 0.0}
+
     def to_dict(self) -> dict:
+        from dataclasses import fields
+
+        from .flops import throughput
+
         s = 1e-3
         kinds = sorted(self.comm_by_kind)
+        parallel = {f.name: getattr(self.par, f.name) for f in fields(self.par) if f.name != "overlap"}
         return {
             "model": self.model.name, "hardware": self.hardware,
-            "parallel": {k: getattr(self.par, k) for k in ("tp", "pp", "vpp", "dp", "ep", "sp", "micro_batch",
-                                                           "global_batch", "recompute", "zero", "tp_transport", "dtype")}
-            | {"overlap": vars(self.par.overlap).copy(), "micro_batches": self.par.micro_batches},
+            "parallel": parallel | {"overlap": vars(self.par.overlap).copy(), "micro_batches": self.par.micro_batches,
+                                    "world": self.par.world},
             "step_time_s": self.step_ms * s, "compute_s": self.compute_ms * s, "comm_s": self.comm_ms * s,
-            "exposed_comm_s": self.exposed_ms * s, "bubble_s": self.bubble_ms * s,
+            "exposed_comm_s": self.exposed_ms * s, "bubble_s": self.bubble_ms * s, "host_s": self.host_ms * s,
             "optimizer_s": self.optimizer_ms * s,
+            "throughput": throughput(self.model, self.par, self.step_ms * s, self.peak_tflops, self.flops_convention),
+            "memory": dict(self.memory),
+            "pipeline": self.pipeline() if self.par.pp > 1 else {},
+            "zero3": dict(self.zero3),
             "by_kind": {k: {"comm_s": self.comm_by_kind[k] * s, "exposed_s": self.exposed_by_kind.get(k, 0.0) * s,
                             "r": self.r(k)} for k in kinds},
-            "layers_per_stage": self.layers_per_stage,
+            "layers_per_stage": self.layers_per_stage, "stage_layers": list(self.stage_layers),
+            "stage_s": [t * s for t in self.stage_ms],
             "layer_rows": [dict(r, phase="fwd") for r in self.layer_fwd.rows]
             + [dict(r, phase="bwd") for r in self.layer_bwd.rows],
             "head_rows": [dict(r, phase="fwd") for r in self.head_fwd.rows]
@@ -143,155 +186,93 @@ class StepReport:
             "recommendations": [vars(r).copy() for r in self.recommendations],
         }
 
-
-class _Ctx:
-    """What every site of one prediction shares."""
-
-    def __init__(self, model: ModelConfig, par: ParallelConfig, hw: Hardware, coll: Collectives) -> None:
-        self.model, self.par, self.hw, self.coll = model, par, hw, coll
-        self.db = DTYPE_BYTES[par.dtype]
-        self.tokens = par.micro_batch * model.seq_len
-        self.tp_group = Group(par.tp, par.tp)
-
-    def site(self, name, phase, pattern, collective, m, k, n, nbytes=None) -> SiteChoice:
-        nbytes = self.tokens * self.model.hidden * self.db if nbytes is None else nbytes
-        return plan_site(Site(name, phase, pattern, collective, nbytes, m, k, n), self.hw, self.coll,
-                         self.tp_group, self.par.overlap.tp, self.par.tp_transport, self.par.dtype)
-
-    def gemm(self, m, k, n) -> float:
-        return self.hw.gemm_ms(m, k, n, self.par.dtype)
-
-
-def _gemm_blocks(ctx: _Ctx, g: Gemm, fwd: Block, bwd: Block) -> None:
-    """One TP GEMM's forward, dgrad and wgrad, with the collectives they meet."""
-    tp, sp = ctx.par.tp, ctx.par.sp
-    f, dg, wg = (g.m, g.k, g.n), (g.m, g.n, g.k), (g.k, g.m, g.n)
-    if tp == 1:
-        fwd.add_compute(f"{g.name} fwd", ctx.gemm(*f))
-        bwd.add_compute(f"{g.name} dgrad", ctx.gemm(*dg))
-        bwd.add_compute(f"{g.name} wgrad", ctx.gemm(*wg))
-    elif g.column and sp:  # gather the input, then: re-gather beside dgrad, reduce-scatter beside wgrad
-        fwd.add_site(ctx.site(f"{g.name} fwd", "fwd", "ag_gemm", "all_gather", *f))
-        bwd.add_site(ctx.site(f"{g.name} dgrad", "bwd", "beside", "all_gather", *dg))
-        bwd.add_site(ctx.site(f"{g.name} wgrad", "bwd", "beside", "reduce_scatter", *wg))
-    elif g.column:  # no SP: all-reduce of the input gradient beside wgrad
-        fwd.add_compute(f"{g.name} fwd", ctx.gemm(*f))
-        bwd.add_compute(f"{g.name} dgrad", ctx.gemm(*dg))
-        bwd.add_site(ctx.site(f"{g.name} wgrad", "bwd", "beside", "all_reduce", *wg))
-    elif sp:  # reduce-scatter the output; backward gathers the output gradient
-        fwd.add_site(ctx.site(f"{g.name} fwd", "fwd", "gemm_rs", "reduce_scatter", *f))
-        bwd.add_site(ctx.site(f"{g.name} dgrad", "bwd", "ag_gemm", "all_gather", *dg))
-        bwd.add_compute(f"{g.name} wgrad", ctx.gemm(*wg))
-    else:
-        fwd.add_site(ctx.site(f"{g.name} fwd", "fwd", "gemm_ar", "all_reduce", *f))
-        bwd.add_compute(f"{g.name} dgrad", ctx.gemm(*dg))
-        bwd.add_compute(f"{g.name} wgrad", ctx.gemm(*wg))
-
-
-def _layer(ctx: _Ctx) -> tuple[Block, Block]:
-    model, par, hw, mem = ctx.model, ctx.par, ctx.hw, ctx.hw.memory
-    fwd, bwd = Block(), Block()
-    gemms = layer_gemms(model, par)
-    for g in gemms:
-        _gemm_blocks(ctx, g, fwd, bwd)
-    att_f, att_b = hw.attention_ms(par.micro_batch, model.num_heads // par.tp, model.seq_len, model.head_dim, par.dtype)
-    fwd.add_compute("attention fwd", att_f)
-    bwd.add_compute("attention bwd", att_b)
-    sp_tokens = ctx.tokens // par.tp if par.sp else ctx.tokens
-    up = gemms[2]
-    elementwise = (2 * mem.norm_ms(sp_tokens * model.hidden, ctx.db)
-                   + 2 * mem.elementwise_ms(sp_tokens * model.hidden, ctx.db)
-                   + mem.elementwise_ms(up.m * up.n // (2 if model.gated_mlp else 1), ctx.db,
-                                        3 if model.gated_mlp else 2)
-                   + mem.elementwise_ms(ctx.tokens * gemms[0].n, ctx.db, 2))
-    fwd.add_compute("norms, residuals, activation, rope", elementwise)
-    bwd.add_compute("norms, residuals, activation, rope (backward)", 2 * elementwise)
-    if model.num_experts > 1 and par.ep > 1:
-        _expert_all_to_all(ctx, fwd, bwd, gemms)
-    recompute = Block()  # runs at the start of the layer's backward
-    if par.recompute == "selective":
-        recompute.add_compute("recompute attention", att_f)
-    elif par.recompute == "full":
-        recompute = Block(fwd.compute_ms, fwd.wall_ms, dict(fwd.comm), dict(fwd.exposed),
-                          [dict(r, op="recompute " + r["op"]) for r in fwd.rows])
-    return fwd, recompute + bwd
-
-
-def _expert_all_to_all(ctx: _Ctx, fwd: Block, bwd: Block, gemms: list[Gemm]) -> None:
-    """MoE dispatch and combine around the expert GEMMs, chunked when EP overlap is on."""
-    par, model = ctx.par, ctx.model
-    group = Group.strided(par.ep, par.tp, ctx.hw.gpus_per_node)
-    tokens = ctx.tokens // par.tp if par.sp else ctx.tokens
-    a2a = ctx.coll.time_ms("all_to_all", tokens * model.top_k * model.hidden * ctx.db, group)
-    expert_fwd = sum(ctx.gemm(g.m, g.k, g.n) for g in gemms[2:])
-    chunked = par.overlap.ep in ("pipelined", "auto")
-    c = 4 if chunked else 1
-    for block, expert_ms in ((fwd, expert_fwd), (bwd, 2 * expert_fwd)):  # backward: dgrad + wgrad
-        if chunked:
-            wall = layered_ms([a2a / c] * c, [expert_ms / c] * c, [a2a / c] * c, ctx.hw.sm_comm_slowdown, prefetch=c)
-            exposed = max(0.0, wall - expert_ms)
-        else:
-            exposed = 2 * a2a
-        block.add_comm("ep_all_to_all", 2 * a2a, exposed)
-        block.rows.append({"op": "MoE dispatch + combine (exposed part)", "comm": "ep_all_to_all", "pattern": "exposed",
-                           "comm_ms": 2 * a2a, "gemm_ms": 0.0, "time_ms": exposed, "exposed_ms": exposed,
-                           "mode": "pipelined" if chunked else "none", "chunks": c, "group_size": par.ep,
-                           "nbytes": tokens * model.top_k * model.hidden * ctx.db, "note": "",
-                           "contention": ctx.hw.sm_comm_slowdown})
-
-
-def _lm_head(ctx: _Ctx) -> tuple[Block, Block]:
-    model, par = ctx.model, ctx.par
-    fwd, bwd = Block(), Block()
-    _gemm_blocks(ctx, Gemm("lm_head", ctx.tokens, model.hidden, model.vocab_size // par.tp, True), fwd, bwd)
-    ce = ctx.hw.memory.elementwise_ms(ctx.tokens * model.vocab_size // par.tp, 4, 3)
-    fwd.add_compute("cross-entropy", ce)
-    bwd.add_compute("cross-entropy (backward)", ce)
-    return fwd, bwd
-
-
-def stage_params(model: ModelConfig, par: ParallelConfig) -> int:
-    """Parameters of the last pipeline stage (its layers and the LM head), before TP sharding."""
-    return model.num_layers // par.pp * model.layer_params + model.vocab_size * model.hidden
+def _host_wait(block: Block, ops: int, host_us: float) -> Block:
+    """The layer's wall time when the host's dispatch of its ops outlasts the GPU's work."""
+    host = ops * host_us * 1e-3
+    if host > block.wall_ms:
+        block.rows.append({"op": f"host dispatch of {ops} ops (GPU waits)", "time_ms": host - block.wall_ms,
+                           "gemm_ms": 0.0})
+        block.host_ms = host - block.wall_ms
+    return block
 
 
 def predict(model: ModelConfig, par: ParallelConfig, hw: Hardware, coll: Collectives | None = None,
             gpus: int | None = None) -> StepReport:
     """Predict one training step; raises ConfigError (naming the field) on sizes that don't fit."""
+    from .memory import estimate
+
     validate(model, par, hw.gpus_per_node, hw.name, gpus)
     coll = coll or Collectives(hw)
-    ctx = _Ctx(model, par, hw, coll)
-    layer_f, layer_b = _layer(ctx)
-    head_f, head_b = _lm_head(ctx)
-    per_stage = model.num_layers // par.pp
-    fwd = layer_f.scaled(per_stage) + head_f  # the last stage: the slowest
-    bwd = layer_b.scaled(per_stage) + head_b
+    ctx = Ctx(model, par, hw, coll)
+    layer_f, layer_b = layer(ctx, Block)
+    ops = HOST_OPS_PER_LAYER[par.eager]
+    layer_f, layer_b = _host_wait(layer_f, ops, hw.host_us_per_op), _host_wait(layer_b, 2 * ops, hw.host_us_per_op)
+    head_f, head_b = lm_head(ctx, Block)
+    emb = Block()
+    emb.add_compute("embedding gradient (dense, fp32 accumulate)", embedding_backward_ms(ctx))
+    layers = par.stage_layers(model.num_layers)
+    stages = []
+    for i, n in enumerate(layers):
+        f = layer_f.scaled(n) + (head_f if i == par.pp - 1 else Block())
+        b = layer_b.scaled(n) + (head_b if i == par.pp - 1 else Block()) + (emb if i == 0 else Block())
+        stages.append((f, b))
+    slowest = max(range(par.pp), key=lambda i: stages[i][0].wall_ms + stages[i][1].wall_ms)
+    fwd, bwd = stages[slowest]
+    host_layer = layer_f.host_ms + layer_b.host_ms
+    times = [f.wall_ms + b.wall_ms + n * host_layer for (f, b), n in zip(stages, layers)]
     m = par.micro_batches
     step = (fwd + bwd).scaled(m)
     notes: list[str] = []
-    bubble = (par.pp - 1) / par.vpp * (fwd.wall_ms + bwd.wall_ms)
+    # 1F1B: the slowest stage runs m micro-batches; the others' fill and drain add their own times
+    # once (uniform stages: (pp - 1)/vpp micro-batch times).
+    bubble = (sum(times) - times[slowest]) / par.vpp
     if par.pp > 1:
         _pipeline_p2p(ctx, step, notes)
-    params_rank = stage_params(model, par) / par.tp
-    if par.dp > 1:
-        _data_parallel(ctx, step, params_rank, layer_f, layer_b, per_stage, bwd, notes)
-    optimizer = params_rank / (par.dp if par.zero else 1) * ADAM_BYTES_PER_PARAM / (hw.memory.elementwise_gbps * 1e6)
+    zero3: dict = {}
+    params = [stage_params(model, par, i) / par.tp for i in range(par.pp)]
+    if par.dp * par.cp > 1:
+        zero3 = _data_parallel(ctx, step, params, stages, slowest, layer_f, layer_b, layers[slowest], notes)
+    shards = par.dp * par.cp if par.zero else 1
+    per_param = ADAM_BYTES_PER_PARAM + GRAD_NORM_BYTES_PER_PARAM + (FP16_UNSCALE_BYTES_PER_PARAM if par.dtype == "fp16" else 0)
+    optimizer = params[slowest] / shards * per_param / (hw.memory.elementwise_gbps * 1e6)
+    host = m * host_layer * layers[slowest]
     compute = step.compute_ms + optimizer
     exposed = sum(step.exposed.values())
-    return StepReport(model, par, hw.name, compute + exposed + bubble, compute, sum(step.comm.values()),
-                      exposed, bubble, dict(step.comm), dict(step.exposed), layer_f, layer_b, head_f, head_b,
-                      per_stage, optimizer, notes)
+    report = StepReport(model, par, hw.name, compute + exposed + bubble + host, compute, sum(step.comm.values()),
+                        exposed, bubble, dict(step.comm), dict(step.exposed), layer_f, layer_b, head_f, head_b,
+                        layers[slowest], optimizer, notes=notes, host_ms=host, stage_ms=tuple(times),
+                        stage_layers=tuple(layers), zero3=zero3, peak_tflops=hw.peak_tflops(par.dtype))
+    report.memory = estimate(model, par, hw, zero3.get("prefetch", 0))
+    if not report.memory["fits"]:
+        notes.append(f"memory: {report.memory['total_gib']:.1f} GiB per GPU estimated, more than the "
+                     f"{hw.hbm_gib:.0f} GiB of {hw.name}: this configuration does not fit")
+    return report
+
+
+def stage_params(model: ModelConfig, par: ParallelConfig, stage: int | None = None) -> int:
+    """Parameters of a pipeline stage (default: the last, with the LM head), before TP sharding."""
+    stage = par.pp - 1 if stage is None else stage
+    n = par.stage_layers(model.num_layers)[stage] * model.layer_params
+    if par.pp == 1:
+        return n + model.embedding_params
+    table = model.vocab_size * model.hidden
+    return n + (table if stage == 0 else 0) + (table if stage == par.pp - 1 else 0)
 
 
 def p2p_ms(model: ModelConfig, par: ParallelConfig, hw: Hardware, coll: Collectives) -> float:
-    """One pipeline send/recv of a micro-batch's activations (SP-sharded when SP is on)."""
-    nbytes = par.micro_batch * model.seq_len * model.hidden * DTYPE_BYTES[par.dtype] // (par.tp if par.sp else 1)
-    return coll.time_ms("send_recv", nbytes, Group.strided(2, par.tp * par.dp, hw.gpus_per_node))
+    """One pipeline send/recv of a micro-batch's activations (SP-sharded, or split over TP and re-gathered)."""
+    full = par.micro_batch * model.seq_len // par.cp * model.hidden * DTYPE_BYTES[par.dtype]
+    link = Group.strided(2, par.tp * par.cp * par.dp, hw.gpus_per_node)
+    if par.sp or par.tp == 1:
+        return coll.time_ms("send_recv", full // par.tp, link)
+    if par.pp_scatter_gather:  # each TP rank sends 1/tp; an NVLink all-gather re-assembles it
+        return coll.time_ms("send_recv", full // par.tp, link) + coll.time_ms("all_gather", full, Group(par.tp, par.tp))
+    return coll.time_ms("send_recv", full, link)
 
 
 def dp_group(par: ParallelConfig, hw: Hardware) -> Group:
-    """The data-parallel group: ranks tp apart."""
-    return Group.strided(par.dp, par.tp, hw.gpus_per_node)
+    """The gradient-reduction group: data-parallel and context-parallel ranks, tp apart."""
+    return Group.strided(par.dp * par.cp, par.tp, hw.gpus_per_node)
 
 
 def grad_reduction(par: ParallelConfig) -> tuple[str, str]:
@@ -299,7 +280,7 @@ def grad_reduction(par: ParallelConfig) -> tuple[str, str]:
     return ("dp_all_reduce", "all_reduce") if par.zero == 0 else ("dp_reduce_scatter", "reduce_scatter")
 
 
-def _pipeline_p2p(ctx: _Ctx, step: Block, notes: list) -> None:
+def _pipeline_p2p(ctx: Ctx, step: Block, notes: list) -> None:
     par = ctx.par
     t = p2p_ms(ctx.model, par, ctx.hw, ctx.coll)
     transfers = 2 * par.vpp * par.micro_batches  # activation in, gradient in, per model chunk
@@ -310,44 +291,82 @@ def _pipeline_p2p(ctx: _Ctx, step: Block, notes: list) -> None:
         notes.append("pp: Megatron's overlap_p2p_comm needs the interleaved schedule (vpp > 1)")
 
 
-def _data_parallel(ctx: _Ctx, step: Block, params_rank: float, layer_f: Block, layer_b: Block,
-                   per_stage: int, bwd: Block, notes: list) -> None:
+def _reduction_exposed(ctx: Ctx, grad_bytes: float, hide_ms: float, notes: list | None) -> tuple[float, float]:
+    """(comm, exposed) of one stage's bucketed gradient reduction behind `hide_ms` of backward."""
+    par, coll, group = ctx.par, ctx.coll, dp_group(ctx.par, ctx.hw)
+    _, name = grad_reduction(par)
+    sizes = bucket_sizes(grad_bytes, par.bucket_mib * MIB)
+    total = sum(coll.time_ms(name, b, group) for b in sizes)
+    if par.overlap.dp == "none":
+        return total, total
+    exposed = buckets_ms(sizes, hide_ms, lambda b: coll.time_ms(name, b, group), ctx.hw.sm_comm_slowdown) - hide_ms
+    if notes is not None and total > hide_ms:
+        notes.append(f"dp: gradient {name.replace('_', '-')} ({total:.1f} ms) outlasts the backward that "
+                     f"hides it ({hide_ms:.1f} ms): overlap cannot hide more; accumulate more "
+                     f"micro-batches per step or shrink the gradients")
+    return total, exposed
+
+
+def _data_parallel(ctx: Ctx, step: Block, params: list, stages: list, slowest: int, layer_f: Block,
+                   layer_b: Block, per_stage: int, notes: list) -> dict:
     """Gradient reduction, ZeRO gathers: bucketed behind backward, prefetched before forward."""
     par, hw, coll = ctx.par, ctx.hw, ctx.coll
     group = dp_group(par, hw)
-    slow = hw.sm_comm_slowdown
-    grad_bytes = params_rank * par.grad_bytes
     layer_param_bytes = ctx.model.layer_params / par.tp * ctx.db
     if par.zero == 3:
-        ag = coll.time_ms("all_gather", layer_param_bytes, group)
-        rs = coll.time_ms("reduce_scatter", ctx.model.layer_params / par.tp * par.grad_bytes, group)
-        n, m = per_stage, par.micro_batches
-        if par.overlap.zero == "none":
-            exp_ag, exp_rs = 2 * n * ag, n * rs
-        else:
-            exp_f = layered_ms([ag] * n, [layer_f.wall_ms] * n, [0.0] * n, slow) - n * layer_f.wall_ms
-            exp_b = layered_ms([ag] * n, [layer_b.wall_ms] * n, [rs] * n, slow) - n * layer_b.wall_ms
-            exp_ag, exp_rs = exp_f + exp_b * ag / (ag + rs), exp_b * rs / (ag + rs)
-        step.add_comm("zero_all_gather", m * 2 * n * ag, m * max(0.0, exp_ag))
-        step.add_comm("dp_reduce_scatter", m * n * rs, m * max(0.0, exp_rs))
-        return
-    kind, coll_name = grad_reduction(par)
-    sizes = bucket_sizes(grad_bytes, par.bucket_mib * MIB)
-    total = sum(coll.time_ms(coll_name, b, group) for b in sizes)
-    if par.overlap.dp == "none":
-        exposed = total
-    else:
-        exposed = buckets_ms(sizes, bwd.wall_ms, lambda b: coll.time_ms(coll_name, b, group), slow) - bwd.wall_ms
-        if total > bwd.wall_ms:
-            notes.append(f"dp: gradient {coll_name.replace('_', '-')} ({total:.1f} ms) outlasts the backward that "
-                         f"hides it ({bwd.wall_ms:.1f} ms): overlap cannot hide more; accumulate more "
-                         f"micro-batches per step or shrink the gradients")
-    step.add_comm(kind, total, exposed)
+        return _zero3(ctx, step, group, layer_f, layer_b, per_stage, notes)
+    kind, _ = grad_reduction(par)
+    # Each stage reduces behind its own last backward. Inside the drain, stage i finishes that
+    # backward (pp - 1 - i) micro-batch backwards before stage 0 does, and its reduction may use them.
+    candidates = {0, slowest, par.pp - 1} if par.dp_in_drain else {slowest}
+    worst, total = 0.0, 0.0
+    for i in sorted(candidates):
+        bwd = stages[i][1].wall_ms
+        comm, exposed = _reduction_exposed(ctx, params[i] * par.grad_bytes, bwd, notes if i == slowest else None)
+        if i == slowest:
+            total = comm
+        slack = (par.pp - 1 - i) * bwd if par.dp_in_drain else 0.0
+        worst = max(worst, exposed - slack)
+    step.add_comm(kind, total, max(0.0, worst))
     if par.zero in (1, 2):  # parameters gathered after the sharded step, before the next forward
         gathers = [coll.time_ms("all_gather", layer_param_bytes, group)] * per_stage
         t = sum(gathers)
         if par.overlap.zero == "none":
             exp = t
         else:
-            exp = layered_ms(gathers, [layer_f.wall_ms] * per_stage, [0.0] * per_stage, slow) - per_stage * layer_f.wall_ms
+            exp = layered_ms(gathers, [layer_f.wall_ms] * per_stage, [0.0] * per_stage, hw.sm_comm_slowdown) \
+                - per_stage * layer_f.wall_ms
         step.add_comm("zero_all_gather", t, max(0.0, exp))
+    return {}
+
+
+def _zero3(ctx: Ctx, step: Block, group: Group, layer_f: Block, layer_b: Block, per_stage: int, notes: list) -> dict:
+    """ZeRO-3 / FSDP: per unit of `zero3_wrap` layers, gathered in forward and backward, gradients
+    reduce-scattered in backward, gathers issued `zero3_prefetch` units ahead (or chosen)."""
+    from .fsdp import fsdp_prefetch_choice, prefetch_wall_ms
+    from .memory import estimate
+
+    par, coll, slow = ctx.par, ctx.coll, ctx.hw.sm_comm_slowdown
+    wrap = min(par.zero3_wrap, per_stage)
+    units = max(1, per_stage // wrap)
+    unit_params = ctx.model.layer_params / par.tp * wrap
+    ag = coll.time_ms("all_gather", unit_params * ctx.db, group)
+    rs = coll.time_ms("reduce_scatter", unit_params * par.grad_bytes, group)
+    f_ms, b_ms = layer_f.wall_ms * wrap, layer_b.wall_ms * wrap
+    if par.overlap.zero == "none":
+        depth, why = 0, "overlap.zero=none: every gather waits for the previous unit"
+    elif par.zero3_prefetch >= 0:
+        depth, why = par.zero3_prefetch, "as asked (--zero3-prefetch)"
+    else:
+        free = (ctx.hw.hbm_gib * 2**30 - estimate(ctx.model, par, ctx.hw, 0)["total_bytes"])
+        depth, why = fsdp_prefetch_choice(b_ms, ag, unit_params * ctx.db, max(0.0, free), num_layers=units,
+                                          reduce_ms=rs, contention=slow)
+    wall_f = prefetch_wall_ms(f_ms, ag, depth, num_layers=units, contention=slow)
+    wall_b = prefetch_wall_ms(b_ms, ag, depth, num_layers=units, reduce_ms=rs, contention=slow)
+    exp_f, exp_b = wall_f - units * f_ms, wall_b - units * b_ms
+    m = par.micro_batches
+    step.add_comm("zero_all_gather", m * 2 * units * ag, m * max(0.0, exp_f + exp_b * ag / (ag + rs)))
+    step.add_comm("dp_reduce_scatter", m * units * rs, m * max(0.0, exp_b * rs / (ag + rs)))
+    notes.append(f"zero3: prefetch depth {depth}, {wrap} layer(s) per unit: {why}")
+    return {"prefetch": depth, "wrap_layers": wrap, "units": units, "reason": why,
+            "gather_ms": ag, "reduce_scatter_ms": rs}

@@ -8,16 +8,17 @@ with one line naming the field, before anything is predicted.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from . import _validate as v
 
-MODES = ("none", "bulk", "pipelined", "auto")
-"""Overlap settings, with the same meaning in every engine."""
-RECOMPUTE = ("none", "selective", "full")
-TRANSPORTS = ("p2p", "symm_mem")
-"""Pipelined TP transports: NCCL send/recv (takes SMs) or copy-engine pulls (takes none)."""
+from .parallel import MODES, RECOMPUTE, TRANSPORTS, Overlap, ParallelConfig, validate  # noqa: F401 (re-exported)
+
+
+MAX_DIM = {"hidden": 1 << 20, "ffn_hidden": 1 << 22, "num_layers": 100_000, "num_heads": 1 << 16,
+           "seq_len": 1 << 24, "vocab_size": 1 << 24, "num_experts": 1 << 16, "top_k": 1 << 16}
+"""Largest accepted model sizes: beyond them a number is a typo, and the arithmetic would print nonsense."""
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,14 @@ class ModelConfig:
         for f in ("hidden", "ffn_hidden", "num_layers", "num_heads", "seq_len", "vocab_size",
                   "num_experts", "top_k"):
             v.positive_int(o, f, getattr(self, f))
+            if getattr(self, f) > MAX_DIM[f]:
+                raise v.ConfigError(f"{o}.{f}={getattr(self, f)}: must be <= {MAX_DIM[f]} (larger than any model trained)")
+        for f in ("gated_mlp", "tied_embeddings"):
+            v.boolean(o, f, getattr(self, f))
+        for f in ("num_kv_heads", "head_dim"):
+            x = getattr(self, f)
+            if not isinstance(x, int) or isinstance(x, bool) or x < 0:
+                raise v.ConfigError(f"{o}.{f}={x!r}: must be an integer >= 1 (or 0: the default)")
         if self.num_kv_heads == 0:
             object.__setattr__(self, "num_kv_heads", self.num_heads)
         if self.head_dim == 0:
@@ -105,12 +114,14 @@ MODEL_PRESETS = {
 }
 
 
-def load_model(spec: "str | Path | ModelConfig") -> ModelConfig:
-    """A preset name, a JSON file with ModelConfig's keys, or a ModelConfig."""
+def load_model(spec: "str | Path | ModelConfig", seq_len: int | None = None) -> ModelConfig:
+    """A preset name, a JSON file (ModelConfig's keys, or a HuggingFace config.json), or a ModelConfig.
+
+    `seq_len` replaces the model's sequence length (a HuggingFace config does not say it)."""
     if isinstance(spec, ModelConfig):
-        return spec
+        return replace(spec, seq_len=seq_len) if seq_len else spec
     if str(spec) in MODEL_PRESETS:
-        return MODEL_PRESETS[str(spec)]
+        return load_model(MODEL_PRESETS[str(spec)], seq_len)
     path = Path(spec)
     if path.suffix == ".json" or path.exists():
         if not path.is_file():
@@ -119,126 +130,15 @@ def load_model(spec: "str | Path | ModelConfig") -> ModelConfig:
             data = json.loads(path.read_text())
         except json.JSONDecodeError as e:
             raise v.ConfigError(f"model={str(spec)!r}: not valid JSON ({e.msg} at line {e.lineno})") from None
-        return ModelConfig.from_dict({"name": path.stem, **data})
+        from .hf import from_hf_config, is_hf_config
+
+        if is_hf_config(data):
+            return from_hf_config(data, path.parent.name if path.stem == "config" else path.stem, seq_len)
+        if not isinstance(data, dict):
+            raise v.ConfigError(f"model={str(spec)!r}: must be a JSON object, not {type(data).__name__}")
+        return load_model(ModelConfig.from_dict({"name": path.stem, **data}), seq_len)
     raise v.ConfigError(f"model={str(spec)!r}: unknown preset; known: {', '.join(MODEL_PRESETS)} "
                         f"(or a path to a JSON file)")
-
-
-@dataclass(frozen=True)
-class Overlap:
-    """The overlap setting of each engine (none, bulk, pipelined or auto)."""
-
-    tp: str = "none"
-    """TP/SP: bulk hides backward dgrad collectives behind wgrad; pipelined also chunks the
-    forward (and backward) all-gather/reduce-scatter into the GEMMs."""
-    dp: str = "none"
-    """DP gradient buckets reduced during backward (any setting but none)."""
-    zero: str = "none"
-    """ZeRO parameter gathers prefetched behind earlier layers' compute."""
-    pp: str = "none"
-    """Pipeline send/recv beside the other micro-batch's compute in 1F1B."""
-    ep: str = "none"
-    """MoE dispatch/combine chunked against expert GEMMs (pipelined or auto)."""
-
-    def __post_init__(self) -> None:
-        for f in ("tp", "dp", "zero", "pp", "ep"):
-            v.one_of("overlap", f, getattr(self, f), MODES)
-
-    @classmethod
-    def all(cls, mode: str) -> "Overlap":
-        return cls(mode, mode, mode, mode, mode)
-
-
-@dataclass(frozen=True)
-class ParallelConfig:
-    """How the model is split over GPUs, and what overlaps."""
-
-    tp: int = 1
-    """Tensor-parallel size (adjacent ranks, inside one node)."""
-    pp: int = 1
-    """Pipeline stages."""
-    vpp: int = 1
-    """Virtual stages (model chunks) per pipeline rank: interleaved 1F1B."""
-    dp: int = 1
-    """Data-parallel replicas."""
-    ep: int = 1
-    """Expert-parallel size, carved out of the DP ranks (MoE only)."""
-    sp: bool = True
-    """Sequence parallelism: TP's all-reduces become all-gather + reduce-scatter, which can overlap."""
-    micro_batch: int = 1
-    """Sequences per micro-batch."""
-    global_batch: int = 0
-    """Sequences per optimizer step over all replicas; 0 means micro_batch * dp (one micro-batch)."""
-    recompute: str = "none"
-    """Activation recomputation: none, selective (attention core) or full (whole layer)."""
-    zero: int = 0
-    """ZeRO stage: 1/2 shard optimizer state/gradients (reduce-scatter + parameter all-gather),
-    3 also shards parameters (gathered per layer, per micro-batch)."""
-    overlap: Overlap = field(default_factory=Overlap)
-    """Overlap per engine."""
-    tp_transport: str = "p2p"
-    """How pipelined TP chunks move: p2p (NCCL send/recv) or symm_mem (copy engines)."""
-    dtype: str = "bf16"
-    """Data type of GEMMs and activations (bf16 or fp8)."""
-    grad_bytes: int = 2
-    """Bytes per gradient element in the DP reduction (2: bf16, 4: fp32 reduction)."""
-    bucket_mib: float = 25.0
-    """DP gradient bucket size, MiB (PyTorch DDP's default)."""
-
-    def __post_init__(self) -> None:
-        o = "parallel"
-        for f in ("tp", "pp", "vpp", "dp", "ep", "micro_batch"):
-            v.positive_int(o, f, getattr(self, f))
-        if self.global_batch == 0:
-            object.__setattr__(self, "global_batch", self.micro_batch * self.dp)
-        v.positive_int(o, "global_batch", self.global_batch)
-        v.divides(o, "global_batch", self.global_batch, "micro_batch*dp", self.micro_batch * self.dp)
-        v.one_of(o, "recompute", self.recompute, RECOMPUTE)
-        v.one_of(o, "zero", self.zero, (0, 1, 2, 3))
-        v.one_of(o, "tp_transport", self.tp_transport, TRANSPORTS)
-        v.one_of(o, "dtype", self.dtype, ("bf16", "fp8"))
-        v.one_of(o, "grad_bytes", self.grad_bytes, (2, 4))
-        v.positive(o, "bucket_mib", self.bucket_mib)
-        if self.vpp > 1 and self.pp == 1:
-            raise v.ConfigError(f"parallel.vpp={self.vpp} needs pp > 1 (virtual stages interleave a pipeline)")
-        v.divides(o, "dp", self.dp, "ep", self.ep)
-
-    @property
-    def world(self) -> int:
-        return self.tp * self.pp * self.dp
-
-    @property
-    def micro_batches(self) -> int:
-        """Micro-batches per step on each pipeline."""
-        return self.global_batch // (self.micro_batch * self.dp)
-
-
-def validate(model: ModelConfig, par: ParallelConfig, gpus_per_node: int, hardware_name: str = "",
-             gpus: int | None = None) -> None:
-    """Refuse a split that does not divide or does not fit the hardware; one line per error."""
-    o = "parallel"
-    v.divides("model", "num_heads", model.num_heads, "tp", par.tp)
-    if model.num_kv_heads % par.tp and par.tp % model.num_kv_heads:
-        raise v.ConfigError(f"model.num_kv_heads={model.num_kv_heads} and tp={par.tp}: one must divide the other")
-    v.divides("model", "ffn_hidden", model.ffn_hidden, "tp", par.tp)
-    v.divides("model", "num_layers", model.num_layers, "pp*vpp", par.pp * par.vpp)
-    if par.sp:
-        v.divides("model", "seq_len", model.seq_len, "tp (sequence parallelism)", par.tp)
-    if par.vpp > 1 and par.micro_batches % par.pp:
-        raise v.ConfigError(f"{o}.global_batch={par.global_batch} gives {par.micro_batches} micro-batches: "
-                            f"interleaved 1F1B (vpp={par.vpp}) needs a multiple of pp={par.pp}")
-    if par.ep > 1 and model.num_experts == 1:
-        raise v.ConfigError(f"{o}.ep={par.ep} needs a mixture-of-experts model (num_experts > 1)")
-    if par.ep > 1:
-        v.divides("model", "num_experts", model.num_experts, "ep", par.ep)
-    where = f" of {hardware_name}" if hardware_name else ""
-    if par.tp > gpus_per_node:
-        raise v.ConfigError(f"{o}.tp={par.tp} exceeds gpus_per_node={gpus_per_node}{where}: "
-                            f"tensor parallelism must stay inside one NVLink node")
-    if par.world > gpus_per_node and par.world % gpus_per_node:
-        raise v.ConfigError(f"world size tp*pp*dp={par.world} does not fill whole nodes of {gpus_per_node} GPUs{where}")
-    if gpus is not None and gpus != par.world:
-        raise v.ConfigError(f"gpus={gpus} but tp*pp*dp={par.tp}*{par.pp}*{par.dp}={par.world}")
 
 
 @dataclass(frozen=True)
@@ -257,9 +157,11 @@ class Gemm:
     """Column-parallel (input gathered before it) or row-parallel (output reduced after it)."""
 
 
-def layer_gemms(model: ModelConfig, par: ParallelConfig) -> list[Gemm]:
-    """The four TP GEMMs of one layer (MoE: the expert MLP sees top_k times the tokens)."""
-    t = par.micro_batch * model.seq_len
+def layer_gemms(model: ModelConfig, par: ParallelConfig, seq: int | None = None) -> list[Gemm]:
+    """The four TP GEMMs of one layer (MoE: the expert MLP sees top_k times the tokens).
+
+    `seq`: tokens of a sequence on this rank (seq_len / cp under context parallelism)."""
+    t = par.micro_batch * (seq or model.seq_len // par.cp)
     tp, d = par.tp, model.head_dim
     kv_local = max(1, model.num_kv_heads // tp)
     mlp_tokens = t * model.top_k if model.num_experts > 1 else t
