@@ -1,0 +1,134 @@
+"""Ring attention as an autograd function and a module: the K/V ring hides behind each block's attention.
+
+`ring_attention(q, k, v, group)` takes this rank's slice of the sequence (laid out by `split`)
+and returns softmax(q kᵀ·scale)·v over the *whole* sequence for its queries, equal to
+attention in one process; backward returns the exact gradients of the local q, k and v. The
+schedule and its overlap live in `ring.py`; this file checks the inputs (the same on every
+rank, via `overlapkit.agreement`) and wires the schedule into autograd.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..agreement import Agreement
+from ..comm import group_rank, group_size
+from ..groups import resolve_group
+from .kernels import KERNELS, check_kernel
+from .ring import Ring, ring_backward, ring_forward
+from .split import LAYOUTS, check_layout, chunks_per_rank
+
+OVERLAPS = ("none", "pipelined")
+"""`none`: each K/V transfer after the block it could hide behind (the reference); `pipelined`: the next
+block in flight while this one computes. The ring has no bulk form and nothing for `auto` to choose."""
+
+
+@dataclass(frozen=True)
+class ContextParallelConfig:
+    """How ring attention cuts the sequence, computes its blocks and overlaps its transfers."""
+
+    overlap: str = "pipelined"
+    """`pipelined` (the next K/V block travels while this one's attention runs) or `none` (sequential)."""
+    layout: str = "zigzag"
+    """How the sequence is cut over CP ranks (see split.py): `zigzag` balances causal work; `contiguous`."""
+    kernel: str = "auto"
+    """Block attention: `math` (matmuls, fp32 scores), `flash` (PyTorch's fused kernels), or `auto`:
+    flash on CPU and for fp16/bf16 on CUDA, math for fp32 on CUDA (the CUDA flash kernel has no fp32)."""
+
+    def __post_init__(self) -> None:
+        if self.overlap not in OVERLAPS:
+            raise ValueError(f"ContextParallelConfig.overlap={self.overlap!r} is not one of {OVERLAPS}")
+        check_layout(self.layout, "ContextParallelConfig.layout")
+        if self.kernel not in (*KERNELS, "auto"):
+            raise ValueError(f"ContextParallelConfig.kernel={self.kernel!r} is not one of {(*KERNELS, 'auto')}")
+
+    def kernel_for(self, q: torch.Tensor) -> str:
+        if self.kernel != "auto":
+            return self.kernel
+        return "math" if q.is_cuda and q.dtype not in (torch.float16, torch.bfloat16) else "flash"
+
+
+class _RingAttention(torch.autograd.Function):
+    """Ring of K/V blocks in forward; the same ring, carrying dK/dV back to their owners, in backward."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, ring: Ring):
+        out, lse, rests = ring_forward(ring, q, k, v)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.ring, ctx.rests = ring, rests
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = ring_backward(ctx.ring, dout, q, k, v, out, lse, ctx.rests)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
+
+
+def _check_shapes(q, k, v) -> None:
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError(f"ring attention wants q, k, v as [batch, heads, seq, head_dim]; got "
+                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if k.shape != v.shape:
+        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} differ in shape")
+    b, h, s, d = q.shape
+    if (k.shape[0], k.shape[2], k.shape[3]) != (b, s, d):
+        raise ValueError(f"k/v {tuple(k.shape)} do not match q {tuple(q.shape)} in batch, local sequence or head_dim")
+    if h % k.shape[1]:
+        raise ValueError(f"{h} query heads are not a multiple of {k.shape[1]} key/value heads (grouped-query attention)")
+
+
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh_or_group=None, *, causal: bool = True,
+                   scale: float | None = None, config: ContextParallelConfig = ContextParallelConfig(),
+                   name: str = "cp.attn", agreement: Agreement | None = None) -> torch.Tensor:
+    """Attention of this rank's queries over the whole sequence held by the CP group; [b, h, s_local, d].
+
+    q [b, h, s_local, d], k and v [b, h_kv, s_local, d] (h a multiple of h_kv: grouped-query
+    attention) are this rank's tokens in the order `split.shard(..., layout=config.layout)`
+    gives. `mesh_or_group`: a CP ProcessGroup, a DeviceMesh with a "cp" dim, a ParallelGroups.
+    The first call of a configuration checks that every rank of the group passed the same
+    shapes and settings (a mismatch raises RankMismatchError on every rank).
+    """
+    group = resolve_group(mesh_or_group, "cp")
+    _check_shapes(q, k, v)
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    kernel = config.kernel_for(q)
+    check_kernel(kernel, q)
+    size, rank = group_size(group), group_rank(group)
+    (agreement or _AGREEMENT).check(group, q=tuple(q.shape), kv=tuple(k.shape), dtype=q.dtype, causal=bool(causal),
+                                    scale=scale, overlap=config.overlap, layout=config.layout, kernel=kernel)
+    per = chunks_per_rank(config.layout)
+    if q.shape[2] % per:
+        raise ValueError(f"local sequence length {q.shape[2]} does not split into the {per} equal chunks each rank "
+                         f"holds under layout={config.layout!r} (the whole sequence must be a multiple of {per * size})")
+    ring = Ring(group=group, rank=rank, size=size, layout=config.layout, chunk=q.shape[2] // per,
+                causal=bool(causal), scale=scale, kernel=kernel, overlap=config.overlap, name=name)
+    return _RingAttention.apply(q, k, v, ring)
+
+
+_AGREEMENT = Agreement("context_parallel.ring_attention")
+"""Configurations `ring_attention` has checked across ranks (process state: a seen one costs a set lookup)."""
+
+
+class RingAttention(nn.Module):
+    """`ring_attention` as a module over a fixed CP group: q, k, v [b, h, s_local, d] -> [b, h, s_local, d]."""
+
+    def __init__(self, mesh_or_group, config: ContextParallelConfig = ContextParallelConfig(), *,
+                 causal: bool = True, name: str = "cp.attn") -> None:
+        super().__init__()
+        self.group = resolve_group(mesh_or_group, "cp")
+        self.config, self.causal, self.name = config, causal, name
+        self._agreement = Agreement(f"context_parallel.RingAttention({name})")
+
+    def forward(self, q, k, v, scale: float | None = None):
+        return ring_attention(q, k, v, self.group, causal=self.causal, scale=scale, config=self.config,
+                              name=self.name, agreement=self._agreement)
+
+    def extra_repr(self) -> str:
+        return f"cp={group_size(self.group)}, causal={self.causal}, {self.config}"
+
+
+__all__ = ["ContextParallelConfig", "RingAttention", "ring_attention", "OVERLAPS", "LAYOUTS", "KERNELS"]

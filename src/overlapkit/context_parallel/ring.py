@@ -1,0 +1,167 @@
+"""The ring schedule: the next key/value block is in flight around the CP ring while this one's attention runs.
+
+Forward, step i of P on rank r: rank r holds the key/value block of rank (r − i) mod P, sends
+it on to r+1 and receives the next from r−1 (one batched `comm.exchange`, kind `cp_kv`), and
+meanwhile computes its queries against the block in hand and folds the result into its
+running output with the log-sum-exp rule. Backward mirrors it: key/value blocks travel the
+same way, and beside them the dK/dV accumulator of each block, which every rank adds its part
+to before passing it on; after P hops each block's gradient is back with its owner. With
+`overlap="none"` every transfer runs after the computation it could have hidden behind (the
+sequential reference the benchmark compares with).
+
+Which query rows meet which key columns on a step is decided by `block_plan` from the chunk
+grid of `split`: causal diagonals are computed with a causal mask, chunks wholly in the
+future are skipped and never computed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .. import comm
+from ..timeline.recorder import compute_span
+from .kernels import block_backward, block_forward, merge
+from .split import chunks_of
+
+
+@dataclass(frozen=True)
+class Call:
+    """One block-attention call: local query rows [q0, q1) against local key rows [k0, k1) of the held block."""
+
+    q0: int
+    q1: int
+    k0: int
+    k1: int
+    causal: bool
+
+
+def block_plan(rank: int, src: int, size: int, layout: str, chunk: int, causal: bool) -> list[Call]:
+    """The calls rank `rank` makes against the key/value block of rank `src` (local token units)."""
+    n = chunk * len(chunks_of(rank, size, layout))
+    if not causal:
+        return [Call(0, n, 0, n, False)]
+    q_chunks, k_chunks = chunks_of(rank, size, layout), chunks_of(src, size, layout)
+    if q_chunks == k_chunks:
+        # Local positions increase along the local sequence, so one causal mask over all of it is exact.
+        return [Call(0, n, 0, n, True)]
+    calls: list[Call] = []
+    for qi, qc in enumerate(q_chunks):
+        # Ranks own disjoint chunks of one grid: a key chunk is wholly before this query chunk or after it.
+        seen = [ki for ki, kc in enumerate(k_chunks) if kc < qc]
+        if not seen:
+            continue
+        if seen != list(range(seen[0], seen[-1] + 1)):
+            raise AssertionError(f"key chunks {seen} of rank {src} are not contiguous in its local order")
+        k0, k1 = seen[0] * chunk, (seen[-1] + 1) * chunk
+        last = calls[-1] if calls else None
+        if last is not None and last.q1 == qi * chunk and (last.k0, last.k1) == (k0, k1):
+            calls[-1] = Call(last.q0, (qi + 1) * chunk, k0, k1, False)  # same keys: one wider call
+        else:
+            calls.append(Call(qi * chunk, (qi + 1) * chunk, k0, k1, False))
+    return calls
+
+
+@dataclass(frozen=True)
+class Ring:
+    """Everything about this rank's place in the ring that the forward and backward schedules share."""
+
+    group: object
+    rank: int
+    size: int
+    layout: str
+    chunk: int
+    causal: bool
+    scale: float
+    kernel: str
+    overlap: str
+    name: str
+
+    @property
+    def next(self) -> int:
+        return (self.rank + 1) % self.size
+
+    @property
+    def prev(self) -> int:
+        return (self.rank - 1) % self.size
+
+    def plan(self, step: int) -> list[Call]:
+        return block_plan(self.rank, (self.rank - step) % self.size, self.size, self.layout, self.chunk, self.causal)
+
+    def pass_on(self, tensors, label: str) -> tuple[comm.Handle, list[torch.Tensor]]:
+        """Send `tensors` to the next rank and receive the same shapes from the previous one."""
+        incoming = [torch.empty_like(t) for t in tensors]
+        h = comm.exchange([(t, self.next) for t in tensors], [(t, self.prev) for t in incoming], self.group,
+                          kind="cp_kv", name=f"{self.name}.{label}")
+        return h, incoming
+
+
+def ring_forward(ring: Ring, q, k, v):
+    """(out fp32, lse fp32, rests) of the local queries against every rank's keys and values."""
+    out = lse = None
+    rests = []
+    kv = [k.contiguous(), v.contiguous()]
+    for i in range(ring.size):
+        last = i == ring.size - 1
+        handle = None
+        if ring.overlap == "pipelined" and not last:
+            handle, incoming = ring.pass_on(kv, f"fwd.kv[{i}]")
+        with compute_span(f"{ring.name}.fwd[{i}]"):
+            step_rests = []
+            for c in ring.plan(i):
+                o, l, rest = block_forward(q[:, :, c.q0:c.q1], kv[0][:, :, c.k0:c.k1], kv[1][:, :, c.k0:c.k1],
+                                           c.causal, ring.scale, ring.kernel)
+                step_rests.append(rest)
+                if out is None:  # step 0 is the rank's own block: every row sees its own diagonal
+                    out, lse = o, l
+                else:
+                    merge(out[:, :, c.q0:c.q1], lse[:, :, c.q0:c.q1], o, l)
+            rests.append(step_rests)
+        if ring.overlap == "none" and not last:
+            handle, incoming = ring.pass_on(kv, f"fwd.kv[{i}]")
+        if handle is not None:
+            handle.wait()
+            kv = incoming
+    return out, lse, rests
+
+
+def ring_backward(ring: Ring, dout, q, k, v, out, lse, rests):
+    """(dq, dk, dv) in fp32 for the local q, k, v: dK/dV of each block travel back to their owner."""
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    kv = [k.contiguous(), v.contiguous()]
+    acc_handle = acc = None
+    for i in range(ring.size):
+        last = i == ring.size - 1
+        kv_handle = None
+        if ring.overlap == "pipelined" and not last:
+            kv_handle, kv_in = ring.pass_on(kv, f"bwd.kv[{i}]")
+        with compute_span(f"{ring.name}.bwd[{i}]"):
+            dkv = [torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in kv]
+            for c, rest in zip(ring.plan(i), rests[i]):
+                s = slice(c.q0, c.q1)
+                dq_b, dk_b, dv_b = block_backward(dout[:, :, s], q[:, :, s], kv[0][:, :, c.k0:c.k1],
+                                                  kv[1][:, :, c.k0:c.k1], out[:, :, s], lse[:, :, s],
+                                                  c.causal, ring.scale, ring.kernel, rest)
+                dq[:, :, s] += dq_b
+                dkv[0][:, :, c.k0:c.k1] += dk_b
+                dkv[1][:, :, c.k0:c.k1] += dv_b
+        if acc_handle is not None:
+            # The parts of this block's dK/dV from the ranks that held it before this one.
+            acc_handle.wait()
+            dkv[0] += acc[0]
+            dkv[1] += acc[1]
+        if ring.overlap == "none" and not last:
+            kv_handle, kv_in = ring.pass_on(kv, f"bwd.kv[{i}]")
+            kv_handle.wait()
+        if ring.size == 1:
+            return dq, dkv[0], dkv[1]
+        # After the last step this rank's accumulator is its successor's own block, complete.
+        acc_handle, acc = ring.pass_on(dkv, f"bwd.dkv[{i}]")
+        if ring.overlap == "none":
+            acc_handle.wait()
+        if kv_handle is not None:
+            kv_handle.wait()
+            kv = kv_in
+    acc_handle.wait()
+    return dq, acc[0], acc[1]

@@ -1,0 +1,65 @@
+"""Ring attention equals attention in one process (output and q/k/v grads, fp32) for cp = 1, 2, 3, 4."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from cp_cases import TOL, all_attention_cases
+from distributed import distributed
+from overlapkit.context_parallel import ContextParallelConfig
+from overlapkit.context_parallel.ring import Call, block_plan
+
+
+@distributed(world_size=3, timeout_s=60)
+def _three():
+    return all_attention_cases(dist.group.WORLD)
+
+
+def test_ring_attention_cp3_equals_one_process():
+    errors = _three()
+    for key, err in errors[0].items():
+        for r, per_rank in enumerate(errors):
+            assert per_rank[key] <= TOL, f"rank {r} {key}: rel err {per_rank[key]:.2e}"
+
+
+def test_ring_attention_cp1_is_plain_attention():
+    # No group: the ring is one block, the fixed-cost path the GPU benchmark times at world size 1.
+    from cp_cases import attention_errors
+    for causal in (True, False):
+        err = attention_errors(None, causal=causal, heads=4, kv_heads=2, config=ContextParallelConfig(kernel="math"))
+        assert err <= TOL
+
+
+def test_zigzag_plan_skips_future_blocks_and_balances_work():
+    size, chunk = 4, 3
+    work = []
+    for rank in range(size):
+        pairs = 0
+        for step in range(size):
+            calls = block_plan(rank, (rank - step) % size, size, "zigzag", chunk, causal=True)
+            if step == 0:
+                assert calls == [Call(0, 2 * chunk, 0, 2 * chunk, True)]  # own block: one causal call
+            else:
+                # Another rank's block: half of the 2x2 chunk pairs are in the future and skipped.
+                assert len(calls) == 1 and not calls[0].causal
+            pairs += sum((c.q1 - c.q0) * (c.k1 - c.k0) for c in calls)
+        work.append(pairs)
+    assert work == [(2 * chunk) ** 2 + (size - 1) * 2 * chunk * chunk] * size  # the same on every rank
+    # Contiguous under a causal mask: the future is skipped, so rank 0 computes only its own block.
+    assert [block_plan(0, s, 4, "contiguous", 2, True) for s in (1, 2, 3)] == [[], [], []]
+
+
+def test_config_rejects_bad_values():
+    with pytest.raises(ValueError, match="overlap='bulk'"):
+        ContextParallelConfig(overlap="bulk")
+    with pytest.raises(ValueError, match="layout='halves'"):
+        ContextParallelConfig(layout="halves")
+    with pytest.raises(ValueError, match="kernel='fast'"):
+        ContextParallelConfig(kernel="fast")
+
+
+def test_shapes_checked():
+    from overlapkit.context_parallel import ring_attention
+    q = torch.randn(1, 3, 4, 8)
+    with pytest.raises(ValueError, match="not a multiple of 2 key/value heads"):
+        ring_attention(q, torch.randn(1, 2, 4, 8), torch.randn(1, 2, 4, 8), None)
