@@ -17,6 +17,8 @@ _LAZY = {
     "resolve_group": ("overlapkit.groups", "resolve_group"),
     "RankMismatchError": ("overlapkit.agreement", "RankMismatchError"),
     "timeline": ("overlapkit.timeline", None),
+    "parallelize": ("overlapkit.models.parallelize", "parallelize"),
+    "vocab_parallel_cross_entropy": ("overlapkit.tensor_parallel.vocab", "vocab_parallel_cross_entropy"),
 }
 
 __all__ = [*_LAZY, "__version__"]

@@ -1,6 +1,8 @@
-"""A tiny plain GPT and the function that parallelizes it after the fact."""
+"""A tiny plain GPT, built-in plans (GPT, HF Llama), and the function that parallelizes a model after the fact."""
 
 from .gpt import GPT, GPTConfig, lm_loss
-from .parallelize import ScatterToSequenceParallel, expected_local, parallelize
+from .parallelize import builtin_plan, expected_local, parallelize, tp_mesh
+from .plans import gpt_plan, llama_plan
 
-__all__ = ["GPT", "GPTConfig", "lm_loss", "parallelize", "expected_local", "ScatterToSequenceParallel"]
+__all__ = ["GPT", "GPTConfig", "lm_loss", "parallelize", "expected_local", "builtin_plan", "tp_mesh",
+           "gpt_plan", "llama_plan"]

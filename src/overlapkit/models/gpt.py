@@ -110,5 +110,12 @@ class GPT(nn.Module):
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross entropy; logits [s, b, V], targets [b, s]."""
+    """Mean next-token cross entropy; logits [s, b, V], targets [b, s].
+
+    Logits split over the vocabulary (a DTensor sharded on its last dim, what the parallelized
+    GPT returns) go to vocab_parallel_cross_entropy: the [tokens, V] logits are never gathered.
+    """
+    if hasattr(logits, "device_mesh"):
+        from ..tensor_parallel.vocab import vocab_parallel_cross_entropy
+        return vocab_parallel_cross_entropy(logits, targets.transpose(0, 1))
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.transpose(0, 1).reshape(-1))

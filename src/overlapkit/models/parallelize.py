@@ -1,72 +1,128 @@
-"""Swap tensor/sequence-parallel layers into a plain GPT after the fact.
+"""`parallelize(model, mesh)`: tensor/sequence parallelism after the fact, by a plan of ParallelStyles.
 
-Attention: qkv column-parallel -> proj row-parallel. MLP: fc1 column -> fc2 row. The output
-head is column-parallel over the vocabulary with its output gathered. With sequence
-parallelism the sequence is scattered over the TP ranks as it enters the blocks, and every
-column layer all-gathers it / every row layer reduce-scatters back; the overlap mode of those
-layers decides how much of that communication hides behind the GEMMs.
+The plan (module path -> style, see overlapkit.tensor_parallel.styles) is applied by torch's
+`parallelize_module` on the mesh's "tp" dim; the styles install overlapkit's layers, whose
+overlap mode decides how much of the all-gathers / reduce-scatters hides behind the GEMMs.
+With `plan=None` the plan is picked by model type (plans.py: our GPT, HF LlamaForCausalLM).
 
-Parameters that live in the sequence-parallel region (layer norms, the row-parallel biases)
-see only their rank's tokens: they are marked `param.sequence_parallel = True`, and their
-gradients must be summed over the TP group after backward and before the optimizer step —
-call `allreduce_sequence_parallel_grads(model, tp_group)` (the demo does).
+Before anything is sliced every rank checks the same things and fails alike, naming values:
+the mesh has a "tp" dim, every plan key names a module, the model's sizes split over tp,
+and every rank of the TP group was given the same plan and options (store-based agreement,
+so a rank with another plan fails instead of hanging in a collective).
+
+Parameters that live in the sequence-parallel region (norms, row-parallel biases) see only
+their rank's tokens: they are marked `param.sequence_parallel = True`, and their gradients
+must be summed over the TP group after backward and before the optimizer step —
+`allreduce_sequence_parallel_grads(model, tp_group)`, or DataParallel's
+`sequence_parallel_group=` (the demo does).
 """
 
 from __future__ import annotations
 
+from fnmatch import fnmatch
+
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
-from ..groups import ParallelGroups
-from ..tensor_parallel import mappings
+from ..agreement import agree
+from ..groups import ParallelGroups, resolve_group
 from ..tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from ..tensor_parallel.vocab import VocabParallelEmbedding
+from . import plans
 from .gpt import GPT
 
 
-class ScatterToSequenceParallel(nn.Module):
-    """Split the sequence (dim 0) over the TP ranks in forward; all-gather it in backward."""
+def tp_mesh(mesh):
+    """The 1-D tensor-parallel DeviceMesh of a DeviceMesh (its "tp" dim), a ParallelGroups or a ProcessGroup."""
+    from torch.distributed.device_mesh import DeviceMesh
 
-    def __init__(self, group: dist.ProcessGroup) -> None:
-        super().__init__()
-        self.group = group
+    if isinstance(mesh, ParallelGroups):
+        if mesh.mesh is None:
+            raise ValueError("parallelize: this ParallelGroups has no DeviceMesh; build it with ParallelGroups.build "
+                             "or overlapkit.init")
+        mesh = mesh.mesh
+    if isinstance(mesh, dist.ProcessGroup):
+        device = "cuda" if dist.get_backend(mesh) == "nccl" else "cpu"
+        return DeviceMesh.from_group(mesh, device, mesh_dim_names=("tp",))
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"parallelize: expected a DeviceMesh with a 'tp' dim, a ParallelGroups or a ProcessGroup, "
+                        f"got {type(mesh).__name__}")
+    names = tuple(mesh.mesh_dim_names or ())
+    if "tp" in names:
+        return mesh["tp"] if mesh.ndim > 1 else mesh
+    if mesh.ndim == 1 and not names:
+        return mesh  # an unnamed 1-D mesh is the TP mesh, as parallelize_module takes it
+    raise ValueError(f"parallelize: the DeviceMesh has dims {names or '(unnamed)'} of sizes {tuple(mesh.shape)}; "
+                     "tensor parallelism needs a dim named 'tp' (e.g. init_device_mesh(..., mesh_dim_names=('dp', 'tp')))")
 
-    def forward(self, x):
-        return mappings.scatter_to_sp(x, self.group, "enter_blocks")
+
+def builtin_plan(model: nn.Module, tp: int, *, overlap: str, sequence_parallel: bool, **layer_kwargs) -> dict:
+    """The built-in plan for this model's type; ValueError naming the type when there is none."""
+    if isinstance(model, GPT):
+        return plans.gpt_plan(model, tp, overlap=overlap, sequence_parallel=sequence_parallel, **layer_kwargs)
+    if plans.is_hf_llama(model):
+        return plans.llama_plan(model, tp, overlap=overlap, sequence_parallel=sequence_parallel, **layer_kwargs)
+    raise ValueError(f"parallelize: no built-in plan for {type(model).__module__}.{type(model).__name__} (built in: "
+                     "overlapkit.models.GPT, transformers LlamaForCausalLM); pass plan={module path: ParallelStyle} "
+                     "(docs/plans.md)")
 
 
-def _check_divides(cfg, tp: int, sequence_parallel: bool) -> None:
-    needs = {"num_heads": cfg.num_heads, "ffn_hidden": cfg.ffn_hidden, "vocab_size": cfg.vocab_size}
-    if sequence_parallel:
-        needs["seq_len"] = cfg.seq_len
-    for field, value in needs.items():
-        if value % tp:
-            raise ValueError(f"GPTConfig.{field}={value} is not divisible by the tensor-parallel size {tp}")
+def check_plan(model: nn.Module, plan: dict) -> None:
+    """Every key names at least one module (as parallelize_module matches it) and maps to a ParallelStyle."""
+    paths = [name for name, _ in model.named_modules() if name]
+    for key, style in plan.items():
+        if not isinstance(style, ParallelStyle):
+            raise TypeError(f"parallelize: plan[{key!r}] is a {type(style).__name__}, not a ParallelStyle")
+        tokens = key.split(".")
+        if not any(len(p.split(".")) == len(tokens) and all(fnmatch(a, b) for a, b in zip(p.split("."), tokens))
+                   for p in paths):
+            top = sorted({p.split(".")[0] for p in paths})
+            raise ValueError(f"parallelize: plan key {key!r} names no module of {type(model).__name__} (its top-level "
+                             f"modules: {top})")
 
 
-def parallelize(model: GPT, groups: ParallelGroups | dist.ProcessGroup, *, sequence_parallel: bool = True,
-                overlap: str = "none", **layer_kwargs) -> GPT:
-    """Replace the GPT's linear layers by TP layers in place and return the model.
+def parallelize(model: nn.Module, mesh, *, overlap: str | None = None, sequence_parallel: bool | None = None,
+                plan: dict | None = None, **layer_kwargs) -> nn.Module:
+    """Make `model` tensor (and sequence) parallel over the mesh's "tp" dim, in place; return it.
 
-    `groups` is a ParallelGroups (its .tp is used) or a TP process group. `overlap` and any
-    extra keyword (e.g. transport=, chunks= of the pipelined layers) go to every parallel layer.
+    `mesh`: a DeviceMesh with a "tp" dim (or a 1-D one), a ParallelGroups, or a TP ProcessGroup.
+    `plan=None` picks the built-in plan by model type, built with `overlap` (default "none")
+    and `sequence_parallel` (default True); any extra keyword (transport=, chunks=, hardware=)
+    goes to every parallel linear layer. A plan you pass carries its options in its styles,
+    so `overlap`, `sequence_parallel` and layer keywords are refused with it.
+    Collective over the TP group (one store round trip to compare the plan across ranks).
     """
-    group = groups.tp if isinstance(groups, ParallelGroups) else groups
-    tp = dist.get_world_size(group)
-    _check_divides(model.cfg, tp, sequence_parallel)
-    common = dict(sequence_parallel=sequence_parallel, overlap=overlap, **layer_kwargs)
-    for i, block in enumerate(model.blocks):
-        p = f"blocks.{i}"
-        block.attn.qkv = ColumnParallelLinear.from_full(block.attn.qkv, group, name=f"{p}.attn.qkv", **common)
-        block.attn.proj = RowParallelLinear.from_full(block.attn.proj, group, name=f"{p}.attn.proj", **common)
-        block.mlp.fc1 = ColumnParallelLinear.from_full(block.mlp.fc1, group, name=f"{p}.mlp.fc1", **common)
-        block.mlp.fc2 = RowParallelLinear.from_full(block.mlp.fc2, group, name=f"{p}.mlp.fc2", **common)
-    model.head = ColumnParallelLinear.from_full(model.head, group, name="head", gather_output=True, **common)
-    if sequence_parallel:
-        model.enter_blocks = ScatterToSequenceParallel(group)
-        for module in [model.ln_f] + [m for b in model.blocks for m in (b.ln1, b.ln2)]:
-            for param in module.parameters():
-                param.sequence_parallel = True
+    mesh_1d = tp_mesh(mesh)
+    group = resolve_group(mesh_1d, "tp")
+    tp = mesh_1d.size()
+    if plan is None:
+        overlap = "none" if overlap is None else overlap
+        sequence_parallel = True if sequence_parallel is None else sequence_parallel
+        plan = builtin_plan(model, tp, overlap=overlap, sequence_parallel=sequence_parallel, **layer_kwargs)
+    elif overlap is not None or sequence_parallel is not None or layer_kwargs:
+        given = dict(overlap=overlap, sequence_parallel=sequence_parallel, **layer_kwargs)
+        raise ValueError(f"parallelize: with plan= the styles carry their own options; got also "
+                         f"{ {k: v for k, v in given.items() if v is not None} }")
+    if not isinstance(plan, dict):
+        raise TypeError(f"parallelize: plan must be a dict of module path -> ParallelStyle, got {type(plan).__name__}")
+    check_plan(model, plan)
+    agree(group, "parallelize", model=type(model).__name__, tp=tp,
+          plan=sorted((k, repr(v)) for k, v in plan.items()))
+    for name, module in model.named_modules():
+        module._overlapkit_name = name  # styles name their layers (timeline spans) by path
+    try:
+        parallelize_module(model, mesh_1d, plan)
+    finally:
+        for module in model.modules():
+            module.__dict__.pop("_overlapkit_name", None)
+    if plans.is_hf_llama(model):
+        plans.after_llama(model, group)
     return model
+
+
+def _local(t):
+    return t.to_local() if t is not None and hasattr(t, "to_local") else t
 
 
 def expected_local(model: nn.Module, reference: nn.Module, what: str = "grad"):
@@ -79,7 +135,7 @@ def expected_local(model: nn.Module, reference: nn.Module, what: str = "grad"):
     ref_params = dict(reference.named_parameters())
     owners = {}
     for mod_name, module in model.named_modules():
-        if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+        if isinstance(module, (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)):
             for p_name, _ in module.named_parameters(recurse=False):
                 owners[f"{mod_name}.{p_name}".removeprefix("module.")] = module
     for name, param in model.named_parameters():
@@ -87,4 +143,4 @@ def expected_local(model: nn.Module, reference: nn.Module, what: str = "grad"):
         ref = ref_params[name]
         local, full = (param.grad, ref.grad) if what == "grad" else (param.data, ref.data)
         owner = owners.get(name)
-        yield name, local, (owner.shard_of(full) if owner is not None and full is not None else full)
+        yield name, _local(local), (owner.shard_of(full) if owner is not None and full is not None else full)

@@ -1,0 +1,123 @@
+"""Built-in tensor/sequence-parallel plans: our tiny GPT and HuggingFace `LlamaForCausalLM`.
+
+A plan is what torchtitan's `parallelize.py` writes: module path (fnmatch, `*` for every
+layer) -> ParallelStyle, applied by `parallelize_module` on the mesh's "tp" dim. Each plan
+function also checks, before anything is sliced, that the model's sizes split over `tp`,
+naming the config field that does not. docs/plans.md shows how to write one for another model.
+
+Both plans split the embedding and the output head over the vocabulary: the logits are a
+DTensor holding this rank's columns [tokens, V/tp] (sharded on the last dim), and the loss is
+`vocab_parallel_cross_entropy` (never an all-gather of [tokens, V]): GPT's `lm_loss` and HF's
+`labels=` loss use it, and torch's own cross_entropy refuses the DTensor instead of computing
+a wrong number from a slice. Under sequence parallelism the sequence is split as it
+enters the first block and stays split through the norms and residual adds; every column
+layer all-gathers it and every row layer reduce-scatters it back, as `overlap` says.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from torch import nn
+
+from ..tensor_parallel.styles import (ColwiseParallel, GatherSequence, RowwiseParallel, ScatterSequence,
+                                      SequenceParallel, VocabParallel)
+from ..tensor_parallel.vocab import vocab_parallel_cross_entropy
+
+
+def _check_divides(prefix: str, tp: int, **sizes: int) -> None:
+    for field, value in sizes.items():
+        if value % tp:
+            raise ValueError(f"{prefix}.{field}={value} is not divisible by the tensor-parallel size {tp}")
+
+
+def gpt_plan(model: nn.Module, tp: int, *, overlap: str, sequence_parallel: bool, **layer_kwargs) -> dict:
+    """The plan of overlapkit.models.GPT (activations [s, b, h]: the sequence is dim 0)."""
+    cfg = model.cfg
+    sizes = dict(num_heads=cfg.num_heads, ffn_hidden=cfg.ffn_hidden, vocab_size=cfg.vocab_size)
+    if sequence_parallel:
+        sizes["seq_len"] = cfg.seq_len
+    _check_divides("GPTConfig", tp, **sizes)
+    lin = dict(overlap=overlap, sequence_parallel=sequence_parallel, **layer_kwargs)
+    plan = {
+        "tok_emb": VocabParallel(),
+        "blocks.*.attn.qkv": ColwiseParallel(**lin),
+        "blocks.*.attn.proj": RowwiseParallel(**lin),
+        "blocks.*.mlp.fc1": ColwiseParallel(**lin),
+        "blocks.*.mlp.fc2": RowwiseParallel(**lin),
+        "head": ColwiseParallel(**lin, use_local_output=False),
+    }
+    if sequence_parallel:
+        plan["enter_blocks"] = ScatterSequence(sequence_dim=0)
+        for norm in ("blocks.*.ln1", "blocks.*.ln2", "ln_f"):
+            plan[norm] = SequenceParallel()
+    return plan
+
+
+def is_hf_llama(model: nn.Module) -> bool:
+    """A transformers LlamaForCausalLM (checked by class, without importing transformers)."""
+    return any(c.__name__ == "LlamaForCausalLM" and c.__module__.startswith("transformers.")
+               for c in type(model).__mro__)
+
+
+def llama_plan(model: nn.Module, tp: int, *, overlap: str, sequence_parallel: bool, **layer_kwargs) -> dict:
+    """The plan of transformers' LlamaForCausalLM (activations [b, s, h]: the sequence is dim 1).
+
+    HF attention reads the sequence length from its input, so under SP the attention input is
+    all-gathered once at the module (`GatherSequence`) and q/k/v compute on it locally; its
+    backward reduce-scatters the sum of their input gradients. The MLP's gate/up projections
+    gather their input themselves, hidden behind their GEMMs as `overlap` says, and o_proj /
+    down_proj reduce-scatter behind theirs.
+    """
+    cfg = model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    if cfg.num_attention_heads * head_dim != cfg.hidden_size and not getattr(cfg, "head_dim", None):
+        raise ValueError(f"LlamaConfig.hidden_size={cfg.hidden_size} is not heads x head_dim")
+    _check_divides("LlamaConfig", tp, num_attention_heads=cfg.num_attention_heads,
+                   num_key_value_heads=cfg.num_key_value_heads, intermediate_size=cfg.intermediate_size,
+                   vocab_size=cfg.vocab_size)
+    seq = dict(sequence_parallel=sequence_parallel, sequence_dim=1) if sequence_parallel else {}
+    lin = dict(overlap=overlap, **seq, **layer_kwargs)
+    # q/k/v: with SP they read the input GatherSequence made whole; without SP each sums its
+    # input gradient itself (an all-reduce, hidden behind its wgrad under bulk).
+    qkv = ColwiseParallel(input_gathered=True) if sequence_parallel else ColwiseParallel(**lin)
+    plan = {
+        "model.embed_tokens": VocabParallel(),
+        "model.layers.*.self_attn.q_proj": qkv,
+        "model.layers.*.self_attn.k_proj": qkv,
+        "model.layers.*.self_attn.v_proj": qkv,
+        "model.layers.*.self_attn.o_proj": RowwiseParallel(**lin),
+        "model.layers.*.mlp.gate_proj": ColwiseParallel(**lin),
+        "model.layers.*.mlp.up_proj": ColwiseParallel(**lin),
+        "model.layers.*.mlp.down_proj": RowwiseParallel(**lin),
+        "lm_head": ColwiseParallel(**lin, use_local_output=False),
+    }
+    if sequence_parallel:
+        plan["model.layers.0"] = ScatterSequence(sequence_dim=1)
+        plan["model.layers.*.self_attn"] = GatherSequence(sequence_dim=1)
+        for norm in ("model.layers.*.input_layernorm", "model.layers.*.post_attention_layernorm", "model.norm"):
+            plan[norm] = SequenceParallel()
+    return plan
+
+
+def causal_lm_loss(logits, labels, vocab_size: int, num_items_in_batch=None, ignore_index: int = -100,
+                   shift_labels=None, *, group, **_):
+    """HF's ForCausalLMLoss (shift by one, mean over non-ignored tokens) on vocabulary-split logits."""
+    if shift_labels is None:
+        shift_labels = nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    shift_labels = shift_labels.to(logits.device)
+    if num_items_in_batch is None:
+        return vocab_parallel_cross_entropy(logits, shift_labels, group, ignore_index=ignore_index)
+    total = vocab_parallel_cross_entropy(logits, shift_labels, group, ignore_index=ignore_index, reduction="sum")
+    return total / num_items_in_batch
+
+
+def after_llama(model: nn.Module, group) -> None:
+    """What the Llama plan needs beyond the styles: HF's loss on split logits, tied weights re-tied."""
+    # HF computes `labels=` losses with model.loss_function, over the full vocabulary: on the
+    # split logits it would be wrong, so it becomes the vocabulary-parallel one.
+    model.loss_function = functools.partial(causal_lm_loss, group=group)
+    if getattr(model.config, "tie_word_embeddings", False):
+        # Both are split by vocabulary rows the same way, so the shard can be shared again.
+        model.lm_head.weight = model.model.embed_tokens.weight
+

@@ -1,0 +1,183 @@
+"""Vocabulary-parallel embedding and cross-entropy: the [tokens, vocab] logits are never gathered.
+
+Nothing here overlaps anything; it removes communication instead. Seed 000's decision table:
+the output head is split over the vocabulary, and the loss is computed from the local shards
+with three [tokens]-sized reductions (max, sum of exponentials, the target's logit: one MAX
+all-reduce and one SUM all-reduce of two rows) instead of an all-gather of [tokens, vocab].
+Its backward needs no communication at all: softmax minus one-hot, on the local columns.
+
+The embedding is split the same way (rows = vocabulary): each rank looks up the tokens that
+fall in its rows, writes zeros for the others, and the partial embeddings are summed over TP.
+Both split the vocabulary into equal contiguous blocks, rank r owning [r*V/tp, (r+1)*V/tp).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from .. import comm
+from ..agreement import Agreement
+from ..groups import resolve_group
+from .mappings import check_divisible, reduce_from_tp
+
+REDUCTIONS = ("mean", "sum", "none")
+"""Accepted values of vocab_parallel_cross_entropy's `reduction` (as torch's cross_entropy)."""
+
+_CE_AGREEMENT = Agreement("vocab_parallel_cross_entropy")
+"""Shapes this process has already compared across ranks (the first call of a shape checks)."""
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def vocab_range(vocab_size: int, group) -> tuple[int, int]:
+    """[start, end) of the vocabulary rows this rank of `group` owns."""
+    ws, r = comm.group_size(group), comm.group_rank(group)
+    check_divisible(vocab_size, ws, "vocabulary size")
+    per = vocab_size // ws
+    return r * per, (r + 1) * per
+
+
+class VocabParallelEmbedding(nn.Module):
+    """nn.Embedding with its rows (the vocabulary) split over TP; the output is replicated.
+
+    Forward: local lookup of the ids in this rank's rows, zeros elsewhere, then an all-reduce
+    (Megatron's g). Backward: no communication (the output gradient is already replicated).
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, mesh_or_group, *, name: str = "embedding",
+                 device=None, dtype=None) -> None:
+        super().__init__()
+        self.group = resolve_group(mesh_or_group, "tp")
+        self.tp_size, self.tp_rank = comm.group_size(self.group), comm.group_rank(self.group)
+        self.num_embeddings, self.embedding_dim, self.name = num_embeddings, embedding_dim, name
+        self.vocab_start, self.vocab_end = vocab_range(num_embeddings, self.group)
+        rows = self.vocab_end - self.vocab_start
+        self.weight = nn.Parameter(torch.empty(rows, embedding_dim, device=device, dtype=dtype).normal_())
+
+    @classmethod
+    def from_full(cls, embedding: nn.Embedding, mesh_or_group, **kwargs) -> "VocabParallelEmbedding":
+        """This rank's rows of an unsharded nn.Embedding (same dtype and device)."""
+        if embedding.padding_idx is not None or embedding.max_norm is not None or embedding.sparse:
+            raise ValueError("VocabParallelEmbedding.from_full: padding_idx, max_norm and sparse embeddings are "
+                             f"not supported (got padding_idx={embedding.padding_idx}, max_norm={embedding.max_norm}, "
+                             f"sparse={embedding.sparse})")
+        layer = cls(embedding.num_embeddings, embedding.embedding_dim, mesh_or_group,
+                    device=embedding.weight.device, dtype=embedding.weight.dtype, **kwargs)
+        with torch.no_grad():
+            layer.weight.copy_(layer.shard_of(embedding.weight))
+        return layer
+
+    def shard_of(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of a full [vocab, dim] weight (or its gradient)."""
+        return full[self.vocab_start:self.vocab_end]
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if ids.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"{self.name}: token ids must be int32/int64, got {ids.dtype}")
+        outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
+        local_ids = (ids - self.vocab_start).masked_fill(outside, 0)
+        out = F.embedding(local_ids, _local(self.weight))
+        out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+        return reduce_from_tp(out, self.group, self.name)
+
+    def extra_repr(self) -> str:
+        return (f"{self.num_embeddings}, {self.embedding_dim}, tp={self.tp_size}, "
+                f"rows=[{self.vocab_start}, {self.vocab_end})")
+
+
+def _logits_group(logits: torch.Tensor, mesh_or_group):
+    """The TP group of the logits: from the call, or from a DTensor's mesh (which must then agree)."""
+    mesh = getattr(logits, "device_mesh", None)
+    if mesh is None:
+        return resolve_group(mesh_or_group, "tp")
+    from torch.distributed.tensor import Shard
+    if mesh.ndim != 1 or tuple(logits.placements) != (Shard(logits.dim() - 1),):
+        raise ValueError(f"vocab_parallel_cross_entropy: DTensor logits must be sharded on their last dim over a "
+                         f"1-D mesh, got placements {tuple(logits.placements)} on {mesh}")
+    group = mesh.get_group()
+    if mesh_or_group is not None:
+        given = dist.get_process_group_ranks(resolve_group(mesh_or_group, "tp"))
+        if given != dist.get_process_group_ranks(group):
+            raise ValueError(f"vocab_parallel_cross_entropy: the logits are a DTensor on a mesh of ranks "
+                             f"{mesh.mesh.tolist()}, but the group passed has ranks {given}")
+    return group
+
+
+class _VocabParallelCE(torch.autograd.Function):
+    """Per-token cross entropy from vocabulary shards; forward reduces [tokens] rows, backward nothing."""
+
+    @staticmethod
+    def forward(ctx, logits, targets, group, ignore_index):
+        # fp32 whatever the logits' dtype: exp-sums over a large vocabulary lose too much in bf16.
+        x = logits.float()
+        vl = x.shape[-1]
+        start = comm.group_rank(group) * vl
+        local_max = x.max(dim=-1).values
+        comm.all_reduce(local_max, group, kind="tp_all_reduce", name="vocab_ce.fwd.max", async_op=False,
+                        op=dist.ReduceOp.MAX)
+        x = x - local_max.unsqueeze(-1)
+        mine = (targets >= start) & (targets < start + vl)
+        idx = (targets - start).masked_fill(~mine, 0).unsqueeze(-1)
+        target_logit = x.gather(-1, idx).squeeze(-1).masked_fill(~mine, 0.0)
+        exp = x.exp()
+        sums = torch.stack([exp.sum(-1), target_logit])
+        comm.all_reduce(sums, group, kind="tp_all_reduce", name="vocab_ce.fwd.sum", async_op=False)
+        sum_exp, target_logit = sums.unbind(0)
+        ignored = targets == ignore_index
+        loss = (sum_exp.log() - target_logit).masked_fill(ignored, 0.0)
+        exp.div_(sum_exp.unsqueeze(-1))  # the softmax, kept for backward in place of the logits
+        ctx.save_for_backward(exp, idx, mine, ignored)
+        ctx.in_dtype = logits.dtype
+        ctx.mark_non_differentiable(ignored)
+        return loss, ignored
+
+    @staticmethod
+    def backward(ctx, grad_loss, _):
+        softmax, idx, mine, ignored = ctx.saved_tensors
+        # d loss / d logit = softmax - onehot(target), scaled per token; out of place, so that a
+        # second backward (retain_graph) finds the softmax unchanged.
+        grad = softmax.scatter_add(-1, idx, -mine.unsqueeze(-1).to(softmax.dtype))
+        grad.mul_(grad_loss.masked_fill(ignored, 0.0).unsqueeze(-1))
+        return grad.to(ctx.in_dtype), None, None, None
+
+
+def vocab_parallel_cross_entropy(local_logits: torch.Tensor, targets: torch.Tensor, mesh_or_group=None, *,
+                                 ignore_index: int = -100, reduction: str = "mean") -> torch.Tensor:
+    """torch's cross_entropy over the vocabulary, from this rank's columns of the logits.
+
+    `local_logits` [..., V/tp] are this rank's contiguous block of the vocabulary (what a
+    vocabulary-split output head gives: rank r holds columns [r*V/tp, (r+1)*V/tp)); `targets`
+    [...] are global token ids (or `ignore_index`). Every rank returns the same loss, computed
+    in fp32; the gradient reaching `local_logits` is this rank's columns of the full one.
+    `mesh_or_group`: the TP group, a 1-D DeviceMesh, a mesh with a "tp" dim or a ParallelGroups;
+    it may be left out when `local_logits` is a DTensor sharded on its last dim (what the
+    built-in plans' output heads return), whose mesh then says the group.
+    """
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"vocab_parallel_cross_entropy: reduction={reduction!r} is not one of {REDUCTIONS}")
+    group = _logits_group(local_logits, mesh_or_group)
+    local_logits = _local(local_logits)
+    if tuple(targets.shape) != tuple(local_logits.shape[:-1]):
+        raise ValueError(f"vocab_parallel_cross_entropy: targets have shape {tuple(targets.shape)}, the logits "
+                         f"{tuple(local_logits.shape)}: targets must be the logits' shape without the vocab dim")
+    if targets.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"vocab_parallel_cross_entropy: targets must be int32/int64 token ids, got {targets.dtype}")
+    vocab = local_logits.shape[-1] * comm.group_size(group)
+    bad = (targets != ignore_index) & ((targets < 0) | (targets >= vocab))
+    if bool(bad.any()):
+        raise ValueError(f"vocab_parallel_cross_entropy: target ids must be in [0, {vocab}) or ignore_index="
+                         f"{ignore_index}; got {targets[bad][:4].tolist()}")
+    # A rank with another shape would meet the others' all-reduce with the wrong byte count.
+    _CE_AGREEMENT.check(group, logits=tuple(local_logits.shape), ignore_index=ignore_index, reduction=reduction)
+    loss, ignored = _VocabParallelCE.apply(local_logits, targets, group, ignore_index)
+    if reduction == "none":
+        return loss
+    if reduction == "sum":
+        return loss.sum()
+    # torch's mean: over the tokens that are not ignored (NaN when all are, as torch gives).
+    return loss.sum() / (~ignored).sum()
