@@ -98,8 +98,14 @@ class Agreement:
 
     def check(self, group, **fields: Any) -> None:
         """`agree(group, self.what, **fields)` the first time these exact fields are seen here."""
-        key = tuple(sorted((k, repr(v)) for k, v in fields.items()))
-        if key in self._seen:
-            return
+        # The hot path: one call site passes its fields in one order, so the items are the key.
+        try:
+            key = tuple(fields.items())
+            if key in self._seen:
+                return
+        except TypeError:  # an unhashable value (a list): compare its text instead
+            key = tuple((k, repr(v)) for k, v in fields.items())
+            if key in self._seen:
+                return
         agree(group, self.what, **fields)
         self._seen.add(key)
