@@ -37,10 +37,10 @@ def _truncated_gzip(tmp_path):
     return p, "truncated or corrupt gzip"
 
 
-def _no_gpu_events(tmp_path):
+def _nothing_in_it(tmp_path):
     b = TraceBuilder()
-    b.cpu("aten::mm", 0, 10, cat="cpu_op")
-    return b.write(tmp_path / "cpu_only.json"), "no GPU kernels, memcpy or memset"
+    b.cpu("ProfilerStep#1", 0, 10)  # a step, and no work of any kind inside it
+    return b.write(tmp_path / "empty.json"), "nothing to analyze"
 
 
 def _no_rank(tmp_path):
@@ -51,7 +51,7 @@ def _missing(tmp_path):
     return tmp_path / "nowhere.json", "cannot read"
 
 
-@pytest.mark.parametrize("case", [_not_a_trace, _json_not_a_trace, _truncated_gzip, _no_gpu_events, _no_rank,
+@pytest.mark.parametrize("case", [_not_a_trace, _json_not_a_trace, _truncated_gzip, _nothing_in_it, _no_rank,
                                   _missing])
 def test_bad_input_is_one_line_and_exit_code_2(tmp_path, capsys, case):
     path, problem = case(tmp_path)

@@ -10,7 +10,8 @@ While a torch.profiler runs, the same hooks also open profiler ranges named
 `overlapkit.comm.<kind>[:name]` (around the issue of a transfer, `comm_range`) and
 `overlapkit.compute.<name>` (around a computation), so that the trace reader can tell which
 kernels and copies belong to which kind of transfer, even those no name-based tool knows
-(symmetric-memory copy-engine pulls).
+(symmetric-memory copy-engine pulls). `wait_range` marks a host wait (`overlapkit.wait`), so a
+reader carves it out of an enclosing compute range as the recorder does.
 
 The active recorder is process-wide (not a context variable) on purpose: autograd runs
 backward on its own threads for CUDA tensors, and those spans must land in the same record.
@@ -26,7 +27,7 @@ from typing import Iterator
 import torch
 
 from .intervals import subtract, union
-from .spans import COMM_KINDS, COMM_RANGE_PREFIX, COMPUTE, COMPUTE_RANGE_PREFIX, Span
+from .spans import COMM_KINDS, COMM_RANGE_PREFIX, COMPUTE, COMPUTE_RANGE_PREFIX, WAIT_RANGE, Span
 
 _autograd_profiler = torch.autograd.profiler
 
@@ -46,6 +47,17 @@ def comm_range(kind: str, name: str = ""):
     if not _profiling():
         return contextlib.nullcontext()
     return torch.profiler.record_function(COMM_RANGE_PREFIX + kind + (f":{name}" if name else ""))
+
+
+def wait_range():
+    """A profiler range `overlapkit.wait` around a host wait for communication; a no-op when no profiler runs.
+
+    A trace reader carves it out of any compute range around it, as the recorder does with
+    `Recorder.blocked`: a forward that waits for a gather inside it did not compute meanwhile.
+    """
+    if not _profiling():
+        return contextlib.nullcontext()
+    return torch.profiler.record_function(WAIT_RANGE)
 
 
 def _wall_clock_at(t: float) -> float:

@@ -9,6 +9,9 @@ says the same with examples), for the spans of one rank inside a window:
 - overlap_pct = 100 · hidden_ms / comm_ms (None without communication);
 - step_ms = last end − first start of the window's spans; idle_ms = step_ms − |any span|;
 - t_last_ms = |M after the end of the last compute span| (all of M when there is no compute).
+
+When the source records no computation to judge by (`Trace.compute_known` is False: a CPU
+trace without ops), hidden, exposed, overlap and T_last are None ("unknown"), never 0 %.
 """
 
 from __future__ import annotations
@@ -28,11 +31,11 @@ class Times:
     step_ms: float
     compute_ms: float
     comm_ms: float
-    hidden_ms: float
-    exposed_comm_ms: float
+    hidden_ms: float | None
+    exposed_comm_ms: float | None
     overlap_pct: float | None
     idle_ms: float
-    t_last_ms: float
+    t_last_ms: float | None
 
 
 @dataclass(frozen=True)
@@ -44,7 +47,7 @@ class KindRow:
     nbytes: int
     """Message size in `by_size`; total bytes of all transfers in `by_kind`; 0 when unknown."""
     comm_ms: float
-    exposed_ms: float
+    exposed_ms: float | None
     overlap_pct: float | None
 
 
@@ -57,7 +60,7 @@ class StreamRow:
     busy_ms: float
     compute_ms: float
     comm_ms: float
-    exposed_ms: float
+    exposed_ms: float | None
 
 
 @dataclass(frozen=True)
@@ -73,6 +76,10 @@ class RankReport:
     by_kind: list[KindRow]
     by_size: list[KindRow]
     by_stream: list[StreamRow]
+    compute_known: bool = True
+    """False when the source holds no computation: overlap is unknown (None), not 0."""
+    notes: tuple[str, ...] = ()
+    """What the reader assumed or could not see."""
 
     @property
     def step_ms(self) -> float:
@@ -87,6 +94,7 @@ class RankReport:
         out["by_size"] = [asdict(r) for r in self.by_size]
         out["by_stream"] = [asdict(r) for r in self.by_stream]
         out["steps"] = [dict(step=n, **asdict(t)) for n, t in self.steps]
+        out["compute_known"], out["notes"] = self.compute_known, list(self.notes)
         return out
 
 
@@ -120,8 +128,8 @@ def _pct(part: float, whole: float) -> float | None:
     return 100.0 * part / whole if whole > 0 else None
 
 
-def measure(spans: list[Span]) -> Times:
-    """The overlap numbers of one window of one rank's spans."""
+def measure(spans: list[Span], compute_known: bool = True) -> Times:
+    """The overlap numbers of one window of one rank's spans (unknown ones None without compute)."""
     if not spans:
         return Times(0.0, 0.0, 0.0, 0.0, 0.0, None, 0.0, 0.0)
     compute = iv.union((s.start_ms, s.end_ms) for s in spans if s.is_compute)
@@ -130,22 +138,31 @@ def measure(spans: list[Span]) -> Times:
     start, end = min(s.start_ms for s in spans), max(s.end_ms for s in spans)
     comm_ms, hidden = iv.length(comm), iv.length(iv.intersect(comm, compute))
     tail_from = compute[-1][1] if compute else start
+    if not compute_known:
+        return Times(step_ms=end - start, compute_ms=iv.length(compute), comm_ms=comm_ms, hidden_ms=None,
+                     exposed_comm_ms=None, overlap_pct=None, idle_ms=(end - start) - iv.length(busy),
+                     t_last_ms=None)
     return Times(step_ms=end - start, compute_ms=iv.length(compute), comm_ms=comm_ms, hidden_ms=hidden,
                  exposed_comm_ms=comm_ms - hidden, overlap_pct=_pct(hidden, comm_ms),
                  idle_ms=(end - start) - iv.length(busy),
                  t_last_ms=iv.length(iv.clip(comm, tail_from, end)))
 
 
-def _kind_row(kind: str, spans: list[Span], compute: iv.Intervals, nbytes: int) -> KindRow:
+def _kind_row(kind: str, spans: list[Span], compute: iv.Intervals | None, nbytes: int) -> KindRow:
     comm = iv.union((s.start_ms, s.end_ms) for s in spans)
     comm_ms = iv.length(comm)
+    if compute is None:
+        return KindRow(kind=kind, count=len(spans), nbytes=nbytes, comm_ms=comm_ms, exposed_ms=None,
+                       overlap_pct=None)
     exposed = iv.length(iv.subtract(comm, compute))
     return KindRow(kind=kind, count=len(spans), nbytes=nbytes, comm_ms=comm_ms, exposed_ms=exposed,
                    overlap_pct=_pct(comm_ms - exposed, comm_ms))
 
 
-def _rank_report(rank: int, spans: list[Span], source: str) -> RankReport:
+def _rank_report(rank: int, spans: list[Span], source: str, compute_known: bool = True,
+                 notes: tuple[str, ...] = ()) -> RankReport:
     compute = iv.union((s.start_ms, s.end_ms) for s in spans if s.is_compute)
+    known = compute if compute_known else None
     by_step: dict[int, list[Span]] = defaultdict(list)
     by_kind: dict[str, list[Span]] = defaultdict(list)
     by_size: dict[tuple[str, int], list[Span]] = defaultdict(list)
@@ -157,20 +174,22 @@ def _rank_report(rank: int, spans: list[Span], source: str) -> RankReport:
         if s.is_comm:
             by_kind[s.kind].append(s)
             by_size[(s.kind, s.nbytes)].append(s)
-    kinds = [_kind_row(k, ss, compute, sum(s.nbytes for s in ss)) for k, ss in by_kind.items()]
-    sizes = [_kind_row(k, ss, compute, n) for (k, n), ss in by_size.items()]
+    kinds = [_kind_row(k, ss, known, sum(s.nbytes for s in ss)) for k, ss in by_kind.items()]
+    sizes = [_kind_row(k, ss, known, n) for (k, n), ss in by_size.items()]
     streams = []
     for name, ss in by_stream.items():
         comm = iv.union((s.start_ms, s.end_ms) for s in ss if s.is_comm)
         streams.append(StreamRow(
             stream=name, count=len(ss), busy_ms=iv.length(iv.union((s.start_ms, s.end_ms) for s in ss)),
             compute_ms=iv.length(iv.union((s.start_ms, s.end_ms) for s in ss if s.is_compute)),
-            comm_ms=iv.length(comm), exposed_ms=iv.length(iv.subtract(comm, compute))))
-    return RankReport(rank=rank, source=source, total=measure(spans),
-                      steps=[(n, measure(ss)) for n, ss in sorted(by_step.items())],
-                      by_kind=sorted(kinds, key=lambda r: -r.exposed_ms),
+            comm_ms=iv.length(comm),
+            exposed_ms=iv.length(iv.subtract(comm, compute)) if compute_known else None))
+    return RankReport(rank=rank, source=source, total=measure(spans, compute_known),
+                      steps=[(n, measure(ss, compute_known)) for n, ss in sorted(by_step.items())],
+                      by_kind=sorted(kinds, key=lambda r: -(r.exposed_ms if compute_known else r.comm_ms)),
                       by_size=sorted(sizes, key=lambda r: (r.kind, r.nbytes)),
-                      by_stream=sorted(streams, key=lambda r: r.stream))
+                      by_stream=sorted(streams, key=lambda r: r.stream), compute_known=compute_known,
+                      notes=tuple(notes))
 
 
 def report_spans(spans: list[Span], source: str = "recorder") -> Report:
@@ -183,4 +202,10 @@ def report_spans(spans: list[Span], source: str = "recorder") -> Report:
 
 def report_traces(traces) -> Report:
     """The report of profiler traces: one row per trace (traces of different jobs may share a rank)."""
-    return Report([row for t in traces for row in report_spans(t.spans, source=t.path).ranks])
+    rows = []
+    for t in traces:
+        by_rank: dict[int, list[Span]] = defaultdict(list)
+        for s in t.spans:
+            by_rank[s.rank].append(s)
+        rows += [_rank_report(r, ss, t.path, t.compute_known, tuple(t.notes)) for r, ss in sorted(by_rank.items())]
+    return Report(rows)

@@ -36,6 +36,8 @@ COMM_RANGE_PREFIX = "overlapkit.comm."
 """Profiler ranges named `overlapkit.comm.<kind>` or `overlapkit.comm.<kind>:<name>` mark transfers."""
 COMPUTE_RANGE_PREFIX = "overlapkit.compute."
 """Profiler ranges named `overlapkit.compute.<name>` mark computations."""
+WAIT_RANGE = "overlapkit.wait"
+"""Profiler range around a host wait for communication: inside a compute range it is not compute."""
 
 
 @dataclass(frozen=True)
@@ -60,6 +62,10 @@ class Span:
     """Ranks taking part in the communication."""
     step: int | None = None
     """Training step it belongs to, when known."""
+    phase: str | None = None
+    """forward, backward, optimizer or pipeline bubble (see timeline/phases.py), when known."""
+    group: str = ""
+    """The process group's ranks as the trace names them (e.g. '[0, 1]'); '' when unknown."""
 
     @property
     def is_comm(self) -> bool:

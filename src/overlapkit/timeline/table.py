@@ -13,7 +13,9 @@ from .report import Report, Times
 _TIME_HEAD = ["step ms", "compute ms", "comm ms", "exposed ms", "overlap %", "idle ms", "T_last ms"]
 
 
-def _ms(x: float) -> str:
+def _ms(x: float | None) -> str:
+    if x is None:
+        return "unknown"
     return f"{x:.3f}" if abs(x) < 10 else f"{x:.1f}"
 
 

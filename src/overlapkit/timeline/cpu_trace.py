@@ -1,0 +1,130 @@
+"""Read a CPU-only (gloo) trace: gloo's transfers against the computation of the threads beside them.
+
+Communication is gloo's `gloo:<collective>` ranges, which run on gloo's worker threads from
+the start to the end of a transfer (send/recv on the issuing thread). Computation is:
+
+- in a trace of an overlapkit job, its `overlapkit.compute.<name>` ranges;
+- in any other job's trace (plain DDP, HTA's gloo traces), the CPU ops (`cpu_op` events) of
+  the threads that run no gloo transfer — the main and autograd threads, where the model runs.
+
+Either way, time a thread spent blocked in communication is not computation even inside a
+range that encloses it: an `overlapkit.wait` range (a `Handle.wait()`), a wait op, or a gloo
+transfer run on that thread. A trace that records (almost) no CPU ops beside its transfers has
+no computation to compare with: its overlap is unknown, not 0 %.
+"""
+
+from __future__ import annotations
+
+from . import intervals as iv
+from .kinds import collective_kind
+from .ranges import Ranges
+from .spans import COMPUTE, Span
+
+UNKNOWN_BELOW = 0.001
+"""CPU ops (of a trace without overlapkit ranges) below this share of the communication time: no compute to judge by."""
+_NOT_COMPUTE_PREFIXES = ("c10d::", "gloo:", "record_param_comms", "ProfilerStep", "nccl:")
+
+
+def _is_compute_op(name: str) -> bool:
+    return not name.startswith(_NOT_COMPUTE_PREFIXES) and "wait" not in name.lower()
+
+
+def _message(args: dict) -> int:
+    """Bytes of a gloo range's first input, from its recorded shape and dtype; 0 when unknown."""
+    from .trace import dtype_bytes
+
+    dims, types = args.get("Input Dims") or [], args.get("Input type") or []
+    if not dims or not isinstance(dims[0], list) or not types:
+        return 0
+    n = 1
+    for d in dims[0]:
+        n *= int(d)
+    return n * dtype_bytes(types[0])
+
+
+def _group_size(info: dict) -> int:
+    """The process groups' size when they all have one (gloo ranges do not say which group ran them)."""
+    sizes = {pg.get("pg_size") for pg in info.get("pg_config") or [] if isinstance(pg, dict)}
+    if len(sizes) == 1 and isinstance(next(iter(sizes)), int):
+        return next(iter(sizes))
+    return info.get("world_size") if isinstance(info.get("world_size"), int) else 0
+
+
+def cpu_spans(ranges: Ranges, gloo, ops, markers: Ranges, info: dict):
+    """([(issue time, span in raw µs, True)], compute known, notes) of a CPU trace."""
+    from .trace import range_label
+
+    comm_tids = {g[0] for g in gloo}
+    blocked: dict[object, list] = {}
+    for tid, start, end, _, _ in gloo:
+        blocked.setdefault(tid, []).append((start, end))
+    issued, compute_ranges = [], []
+    for tid, start, end, value in ranges.all():
+        what, lab = range_label(value["name"])
+        if what == "wait":
+            blocked.setdefault(tid, []).append((start, end))
+        elif what == "compute":
+            compute_ranges.append((tid, start, end, lab))
+        else:
+            value.update(kind=lab, claimed=False, tid=tid)
+            issued.append(value)
+    for tid, start, end, name in ops:
+        if "wait" in name.lower():
+            blocked.setdefault(tid, []).append((start, end))
+    blocked = {tid: iv.union(pairs) for tid, pairs in blocked.items()}
+
+    out, notes = [], []
+    if compute_ranges:
+        pieces = [(tid, a, b, lab) for tid, s, e, lab in compute_ranges
+                  for a, b in iv.subtract([(s, e)], blocked.get(tid, []))]
+    else:
+        by_tid: dict[object, list] = {}
+        for tid, start, end, name in ops:
+            if tid not in comm_tids and _is_compute_op(name):
+                by_tid.setdefault(tid, []).append((start, end))
+        pieces = [(tid, a, b, "cpu ops") for tid, pairs in by_tid.items()
+                  for a, b in iv.subtract(iv.union(pairs), blocked.get(tid, []))]
+        # Without overlapkit's ranges, the issue points are the c10d ops (one per collective).
+        issued = [{"ts": s, "tid": tid, "kind": None, "claimed": False}
+                  for tid, s, _, name in ops if name.startswith("c10d::") and tid not in comm_tids
+                  and "wait" not in name.lower() and "barrier" not in name.lower()]
+    for tid, a, b, lab in pieces:
+        marked = markers.find(tid, a)
+        out.append((a, Span(kind=COMPUTE, name=lab, stream=f"thread {tid}", start_ms=a, end_ms=b,
+                            phase=marked["phase"] if marked else None), True))
+
+    comm_us = iv.length(iv.union((g[1], g[2]) for g in gloo))
+    compute_us = iv.length(iv.union((a, b) for _, a, b, _ in pieces))
+    compute_known = bool(compute_ranges) or not (comm_us > 0 and compute_us < UNKNOWN_BELOW * comm_us)
+    if not compute_known:
+        notes.append(f"the trace records {compute_us / 1e3:.3f} ms of CPU ops beside {comm_us / 1e3:.1f} ms of "
+                     f"gloo transfers: no computation to judge overlap by (profile with CPU ops recorded)")
+        out = []
+    out += _gloo_spans(ranges, gloo, issued, markers, comm_tids, _group_size(info))
+    return out, compute_known, notes
+
+
+def _gloo_spans(ranges, gloo, issued, markers, comm_tids, group_size):
+    """A span per gloo range, with the kind and issue point of the range that issued it."""
+    issued.sort(key=lambda v: v["ts"])
+    out, first_free = [], 0
+    for tid, start, end, name, args in sorted(gloo, key=lambda g: g[1]):
+        owner = ranges.find(tid, start)  # send/recv run inside their own issue range
+        if owner is None or "kind" not in owner:
+            # A worker-thread transfer belongs to the earliest unclaimed issue before it:
+            # gloo runs one process group's works in issue order.
+            while first_free < len(issued) and issued[first_free]["claimed"]:
+                first_free += 1
+            ok = first_free < len(issued) and issued[first_free]["ts"] <= start
+            owner = issued[first_free] if ok else None
+        if owner is not None:
+            owner["claimed"] = True
+        kind = owner["kind"] if owner is not None and owner["kind"] else collective_kind(name)
+        at = owner["ts"] if owner is not None else start
+        marked = markers.find(owner["tid"], at) if owner is not None and "tid" in owner else None
+        if marked is None:
+            marked = markers.find_any(at, skip=comm_tids)
+        out.append((at, Span(kind=kind, name=name, stream=f"thread {tid}", start_ms=start, end_ms=end,
+                             nbytes=_message(args), group_size=group_size,
+                             phase=marked["phase"] if marked else None), True))
+    return out

@@ -1,0 +1,88 @@
+"""Which GPU kernels and copies of a trace are communication, and which collective each one is.
+
+Overlap is communication hidden behind computation, so every transfer a trace holds must be
+told apart from compute, whoever wrote the kernel: NCCL/RCCL collectives, DeepEP's
+expert-parallel dispatch/combine kernels, TransformerEngine's userbuffers kernels, PyTorch
+symmetric-memory kernels, NVSHMEM, and peer-to-peer copies (copy-engine pulls between GPUs).
+"""
+
+from __future__ import annotations
+
+import re
+
+_NCCL = re.compile(r"^(?:nccl|rccl)", re.IGNORECASE)
+_NCCL_COLLECTIVE = re.compile(r"^(?:nccl|rccl)(?:Dev)?Kernel_([A-Za-z]+)", re.IGNORECASE)
+# DeepEP (deep_ep::intranode|internode|internode_ll::dispatch|combine|notify_dispatch|...), also
+# its in-house build seen in DeepSeek's published profile (dpsk::ep::...).
+_DEEPEP = re.compile(r"\b(?:deep_ep|dpsk::ep)::(?:intranode|internode|internode_ll)::(\w+)")
+_USERBUFFERS = re.compile(r"\bk?userbuffers_(\w+)", re.IGNORECASE)
+_SYMM_MEM = re.compile(r"\b(?:c10d::symmetric_memory|symm_mem)::(\w+)")
+_NVSHMEM = re.compile(r"\bnvshmem\w*", re.IGNORECASE)
+_PEER_COPY = re.compile(r"\bPtoP\b")
+
+
+def collective_kind(name: str) -> str:
+    """`allreduce`, `_allgather_base`, `AllReduce`, `gloo:all_reduce` -> `all_reduce` and so on."""
+    n = name.split(":", 1)[-1]
+    n = re.sub(r"(?<=[a-z])(?=[A-Z])", "_", n).lower().strip("_")
+    for suffix in ("_coalesced", "_into_tensor", "_tensor", "_base", "_single"):
+        n = n.replace(suffix, "")
+    aliases = {"allreduce": "all_reduce", "allgather": "all_gather", "reducescatter": "reduce_scatter",
+               "alltoall": "all_to_all", "alltoallv": "all_to_all", "all_to_allv": "all_to_all",
+               "sendrecv": "send_recv", "recv_": "recv", "generic": "nccl"}
+    n = n.strip("_")
+    return aliases.get(n, n) or "nccl"
+
+
+def _from_function(fn: str) -> str | None:
+    """The collective a kernel function's name says it does, when it says one."""
+    f = fn.lower()
+    for needle, kind in (("all_reduce", "all_reduce"), ("allreduce", "all_reduce"),
+                         ("reduce_scatter", "reduce_scatter"), ("all_gather", "all_gather"),
+                         ("allgather", "all_gather"), ("all_to_all", "all_to_all"), ("alltoall", "all_to_all")):
+        if needle in f:
+            return kind
+    return None
+
+
+def is_nccl(name: str) -> bool:
+    """An NCCL or RCCL kernel (its collective metadata may sit in args or a record_param_comms op)."""
+    return _NCCL.match(name) is not None
+
+
+def nccl_kind_from_name(name: str) -> str:
+    """`ncclDevKernel_AllReduce_RING_LL(...)` -> `all_reduce`; `nccl` when the name says nothing."""
+    m = _NCCL_COLLECTIVE.match(name)
+    return collective_kind(m.group(1)) if m else "nccl"
+
+
+def kernel_comm_kind(name: str) -> str | None:
+    """The communication kind of a non-NCCL kernel, or None when it is compute.
+
+    DeepEP: `ep_dispatch` (dispatch, notify_dispatch), `ep_combine` (combine), `ep_notify`
+    (cached_notify, shared by both). userbuffers: the collective its name carries (`_rs` ->
+    reduce_scatter, `_ag` -> all_gather), else `userbuffers`. Symmetric memory and NVSHMEM: the
+    collective in the function name, else `symm_mem` / `nvshmem`.
+    """
+    if (m := _DEEPEP.search(name)) is not None:
+        fn = m.group(1)
+        if "dispatch" in fn:
+            return "ep_dispatch"
+        return "ep_combine" if "combine" in fn else "ep_notify"
+    if (m := _USERBUFFERS.search(name)) is not None:
+        fn = m.group(1).lower()
+        if fn.endswith("_rs") or "reduce_scatter" in fn:
+            return "reduce_scatter"
+        if fn.endswith("_ag") or "all_gather" in fn:
+            return "all_gather"
+        return "userbuffers"
+    if (m := _SYMM_MEM.search(name)) is not None:
+        return _from_function(m.group(1)) or "symm_mem"
+    if _NVSHMEM.search(name) is not None:
+        return _from_function(name) or "nvshmem"
+    return None
+
+
+def copy_comm_kind(name: str) -> str | None:
+    """A peer-to-peer copy (`Memcpy PtoP`: one GPU's copy engine pulling from another) is communication."""
+    return "p2p_copy" if _PEER_COPY.search(name) else None

@@ -1,0 +1,46 @@
+"""Which phase of a training step issued a transfer: forward, backward, optimizer, or a pipeline wait.
+
+Seed 004 §14 asks in which phase the costly collectives run, because the switch that hides
+them differs: backward all-reduces hide behind the rest of backward (buckets), forward
+gathers behind earlier layers (prefetch), pipeline transfers behind the other micro-batch.
+The phase of a span is read from the CPU range open on the issuing thread when it was issued:
+
+| range open at issue | phase |
+|---|---|
+| `Optimizer.*` (torch's optimizer hooks), a user range starting with `optimizer` | optimizer |
+| `autograd::engine::evaluate_function: *`, `overlapkit.compute.backward`, `## ...backward... ##` | backward |
+| `overlapkit.compute.forward`, `## ...forward... ##`, or nothing of the above, inside a `ProfilerStep` | forward |
+
+Point-to-point transfers (send/recv, pp_send/pp_recv) are `pipeline bubble` whatever was open:
+their exposed time is a stage waiting for its neighbour. Spans outside every step get no phase.
+"""
+
+from __future__ import annotations
+
+FORWARD, BACKWARD, OPTIMIZER, PIPELINE = "forward", "backward", "optimizer", "pipeline bubble"
+PHASES = (FORWARD, BACKWARD, OPTIMIZER, PIPELINE)
+"""Every phase a span can have, in step order."""
+P2P_KINDS = frozenset({"send", "recv", "send_recv", "pp_send", "pp_recv"})
+"""Point-to-point kinds: the pipeline's transfers."""
+
+
+def marker_phase(name: str) -> str | None:
+    """The phase a CPU range's name marks, or None when it marks none."""
+    low = name.lower()
+    if name.startswith("Optimizer.") or low.startswith("optimizer"):
+        return OPTIMIZER
+    if (name.startswith("autograd::engine::evaluate_function") or name == "overlapkit.compute.backward"
+            or (low.startswith("## ") and "backward" in low)):
+        return BACKWARD
+    if name == "overlapkit.compute.forward" or (low.startswith("## ") and "forward" in low):
+        return FORWARD
+    return None
+
+
+def span_phase(kind: str, marked: str | None, in_step: bool) -> str | None:
+    """The phase of a span of `kind` issued under a range marking `marked` (None: none marked)."""
+    if kind in P2P_KINDS:
+        return PIPELINE
+    if marked is not None:
+        return marked
+    return FORWARD if in_step else None
