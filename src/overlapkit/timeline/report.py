@@ -209,3 +209,41 @@ def report_traces(traces) -> Report:
             by_rank[s.rank].append(s)
         rows += [_rank_report(r, ss, t.path, t.compute_known, tuple(t.notes)) for r, ss in sorted(by_rank.items())]
     return Report(rows)
+
+
+@dataclass(frozen=True)
+class LoadImbalance:
+    """Expert-parallel load of one MoE layer in one step: rows each expert and each EP rank computed.
+
+    An all-to-all waits for its slowest rank, so max/mean of the per-rank load is the factor by
+    which expert compute (and the exposed transfer of the others) grows over a balanced router.
+    """
+
+    per_expert: list[int]
+    """Rows (token, choice assignments) each expert computed, global expert order."""
+    per_rank: list[int]
+    """Rows each EP rank's experts computed, rank order."""
+    dropped: int = 0
+    """Assignments the capacity factor dropped (never computed), over all ranks."""
+
+    @property
+    def expert_max_over_mean(self) -> float | None:
+        mean = sum(self.per_expert) / len(self.per_expert) if self.per_expert else 0
+        return max(self.per_expert) / mean if mean else None
+
+    @property
+    def rank_max_over_mean(self) -> float | None:
+        mean = sum(self.per_rank) / len(self.per_rank) if self.per_rank else 0
+        return max(self.per_rank) / mean if mean else None
+
+    def line(self) -> str:
+        fmt = lambda v: "—" if v is None else f"{v:.2f}"  # noqa: E731
+        return (f"tokens per expert {self.per_expert} (max/mean {fmt(self.expert_max_over_mean)}), per EP rank "
+                f"{self.per_rank} (max/mean {fmt(self.rank_max_over_mean)}), dropped {self.dropped}")
+
+
+def load_imbalance(received_per_rank: list[list[int]], dropped: int = 0) -> LoadImbalance:
+    """The load of one MoE layer from each EP rank's rows per local expert, in rank order
+    (`MoE.last_load.received_per_expert` of every rank)."""
+    return LoadImbalance(per_expert=[n for rank in received_per_rank for n in rank],
+                         per_rank=[sum(rank) for rank in received_per_rank], dropped=dropped)
