@@ -1,0 +1,344 @@
+"""ZeRO-3 with torch's FSDP2 underneath: each block's parameter all-gather is prefetched `depth`
+blocks ahead, so it overlaps the forward of the blocks before it; in backward the next block's
+gather overlaps the current block's backward and its gradient reduce-scatter.
+
+`fully_shard` wraps the model's blocks and then the model with `torch.distributed.fsdp.fully_shard`
+(overlapkit writes no FSDP of its own) and sets FSDP2's explicit prefetch lists
+(`set_modules_to_forward_prefetch` / `set_modules_to_backward_prefetch`) to the depth asked.
+`prefetch="auto"` runs a warm-up step and a probe step at depth 0, where every gather is waited
+right after it is issued, so the probe measures each block's compute and each gather and
+reduce-scatter alone; the ranks take the slowest rank's times (one tiny all-reduce) and
+`costmodel.fsdp_prefetch_choice` prices each depth on its stream simulator within the memory
+budget. Every rank therefore picks the same depths, so the gathers stay paired across ranks.
+FSDP2's collectives go through `overlapkit.comm` (see fsdp_comm.py): the timeline recorder
+and profiler traces see them as `zero_all_gather` / `zero_reduce_scatter`, named by block.
+
+Depth d means: a block's pre-forward issues the gathers of the next d blocks (in registration
+order, which must be the order the blocks run in); depth 0 issues none (on CUDA, FSDP2 still
+issues a block's gather as soon as the host reaches it, which the host running ahead of the
+GPU can hide). In backward the same, in reverse; depth 0 turns FSDP2's default backward
+prefetch of one block off.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import fully_shard as torch_fully_shard
+from torch.distributed.tensor import DTensor
+
+from .. import comm
+from ..agreement import agree
+from ..timeline.recorder import compute_span
+from .agree import copy_from_first_rank
+from .fsdp_comm import Probe, RecordedAllGather, RecordedReduceScatter
+
+MIB = 1024 * 1024
+ROOT = "(root)"
+"""The name the timeline gives the parameters outside every block (embeddings, head, final norm)."""
+
+_queue_callback = torch.autograd.Variable._execution_engine.queue_callback
+
+
+@dataclass(frozen=True)
+class FullyShardConfig:
+    """How ZeRO-3 prefetches."""
+
+    prefetch: int | str = "auto"
+    """Blocks whose gathers are issued ahead of use, in forward and in backward: an int >= 0, or
+    "auto" (measured on the second step, then priced by the cost model; the first two steps run
+    at depth 0)."""
+    reshard_after_forward: bool = True
+    """Free each block's gathered parameters after its forward (ZeRO-3: gathered again in
+    backward); False keeps them to backward (ZeRO-2-like memory, no backward gathers)."""
+    memory_budget_mb: float | None = None
+    """Unsharded parameter MiB that `auto` may hold in prefetched blocks beyond the block in use;
+    None: bounded only by max_depth."""
+    max_depth: int = 4
+    """Deepest prefetch `auto` considers. Each level holds one more block's parameters."""
+    probe_step: int = 1
+    """The step `auto` measures (0-based; the steps before it warm up caches and connections)."""
+
+    def __post_init__(self) -> None:
+        p = self.prefetch
+        if p != "auto" and (isinstance(p, bool) or not isinstance(p, int) or p < 0):
+            raise ValueError(f"fully_shard prefetch must be 'auto' or an integer >= 0 (blocks ahead), got {p!r}")
+        if not isinstance(self.reshard_after_forward, bool):
+            raise ValueError(f"fully_shard reshard_after_forward must be True or False, got {self.reshard_after_forward!r}")
+        b = self.memory_budget_mb
+        if b is not None and (isinstance(b, bool) or not isinstance(b, (int, float)) or not 0 <= b < math.inf):
+            raise ValueError(f"fully_shard memory_budget_mb must be None or a finite number of MiB >= 0, got {b!r}")
+        for name, lo in (("max_depth", 1), ("probe_step", 0)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+                raise ValueError(f"fully_shard {name} must be an integer >= {lo}, got {v!r}")
+
+
+@dataclass
+class PrefetchPlan:
+    """What `fully_shard` set up, and (for auto) what it measured and why it chose its depths."""
+
+    units: list[str]
+    """The blocks wrapped as FSDP2 units, in the order they are prefetched."""
+    unit_param_bytes: list[int]
+    """Unsharded parameter bytes of each block (what one gather brings in)."""
+    mode: str
+    """"fixed" or "auto"."""
+    forward_depth: int
+    backward_depth: int
+    decided: bool
+    """False while auto is still measuring (depth 0 meanwhile)."""
+    reason: str
+    memory_budget_bytes: float | None
+    probe: dict = field(default_factory=dict)
+    """auto's measured times (ms, slowest rank): per-block compute, gather and reduce-scatter."""
+
+    def held_ahead_bytes(self, depth: int) -> int:
+        """Most unsharded bytes held in prefetched blocks beyond the one in use at `depth`."""
+        b = self.unit_param_bytes
+        return max((sum(b[i + 1:i + 1 + depth]) for i in range(len(b))), default=0) if depth else 0
+
+    @property
+    def prefetch_bytes(self) -> int:
+        return self.held_ahead_bytes(max(self.forward_depth, self.backward_depth))
+
+
+def fully_shard(model: nn.Module, mesh_or_dim=None, *, dim: str = "dp", prefetch: int | str = "auto",
+                wrap=None, reshard_after_forward: bool = True, memory_budget_mb: float | None = None,
+                max_depth: int = 4, mp_policy=None) -> nn.Module:
+    """Shard `model` over the data-parallel mesh dim with FSDP2 and set its prefetch; returns `model`.
+
+    mesh_or_dim: a 1-D DeviceMesh, a DeviceMesh with a `dim` dim (e.g. ("dp", "tp") with TP
+    DTensor parameters on "tp"), a ParallelGroups, a ProcessGroup, or None (the world).
+    wrap: the blocks, each one FSDP2 unit: None (the entries of the model's longest ModuleList,
+    else its direct children with parameters), a module name (a ModuleList's name means its
+    entries), a list of names, or a module class (or tuple of classes).
+    Collective: every rank calls it with the same arguments; anything that differs, or a bad
+    argument, raises on every rank. Parameters and buffers start as group rank 0's.
+    `prefetch_plan(model)` says what was chosen, and why.
+    """
+    mesh = _dp_mesh(mesh_or_dim, dim)
+    group = mesh.get_group()
+    problem = None
+    try:
+        cfg = FullyShardConfig(prefetch=prefetch, reshard_after_forward=reshard_after_forward,
+                               memory_budget_mb=memory_budget_mb, max_depth=max_depth)
+        units = _resolve_wrap(model, wrap)
+    except (ValueError, TypeError) as e:
+        problem, cfg, units = str(e), None, []
+    if any(hasattr(m, "_overlapkit_zero3") for m in model.modules()):
+        problem = problem or "fully_shard: this model (or a module inside it) is already sharded by fully_shard"
+    tensors = [(n, p.to_local() if isinstance(p, DTensor) else p) for n, p in model.named_parameters()]
+    layout = ";".join(f"{n}:{tuple(t.shape)}:{t.dtype}" for n, t in tensors)
+    # Ranks that shard differently would pair unrelated gathers: compare before any FSDP2 state exists.
+    agree(group, "fully_shard", problem=problem, prefetch=prefetch, reshard_after_forward=reshard_after_forward,
+          memory_budget_mb=memory_budget_mb, max_depth=max_depth, units=[n for n, _ in units],
+          parameters=len(tensors), layout_crc=zlib.crc32(layout.encode()))
+    if problem is not None:
+        raise ValueError(problem)
+    with torch.no_grad():
+        copy_from_first_rank([t for _, t in tensors] + list(model.buffers()), group)
+    unit_bytes = [sum(_local(p).numel() * _local(p).element_size() for p in m.parameters()) for _, m in units]
+    kw = {} if mp_policy is None else {"mp_policy": mp_policy}
+    for _, m in units:
+        torch_fully_shard(m, mesh=mesh, reshard_after_forward=cfg.reshard_after_forward, **kw)
+    torch_fully_shard(model, mesh=mesh, **kw)
+    model._overlapkit_zero3 = _ZeroThree(model, [m for _, m in units], [n for n, _ in units], unit_bytes,
+                                         group, mesh.device_type, cfg)
+    return model
+
+
+def prefetch_plan(model: nn.Module) -> PrefetchPlan:
+    """The prefetch `fully_shard` set on `model` (for auto: measured times and the reason, once decided)."""
+    state = getattr(model, "_overlapkit_zero3", None)
+    if state is None:
+        raise ValueError("prefetch_plan: this model was not sharded by overlapkit.data_parallel.fully_shard")
+    return state.plan
+
+
+def _local(p: torch.Tensor) -> torch.Tensor:
+    return p.to_local() if isinstance(p, DTensor) else p
+
+
+def _dp_mesh(mesh_or_dim, dim: str):
+    """The 1-D DeviceMesh FSDP2 shards over."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from ..groups import ParallelGroups, _device_type
+
+    if isinstance(mesh_or_dim, ParallelGroups):
+        if mesh_or_dim.mesh is None:
+            raise ValueError("fully_shard: this ParallelGroups has no DeviceMesh (a world of one without dist)")
+        mesh_or_dim = mesh_or_dim.mesh
+    if mesh_or_dim is None or isinstance(mesh_or_dim, dist.ProcessGroup):
+        if not dist.is_initialized():
+            raise RuntimeError("fully_shard needs torch.distributed initialized (overlapkit.init() or init_process_group)")
+        return DeviceMesh.from_group(mesh_or_dim or dist.group.WORLD, _device_type())
+    if isinstance(mesh_or_dim, DeviceMesh):
+        names = tuple(mesh_or_dim.mesh_dim_names or ())
+        if mesh_or_dim.ndim == 1:
+            return mesh_or_dim
+        if dim not in names:
+            raise ValueError(f"fully_shard: the DeviceMesh has dims {names or '(unnamed)'}; pass dim= one of them "
+                             f"(the data-parallel one), got dim={dim!r}")
+        return mesh_or_dim[dim]
+    raise TypeError("fully_shard: mesh_or_dim must be a DeviceMesh, a ParallelGroups, a ProcessGroup or None, "
+                    f"got {type(mesh_or_dim).__name__}")
+
+
+def _resolve_wrap(model: nn.Module, wrap) -> list[tuple[str, nn.Module]]:
+    """(name, module) of each block to wrap, in registration order."""
+    named = dict(model.named_modules())
+    if wrap is None:
+        lists = [(n, m) for n, m in named.items() if isinstance(m, nn.ModuleList) and len(m)]
+        if lists:
+            name, blocks = max(lists, key=lambda nm: len(nm[1]))
+            return [(f"{name}.{i}", b) for i, b in enumerate(blocks)]
+        return [(n, m) for n, m in model.named_children() if any(True for _ in m.parameters())]
+    if isinstance(wrap, type) or (isinstance(wrap, tuple) and wrap and all(isinstance(t, type) for t in wrap)):
+        out: list[tuple[str, nn.Module]] = []
+        for n, m in named.items():
+            if n and isinstance(m, wrap) and not any(n.startswith(o + ".") for o, _ in out):
+                out.append((n, m))
+        if not out:
+            raise ValueError(f"fully_shard wrap={wrap!r} matches no module of {type(model).__name__}")
+        return out
+    names = [wrap] if isinstance(wrap, str) else wrap
+    if not isinstance(names, (list, tuple)) or not all(isinstance(n, str) for n in names):
+        raise TypeError(f"fully_shard wrap must be None, a module name, a list of names or a module class, got {wrap!r}")
+    missing = [n for n in names if n not in named or n == ""]
+    if missing:
+        top = [n for n in named if n and "." not in n]
+        raise ValueError(f"fully_shard wrap names no module: {missing}; {type(model).__name__} has {top[:12]}"
+                         f"{' ...' if len(top) > 12 else ''} (nested names use dots, e.g. 'blocks.0')")
+    out = []
+    for n in names:
+        m = named[n]
+        out += ([(f"{n}.{i}", b) for i, b in enumerate(m)] if isinstance(m, (nn.ModuleList, nn.Sequential))
+                else [(n, m)])
+    return out
+
+
+class _ZeroThree:
+    """The prefetch lists, the timeline's view of FSDP2's communication, and auto's probe."""
+
+    def __init__(self, root, units, names, unit_bytes, group, device_type: str, cfg: FullyShardConfig) -> None:
+        self.root, self.units, self.group, self.cfg = root, units, group, cfg
+        self.device = torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda" \
+            else torch.device(device_type)
+        self.probe = Probe(self.device)
+        for m, name in [(root, ROOT), *zip(units, names)]:
+            m.set_custom_all_gather(RecordedAllGather(name, self.probe))
+            m.set_custom_reduce_scatter(RecordedReduceScatter(name, self.probe))
+        auto = cfg.prefetch == "auto"
+        depth = 0 if auto else cfg.prefetch
+        budget = None if cfg.memory_budget_mb is None else cfg.memory_budget_mb * MIB
+        self.plan = PrefetchPlan(units=list(names), unit_param_bytes=unit_bytes, mode="auto" if auto else "fixed",
+                                 forward_depth=depth, backward_depth=depth, decided=not auto,
+                                 reason="measuring (depth 0 until the probe step)" if auto else f"asked for {depth}",
+                                 memory_budget_bytes=budget)
+        self._apply(depth, depth)
+        self.steps = 0
+        self._decide_next = False
+        self._in_backward = False
+        self._spans: dict[str, object] = {}
+        root.register_forward_pre_hook(self._pre_forward, prepend=True)  # before FSDP2's root pre-forward
+        root.register_forward_hook(self._post_forward)  # after FSDP2's post-forward
+
+    def _apply(self, forward: int, backward: int) -> None:
+        units, root = self.units, self.root
+        for i, u in enumerate(units):
+            u.set_modules_to_forward_prefetch(units[i + 1:i + 1 + forward])
+        root.set_modules_to_forward_prefetch(units[:forward])
+        rev = units[::-1]
+        # An empty backward list means FSDP2's default (prefetch one); naming the module itself
+        # is a no-op prefetch (it is already gathered when its pre-backward runs): depth 0.
+        for i, u in enumerate(rev):
+            u.set_modules_to_backward_prefetch(rev[i + 1:i + 1 + backward] or [u])
+        root.set_modules_to_backward_prefetch(rev[:backward] or [root])
+        self.plan.forward_depth, self.plan.backward_depth = forward, backward
+
+    # -- hooks ------------------------------------------------------------------------------
+    def _open(self, name: str) -> None:
+        span = compute_span(f"zero3 {name}")
+        span.__enter__()
+        self._spans[name] = span
+        if self.probe.on:
+            self.probe.passes[name] = [self.probe.stamp(), None]
+
+    def _close(self, name: str) -> None:
+        span = self._spans.pop(name, None)
+        if span is not None:
+            span.__exit__(None, None, None)
+        if self.probe.on and name in self.probe.passes:
+            self.probe.passes[name][1] = self.probe.stamp()
+
+    def _pre_forward(self, _module, _args) -> None:
+        if self._decide_next:
+            self._decide_next = False
+            self._decide()
+        if not self.plan.decided and self.steps == self.cfg.probe_step and torch.is_grad_enabled():
+            self.probe.reset()
+            self.probe.on = True
+        self._open("forward")
+
+    def _post_forward(self, _module, _args, output):
+        self._close("forward")
+        if not torch.is_grad_enabled():
+            return output
+        for t in torch.utils._pytree.tree_flatten(output)[0]:
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                t.register_hook(self._begin_backward)
+        return output
+
+    def _begin_backward(self, _grad) -> None:
+        if self._in_backward:
+            return
+        self._in_backward = True
+        _queue_callback(self._end_backward)
+        self._open("backward")
+
+    def _end_backward(self) -> None:
+        self._close("backward")
+        self._in_backward = False
+        if self.probe.on:
+            self.probe.on = False
+            self._decide_next = True
+        self.steps += 1
+
+    # -- auto ------------------------------------------------------------------------------
+    def _decide(self) -> None:
+        from ..costmodel import fsdp_prefetch_choice
+
+        t = self.probe.times()
+        n = max(1, len(self.units))
+        mine = [max(0.0, t["forward_wall_ms"] - t["forward_stall_ms"]) / n, t["forward_gather_ms"],
+                max(0.0, t["backward_wall_ms"] - t["backward_stall_ms"]) / n, t["backward_gather_ms"],
+                t["backward_reduce_ms"]]
+        vals = torch.tensor(mine, dtype=torch.float64, device=self.device)
+        # The slowest rank's times on every rank: the same inputs give the same depths everywhere.
+        comm.all_reduce(vals, self.group, kind="dp_all_reduce", name="zero3-auto-probe", op=dist.ReduceOp.MAX,
+                        async_op=False)
+        fwd_ms, gather_ms, bwd_ms, bwd_gather_ms, reduce_ms = vals.tolist()
+        layer_bytes = max(self.plan.unit_param_bytes, default=0)
+        budget = self.plan.memory_budget_bytes
+        if not self.units:
+            fd, fwhy, bd, bwhy = 0, "no blocks to prefetch", 0, "no blocks to prefetch"
+        else:
+            fd, fwhy = fsdp_prefetch_choice(fwd_ms, gather_ms, layer_bytes, budget, num_layers=len(self.units),
+                                            max_depth=self.cfg.max_depth)
+            bd, bwhy = fsdp_prefetch_choice(bwd_ms, bwd_gather_ms, layer_bytes, budget, num_layers=len(self.units),
+                                            reduce_ms=reduce_ms, max_depth=self.cfg.max_depth)
+        self._apply(fd, bd)
+        self.plan.decided = True
+        self.plan.probe = dict(zip(("forward_compute_ms_per_block", "forward_gather_ms", "backward_compute_ms_per_block",
+                                    "backward_gather_ms", "reduce_scatter_ms"), (fwd_ms, gather_ms, bwd_ms,
+                                                                                 bwd_gather_ms, reduce_ms)))
+        held = self.plan.held_ahead_bytes(max(fd, bd)) / MIB
+        self.plan.reason = (f"forward {fwhy}; backward {bwhy}; holds {held:.3g} MiB of gathered parameters ahead"
+                            + ("" if budget is None else f" (budget {budget / MIB:.3g} MiB)"))

@@ -1,0 +1,237 @@
+"""FSDP2's own all-gathers and reduce-scatters, issued through `overlapkit.comm` so the timeline
+sees them: each block's parameter gather (`zero_all_gather`) overlaps the compute of the blocks
+before it, its gradient reduce-scatter (`zero_reduce_scatter`) the backward of the blocks after.
+
+FSDP2 issues its collectives itself; its `set_custom_all_gather` / `set_custom_reduce_scatter`
+hooks (torch >= 2.8) let us issue them instead, with the same tensors, group and reduce op,
+through `comm` (so the recorder and a profiler trace name them, per block and pass). Every
+gather is issued asynchronously and handed back to FSDP2 as a `Work` whose `wait()` is
+`comm.Handle.wait()`: FSDP2 waits for it right before the block's first use (its copy-out),
+so the stretch a rank stalls there is marked blocked (not compute) on the stream or thread
+that stalled. FSDP2 accepts a Work whatever `async_op` it asked for (it is its
+`unshard(async_op=True)` path). On CPU this is what makes prefetch mean anything: a
+synchronous gather would hold the host, which has no side stream. A reduce-scatter is
+consumed by FSDP2 right after the call (on its reduce-scatter stream), so it is waited inside
+the call, as FSDP2 would.
+
+`Probe` times one step for `prefetch="auto"`; `layer_report` turns recorded spans into how much
+of each block's gathers and reduce-scatters hid.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+
+from .. import comm
+from ..timeline import intervals as iv
+
+GATHER_KIND = "zero_all_gather"
+REDUCE_KIND = "zero_reduce_scatter"
+
+
+def _phase() -> str:
+    """'backward' inside an autograd graph task (FSDP2's backward re-gathers), else 'forward'."""
+    return "backward" if torch._C._current_graph_task_id() != -1 else "forward"
+
+
+class Probe:
+    """Stamps of one training step at prefetch depth 0, when every gather is waited right after issue.
+
+    Off (one attribute read per collective) except during the probed step. Times resolve in
+    `times()` (a CUDA synchronize there).
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.on = False
+        self._side = torch.cuda.Stream(device) if self.cuda else None
+        self.reset()
+
+    def reset(self) -> None:
+        self.comms: list[list] = []  # [kind, phase, start, end]
+        self.stalls: dict[str, list[tuple]] = {"forward": [], "backward": []}
+        self.passes: dict[str, list] = {}
+
+    def stamp(self):
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            return ev
+        return time.perf_counter()
+
+    def done_stamp(self, work: dist.Work):
+        """The completion of `work` (CUDA: an event on a side stream that waits for it; CPU: None, filled at wait)."""
+        if not self.cuda:
+            return None
+        self._side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._side):
+            work.wait()
+            return self.stamp()
+
+    def _ms(self, a, b) -> float:
+        return a.elapsed_time(b) if self.cuda else (b - a) * 1e3
+
+    def times(self) -> dict[str, float]:
+        """Per block and pass: gather_ms, reduce_ms, forward/backward wall and stalls, in ms."""
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+        out: dict[str, float] = {}
+        for kind, key in ((GATHER_KIND, "gather"), (REDUCE_KIND, "reduce")):
+            for phase in ("forward", "backward"):
+                ms = [self._ms(s, e) for k, p, s, e in self.comms if k == kind and p == phase and e is not None]
+                out[f"{phase}_{key}_ms"] = sum(ms) / len(ms) if ms else 0.0
+                out[f"{phase}_{key}_count"] = float(len(ms))
+        for phase in ("forward", "backward"):
+            a, b = self.passes.get(phase, (None, None))
+            out[f"{phase}_wall_ms"] = self._ms(a, b) if a is not None and b is not None else 0.0
+            out[f"{phase}_stall_ms"] = sum(self._ms(s, e) for s, e in self.stalls[phase])
+        return out
+
+
+class _HandleWork(dist.distributed_c10d.Work):
+    """A `Work` FSDP2 can wait on that is an overlapkit `Handle` (so the wait is on the timeline)."""
+
+    def __init__(self, handle: comm.Handle, probe: Probe, entry: list | None, phase: str, stalls: bool = True) -> None:
+        super().__init__()
+        self._handle, self._probe, self._entry, self._phase = handle, probe, entry, phase
+        self._stalls = stalls  # whether the waiting stream (or thread) is the compute's
+
+    def wait(self, timeout=None) -> bool:  # noqa: ARG002 - FSDP2 passes none; the group's timeout applies
+        probe = self._probe
+        t0 = probe.stamp() if probe.on else None
+        self._handle.wait()
+        if t0 is not None:
+            t1 = probe.stamp()
+            if self._stalls:
+                probe.stalls[self._phase].append((t0, t1))
+            if self._entry is not None and self._entry[3] is None:
+                self._entry[3] = t1
+        return True
+
+    def is_completed(self) -> bool:
+        return self._handle.is_completed()
+
+
+class RecordedAllGather(AllGather):
+    """FSDP2's all-gather of one block's parameter shards, named `<block> forward|backward` on the timeline."""
+
+    def __init__(self, name: str, probe: Probe) -> None:
+        self.name, self.probe = name, probe
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
+                 async_op: bool = False) -> dist.Work:
+        phase = _phase()
+        probe = self.probe
+        start = probe.stamp() if probe.on else None
+        works: list = []
+
+        def issue():
+            works.append(comm._all_gather_tensor(output_tensor, input_tensor, group=group, async_op=True))
+            return works
+
+        nbytes = output_tensor.numel() * output_tensor.element_size()
+        handle = comm._launch(GATHER_KIND, f"{self.name} {phase}", nbytes, group, issue)
+        entry = None
+        if start is not None:
+            entry = [GATHER_KIND, phase, start, probe.done_stamp(works[0])]
+            probe.comms.append(entry)
+        return _HandleWork(handle, probe, entry, phase)
+
+
+class RecordedReduceScatter(ReduceScatter):
+    """FSDP2's gradient reduce-scatter of one block, named `<block>` on the timeline; done when it returns."""
+
+    def __init__(self, name: str, probe: Probe) -> None:
+        self.name, self.probe = name, probe
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
+                 op, async_op: bool = False):
+        probe = self.probe
+        start = probe.stamp() if probe.on else None
+        works: list = []
+
+        def issue():
+            works.append(comm._reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=True))
+            return works
+
+        nbytes = input_tensor.numel() * input_tensor.element_size()
+        handle = comm._launch(REDUCE_KIND, self.name, nbytes, group, issue)
+        # On CUDA this waits on FSDP2's reduce-scatter stream, which stalls no compute.
+        work = _HandleWork(handle, probe, None, "backward", stalls=not probe.cuda)
+        if start is not None:
+            entry = [REDUCE_KIND, "backward", start, probe.done_stamp(works[0])]
+            probe.comms.append(entry)
+            work._entry = entry
+        if async_op:
+            return work
+        # FSDP2 reads the output right after this call (on its reduce-scatter stream). On CPU the
+        # host waits here; on CUDA the reduce-scatter stream does, not the compute stream.
+        work.wait()
+        return None
+
+
+@dataclass(frozen=True)
+class LayerComm:
+    """How much of one block's ZeRO-3 communication hid behind computation, on one rank."""
+
+    name: str
+    """The block (its module name; `(root)` for the parameters outside every block)."""
+    forward_gather_ms: float
+    forward_gather_exposed_ms: float
+    backward_gather_ms: float
+    backward_gather_exposed_ms: float
+    reduce_scatter_ms: float
+    reduce_scatter_exposed_ms: float
+
+    @property
+    def comm_ms(self) -> float:
+        return self.forward_gather_ms + self.backward_gather_ms + self.reduce_scatter_ms
+
+    @property
+    def exposed_ms(self) -> float:
+        return self.forward_gather_exposed_ms + self.backward_gather_exposed_ms + self.reduce_scatter_exposed_ms
+
+    @property
+    def hidden_pct(self) -> float | None:
+        return None if self.comm_ms == 0 else 100.0 * (1 - self.exposed_ms / self.comm_ms)
+
+
+def layer_report(spans, rank: int | None = None) -> list[LayerComm]:
+    """Per block, in first-issue order: ZeRO-3 gather and reduce-scatter time, and the part of
+    it no compute span of the same rank covered (exposed). `spans` from `record()` or a trace."""
+    spans = [s for s in spans if rank is None or s.rank == rank]
+    ranks = {s.rank for s in spans}
+    if len(ranks) > 1:
+        raise ValueError(f"layer_report needs the spans of one rank; got ranks {sorted(ranks)} (pass rank=)")
+    compute = iv.union((s.start_ms, s.end_ms) for s in spans if s.is_compute)
+    rows: dict[str, dict[str, list]] = {}
+    for s in spans:
+        if s.kind == GATHER_KIND and s.name.rsplit(" ", 1)[-1] in ("forward", "backward"):
+            block, phase = s.name.rsplit(" ", 1)
+            key = f"{phase}_gather"
+        elif s.kind == REDUCE_KIND and s.name:
+            block, key = s.name, "reduce_scatter"
+        else:
+            continue
+        rows.setdefault(block, {}).setdefault(key, []).append((s.start_ms, s.end_ms))
+    out = []
+    for block, parts in rows.items():
+        vals = {}
+        for key in ("forward_gather", "backward_gather", "reduce_scatter"):
+            m = iv.union(parts.get(key, []))
+            vals[f"{key}_ms"] = iv.length(m)
+            vals[f"{key}_exposed_ms"] = iv.length(iv.subtract(m, compute))
+        out.append(LayerComm(name=block, **vals))
+    return out
