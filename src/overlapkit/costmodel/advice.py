@@ -99,12 +99,20 @@ def cannot_help(report: StepReport) -> list[str]:
     return lines
 
 
-def plan(model, hardware, par: ParallelConfig, tables=(), gpus: int | None = None) -> StepReport:
-    """Predict a step and attach recommendations and cannot-help notes: what `overlapkit plan` prints."""
+def plan(model, hardware, par: ParallelConfig, tables=(), gpus: int | None = None,
+         flops: str = "megatron2024") -> StepReport:
+    """Predict a step and attach recommendations and cannot-help notes: what `overlapkit plan` prints.
+
+    `flops`: the FLOP convention of the TFLOP/s per GPU and MFU reported (flops.CONVENTIONS)."""
+    from . import _validate as v
+    from .flops import CONVENTIONS
+
+    v.one_of("plan", "flops", flops, CONVENTIONS)
     hw = load_hardware(hardware)
     model = load_model(model)
     coll = Collectives(hw, tuple(tables))
     report = predict(model, par, hw, coll, gpus)
+    report.flops_convention = flops
     good, none = recommend(report, hw, coll)
     report.recommendations = good
     report.notes = cannot_help(report) + [

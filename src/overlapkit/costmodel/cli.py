@@ -13,30 +13,84 @@ import sys
 from pathlib import Path
 
 from ._validate import ConfigError
-from .transformer import MODES, RECOMPUTE, TRANSPORTS, Overlap, ParallelConfig
+from .flops import CONVENTIONS
+from .parallel import ATTENTION, DTYPES, MODES, RECOMPUTE, TRANSPORTS, Overlap, ParallelConfig
+
+
+MEGATRON_SWITCHES = (
+    # (flag, destination, value, help): Megatron-LM's boolean switches, accepted as they are spelled there.
+    ("--overlap-grad-reduce", "overlap_dp", "bulk", "= --overlap-dp bulk"),
+    ("--overlap-param-gather", "overlap_zero", "pipelined", "= --overlap-zero pipelined"),
+    ("--tp-comm-overlap", "overlap_tp", "auto", "= --overlap-tp auto"),
+    ("--overlap-p2p-communication", "overlap_pp", "bulk", "= --overlap-pp bulk"),
+    ("--use-distributed-optimizer", "zero", 1, "= --zero 1"),
+    ("--fp16", "dtype", "fp16", "= --dtype fp16"),
+    ("--bf16", "dtype", "bf16", "= --dtype bf16"),
+    ("--accumulate-allreduce-grads-in-fp32", "grad_dtype", "fp32", "= --grad-dtype fp32"),
+    ("--grad-reduce-in-bf16", "grad_dtype", "bf16", "= --grad-dtype bf16"),
+    ("--use-flash-attn", "attention", "flash", "= --attention flash"),
+    ("--no-scatter-gather-tensors-in-pipeline", "pp_scatter_gather", False, "= --no-pp-scatter-gather"),
+)
+
+
+def _one_line_error(message: str):
+    print(f"overlapkit plan: error: {message}", file=sys.stderr)
+    sys.exit(2)
 
 
 def register(subparsers) -> None:
     """Add the `plan` and `bench` subcommands to an argparse subparsers object."""
     p = subparsers.add_parser("plan", help="predict a training step and choose overlap per GEMM",
                               description=__doc__.splitlines()[0])
-    p.add_argument("--model", required=True, help="llama3-8b | llama3-70b | llama3-405b | gpt3-175b | file.json")
-    p.add_argument("--hardware", default="h200-sxm", help="h100-sxm | h200-sxm | a100-sxm-80g | h800-sxm | "
-                   "a800-sxm-80g | file.json (from `overlapkit bench gemm`)")
-    for name, default, text in (("tp", 1, "tensor-parallel size"), ("pp", 1, "pipeline stages"),
-                                ("vpp", 1, "virtual stages per pipeline rank"), ("dp", 1, "data-parallel size"),
-                                ("ep", 1, "expert-parallel size (MoE)"), ("micro-batch", 1, "sequences per micro-batch"),
-                                ("global-batch", 0, "sequences per step (0: one micro-batch per replica)"),
-                                ("gpus", None, "GPU count to check tp*pp*dp against")):
-        p.add_argument(f"--{name}", type=int, default=default, help=text)
-    p.add_argument("--sp", action=argparse.BooleanOptionalAction, default=True, help="sequence parallelism")
-    p.add_argument("--recompute", choices=RECOMPUTE, default="none")
+    p.error = _one_line_error  # argparse's usage + message would be several lines
+    p.add_argument("--model", required=True,
+                   help="llama3-8b | llama3-70b | llama3-405b | gpt3-175b | file.json (ours or a HuggingFace config.json)")
+    p.add_argument("--hardware", default="h200-sxm", help="h100-sxm | h100-sxm-500w | h200-sxm | a100-sxm-80g | "
+                   "h800-sxm | a800-sxm-80g | file.json (from `overlapkit bench gemm`)")
+    for names, default, text in (
+            (("--tp", "--tensor-model-parallel-size"), 1, "tensor-parallel size"),
+            (("--pp", "--pipeline-model-parallel-size"), 1, "pipeline stages"),
+            (("--vpp", "--virtual-pipeline-model-parallel-size"), 1, "virtual stages per pipeline rank"),
+            (("--dp", "--data-parallel-size"), 1, "data-parallel size"),
+            (("--cp", "--context-parallel-size"), 1, "context-parallel size (ring attention over the sequence)"),
+            (("--ep", "--expert-model-parallel-size"), 1, "expert-parallel size (MoE)"),
+            (("--micro-batch", "--micro-batch-size"), 1, "sequences per micro-batch"),
+            (("--global-batch", "--global-batch-size"), 0, "sequences per step (0: one micro-batch per replica)"),
+            (("--first-stage-layers", "--decoder-first-pipeline-num-layers"), 0, "layers on the first stage (0: even)"),
+            (("--last-stage-layers", "--decoder-last-pipeline-num-layers"), 0, "layers on the last stage (0: even)"),
+            (("--moe-chunks",), 4, "token chunks of the MoE all-to-all when EP overlap is on"),
+            (("--zero3-prefetch",), -1, "ZeRO-3 prefetch depth in units (-1: chosen by the model)"),
+            (("--zero3-wrap",), 1, "layers per ZeRO-3 / FSDP unit"),
+            (("--gpus",), None, "GPU count to check tp*cp*pp*dp against")):
+        p.add_argument(*names, type=int, default=default, help=text, dest=names[0][2:].replace("-", "_"))
+    for names, text in ((("--seq-len", "--seq-length"), "sequence length (replaces the model's)"),
+                        (("--experts", "--num-experts"), "experts per MoE layer (replaces the model's)"),
+                        (("--top-k", "--moe-router-topk"), "experts per token (replaces the model's)")):
+        p.add_argument(*names, type=int, default=None, help=text, dest=names[0][2:].replace("-", "_"))
+    p.add_argument("--sp", "--sequence-parallel", action=argparse.BooleanOptionalAction, default=True,
+                   help="sequence parallelism")
+    p.add_argument("--recompute", "--recompute-granularity", choices=RECOMPUTE, default="none",
+                   help="none | selective (attention) | op (every other matmul, torchtitan) | full")
     p.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0)
     p.add_argument("--overlap", choices=MODES, default="none", help="overlap setting of every engine")
-    for engine in ("tp", "dp", "zero", "pp", "ep"):
+    for engine in ("tp", "dp", "zero", "pp", "ep", "cp"):
         p.add_argument(f"--overlap-{engine}", choices=MODES, help=f"override --overlap for {engine}")
     p.add_argument("--tp-transport", choices=TRANSPORTS, default="p2p")
-    p.add_argument("--dtype", choices=("bf16", "fp8"), default="bf16")
+    p.add_argument("--dtype", choices=DTYPES, default="bf16")
+    p.add_argument("--grad-dtype", choices=("bf16", "fp32"), default="bf16", help="dtype of the DP gradient reduction")
+    p.add_argument("--bucket-mb", type=float, default=25.0, help="DP gradient bucket size, MiB")
+    p.add_argument("--attention", choices=ATTENTION, default="flash",
+                   help="flash, or unfused (scores materialized, softmax + dropout: Megatron before 2022)")
+    p.add_argument("--pp-scatter-gather", action=argparse.BooleanOptionalAction, default=False,
+                   help="pipeline sends split over the TP ranks and re-gathered (Megatron's scatter-gather)")
+    p.add_argument("--dp-in-drain", action=argparse.BooleanOptionalAction, default=False,
+                   help="each stage's DP reduction starts in the pipeline drain, after its last backward")
+    p.add_argument("--eager", action="store_true", help="memory-bound ops one kernel each (no torch.compile/fusion)")
+    p.add_argument("--compile", dest="eager", action="store_false", help="fused memory-bound ops (the default)")
+    for flag, dest, value, text in MEGATRON_SWITCHES:
+        p.add_argument(flag, dest=dest, action="store_const", const=value, help=text)
+    p.add_argument("--flops", choices=CONVENTIONS, default="megatron2024",
+                   help="FLOP convention of the TFLOP/s per GPU and MFU printed")
     p.add_argument("--nccl-table", action="append", default=[], metavar="KIND=FILE",
                    help="nccl-tests output replacing the formula for KIND (all_reduce, all_gather, ...)")
     p.add_argument("--json", action="store_true", help="print the prediction as JSON")
@@ -52,10 +106,25 @@ def register(subparsers) -> None:
 
 
 def _parallel(args) -> ParallelConfig:
-    overlap = Overlap(**{e: getattr(args, f"overlap_{e}") or args.overlap for e in ("tp", "dp", "zero", "pp", "ep")})
-    return ParallelConfig(tp=args.tp, pp=args.pp, vpp=args.vpp, dp=args.dp, ep=args.ep, sp=args.sp,
+    overlap = Overlap(**{e: getattr(args, f"overlap_{e}") or args.overlap for e in ("tp", "dp", "zero", "pp", "ep", "cp")})
+    return ParallelConfig(tp=args.tp, pp=args.pp, vpp=args.vpp, dp=args.dp, cp=args.cp, ep=args.ep, sp=args.sp,
                           micro_batch=args.micro_batch, global_batch=args.global_batch, recompute=args.recompute,
-                          zero=args.zero, overlap=overlap, tp_transport=args.tp_transport, dtype=args.dtype)
+                          zero=args.zero, overlap=overlap, tp_transport=args.tp_transport, dtype=args.dtype,
+                          grad_bytes=4 if args.grad_dtype == "fp32" else 2, bucket_mib=args.bucket_mb,
+                          attention=args.attention, pp_scatter_gather=args.pp_scatter_gather,
+                          dp_in_drain=args.dp_in_drain, first_stage_layers=args.first_stage_layers,
+                          last_stage_layers=args.last_stage_layers, eager=args.eager, moe_chunks=args.moe_chunks,
+                          zero3_prefetch=args.zero3_prefetch, zero3_wrap=args.zero3_wrap)
+
+
+def _model(args):
+    from dataclasses import replace
+
+    from .transformer import load_model
+
+    model = load_model(args.model, args.seq_len)
+    changes = {k: x for k, x in (("num_experts", args.experts), ("top_k", args.top_k)) if x is not None}
+    return replace(model, **changes) if changes else model
 
 
 def _tables(specs: list[str]):
@@ -76,8 +145,8 @@ def run_plan(args) -> int:
     from .advice import plan
 
     try:
-        report = plan(args.model, args.hardware, _parallel(args), _tables(args.nccl_table), args.gpus)
-    except ConfigError as e:
+        report = plan(_model(args), args.hardware, _parallel(args), _tables(args.nccl_table), args.gpus, args.flops)
+    except (ConfigError, TypeError, ValueError, OverflowError) as e:  # one line, whatever the input got wrong
         print(f"overlapkit plan: error: {e}", file=sys.stderr)
         return 2
     print(json.dumps(report.to_dict(), indent=1) if args.json else format_report(report))
@@ -117,11 +186,12 @@ def format_report(report) -> str:
     d = report.to_dict()
     p = d["parallel"]
     ov = ", ".join(f"{k}={x}" for k, x in p["overlap"].items())
-    out = [f"{d['model']} on {d['hardware']}: tp={p['tp']} pp={p['pp']} vpp={p['vpp']} dp={p['dp']} ep={p['ep']} "
+    out = [f"{d['model']} on {d['hardware']}: tp={p['tp']} cp={p['cp']} pp={p['pp']} vpp={p['vpp']} dp={p['dp']} ep={p['ep']} "
            f"sp={p['sp']} micro-batch={p['micro_batch']} x {p['micro_batches']} recompute={p['recompute']} "
            f"zero={p['zero']} dtype={p['dtype']}; overlap {ov}", "",
            f"step {d['step_time_s']:.4f} s = compute {d['compute_s']:.4f} + exposed comm {d['exposed_comm_s']:.4f} "
-           f"+ bubble {d['bubble_s']:.4f}   (comm {d['comm_s']:.4f} s, r = {1 - d['exposed_comm_s'] / d['comm_s'] if d['comm_s'] else 1:.2f})",
+           f"+ bubble {d['bubble_s']:.4f} + host {d['host_s']:.4f}   (comm {d['comm_s']:.4f} s, r = {1 - d['exposed_comm_s'] / d['comm_s'] if d['comm_s'] else 1:.2f})",
+           _throughput_line(d), _memory_line(d)] + _pipeline_lines(d) + _zero3_lines(d) + [
            "", _table(["kind", "comm s", "exposed s", "r"],
                       [[k, x["comm_s"], x["exposed_s"], x["r"]] for k, x in d["by_kind"].items()]),
            "", f"one layer, one micro-batch ({d['layers_per_stage']} layers per stage), ms:",
@@ -136,6 +206,40 @@ def format_report(report) -> str:
     if d["notes"]:
         out += ["", "where overlap cannot help:"] + [f"  - {n}" for n in d["notes"]]
     return "\n".join(out)
+
+
+def _throughput_line(d: dict) -> str:
+    t = d["throughput"]
+    return (f"throughput {t['tflops_per_gpu']:.1f} TFLOP/s per GPU, MFU {100 * t['mfu']:.1f}% "
+            f"({t['convention']} FLOPs, {t['step_flops']:.3g} per step, {d['parallel']['world']} GPUs)")
+
+
+def _memory_line(d: dict) -> str:
+    m = d["memory"]
+    parts = ", ".join(f"{k} {x:.1f}" for k, x in m["parts_gib"].items() if x >= 0.05)
+    head = (f"memory ~{m['total_gib']:.1f} GiB per GPU of {m['capacity_gib']:.0f} ({parts})" if m["fits"] else
+            f"WARNING: memory ~{m['total_gib']:.1f} GiB per GPU does not fit the {m['capacity_gib']:.0f} GiB "
+            f"of this GPU ({parts})")
+    return head
+
+
+def _pipeline_lines(d: dict) -> list[str]:
+    p = d["pipeline"]
+    if not p:
+        return []
+    return [f"pipeline {p['schedule']} (overlap_p2p {'on' if p['overlap_p2p'] else 'off'}): bubble "
+            f"{100 * p['bubble_fraction']:.1f}% of the step (ideal (p-1)/(v*m+p-1) {100 * p['ideal_bubble_fraction']:.1f}%), "
+            f"p2p {p['p2p_comm_s']:.4f} s of which {p['p2p_exposed_s']:.4f} s exposed "
+            f"({100 * p['p2p_exposed_fraction']:.0f}%)"]
+
+
+def _zero3_lines(d: dict) -> list[str]:
+    z = d["zero3"]
+    if not z:
+        return []
+    return [f"zero3 prefetch depth {z['prefetch']} unit(s) of {z['wrap_layers']} layer(s) ({z['units']} units per "
+            f"stage; gather {z['gather_ms']:.3f} ms, reduce-scatter {z['reduce_scatter_ms']:.3f} ms per unit): "
+            f"{z['reason']}"]
 
 
 def run_bench(args) -> int:

@@ -138,16 +138,23 @@ class Hardware:
 
     @classmethod
     def from_dict(cls, d: dict) -> "Hardware":
+        if not isinstance(d, dict):
+            raise v.ConfigError(f"hardware: must be a JSON object (as Hardware.to_dict writes), not {type(d).__name__}")
         d = dict(d)
-        try:
-            d["intra"], d["inter"] = (v.from_dict(Link, d[k], f"hardware.{k}") for k in ("intra", "inter"))
-            g = dict(d["gemm"])
-            g["table"] = tuple(tuple(p) for p in g.get("table", ()))
-            d["gemm"] = v.from_dict(GemmCurve, g, "hardware.gemm")
-            d["attention"] = v.from_dict(AttentionCurve, d["attention"], "hardware.attention")
-            d["memory"] = v.from_dict(MemoryCurve, d["memory"], "hardware.memory")
-        except KeyError as e:
-            raise v.ConfigError(f"hardware: missing key {e.args[0]!r}") from None
+        for key in ("intra", "inter", "gemm", "attention", "memory"):
+            if key not in d:
+                raise v.ConfigError(f"hardware: missing key {key!r}")
+            if not isinstance(d[key], dict):
+                raise v.ConfigError(f"hardware.{key}={d[key]!r}: must be a JSON object")
+        d["intra"], d["inter"] = (v.from_dict(Link, d[k], f"hardware.{k}") for k in ("intra", "inter"))
+        g = dict(d["gemm"])
+        table = g.get("table", ())
+        if not isinstance(table, list | tuple) or not all(isinstance(p, list | tuple) for p in table):
+            raise v.ConfigError("hardware.gemm.table: must be a list of [m, k, n, ms] points")
+        g["table"] = tuple(tuple(p) for p in table)
+        d["gemm"] = v.from_dict(GemmCurve, g, "hardware.gemm")
+        d["attention"] = v.from_dict(AttentionCurve, d["attention"], "hardware.attention")
+        d["memory"] = v.from_dict(MemoryCurve, d["memory"], "hardware.memory")
         return v.from_dict(cls, d, "hardware")
 
 

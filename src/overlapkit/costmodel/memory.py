@@ -5,7 +5,8 @@ batches in flight on the first stage (1F1B holds pp of them), the logits of the 
 the parameters prefetched ahead under ZeRO-3. Activation bytes per layer follow Korthikanti et al.
 2022 (arXiv 2205.05198, Table 2): s·b·h·(10 + 24/t + 5·a·s/(h·t)) without SP, s·b·h·34/t with
 SP; the 5·a·s/h score term only where scores are materialized (unfused attention without
-selective recomputation); full recomputation keeps only each layer's input (2·s·b·h).
+selective recomputation); full recomputation keeps only each layer's input (2·s·b·h), per-op
+selective recomputation about half.
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ def estimate(model, par, hw, prefetch_units: int = 0) -> dict:
         per_layer = s * b * h * (34.0 / t if par.sp else 10.0 + 24.0 / t)
         if par.attention == "unfused" and par.recompute != "selective":
             per_layer += 5.0 * model.num_heads * s * s * b / t
+        if par.recompute == "op":  # every other matmul's output recomputed instead of kept
+            per_layer *= 0.5
     layers = max(par.stage_layers(model.num_layers))
     in_flight = min(par.pp, par.micro_batches)
     activations = per_layer * layers * in_flight

@@ -13,8 +13,10 @@ holding the LM head) sets the pace.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
+from . import _validate as v
 from .collectives import Collectives, Group
 from .hardware import DTYPE_BYTES, Hardware
 from .layer import Ctx, embedding_backward_ms, layer, lm_head
@@ -242,6 +244,10 @@ def predict(model: ModelConfig, par: ParallelConfig, hw: Hardware, coll: Collect
                         exposed, bubble, dict(step.comm), dict(step.exposed), layer_f, layer_b, head_f, head_b,
                         layers[slowest], optimizer, notes=notes, host_ms=host, stage_ms=tuple(times),
                         stage_layers=tuple(layers), zero3=zero3, peak_tflops=hw.peak_tflops(par.dtype))
+    for name in ("step_ms", "compute_ms", "comm_ms", "exposed_ms", "bubble_ms", "host_ms"):
+        if not math.isfinite(getattr(report, name)):
+            raise v.ConfigError(f"the predicted {name[:-3]} time is {getattr(report, name)}: an input is out of "
+                                f"range (a link latency or bandwidth, a size); check the hardware and model files")
     report.memory = estimate(model, par, hw, zero3.get("prefetch", 0))
     if not report.memory["fits"]:
         notes.append(f"memory: {report.memory['total_gib']:.1f} GiB per GPU estimated, more than the "
