@@ -86,14 +86,23 @@ class Block(nn.Module):
 class GPT(nn.Module):
     """idx [batch, seq] (token ids) -> logits [seq, batch, vocab]."""
 
-    def __init__(self, cfg: GPTConfig) -> None:
+    def __init__(self, cfg: GPTConfig, *, moe=None, moe_every: int = 1) -> None:
+        """`moe`: a callable taking a block index and returning the module (e.g. an
+        overlapkit.expert_parallel.MoE) that replaces that block's MLP, in every `moe_every`-th
+        block (blocks moe_every-1, 2*moe_every-1, ...; 2 alternates dense and MoE as Switch does)."""
         super().__init__()
+        if not isinstance(moe_every, int) or isinstance(moe_every, bool) or moe_every < 1:
+            raise ValueError(f"GPT moe_every must be an integer >= 1, got {moe_every!r}")
         self.cfg = cfg
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.hidden)
         self.pos_emb = nn.Embedding(cfg.seq_len, cfg.hidden)
         # Where the sequence enters the blocks; parallelize() makes it a scatter over TP ranks.
         self.enter_blocks: nn.Module = nn.Identity()
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
+        if moe is not None:
+            for i, block in enumerate(self.blocks):
+                if (i + 1) % moe_every == 0:
+                    block.mlp = moe(i)
         self.ln_f = nn.LayerNorm(cfg.hidden)
         self.head = nn.Linear(cfg.hidden, cfg.vocab_size, bias=False)
 
@@ -107,6 +116,12 @@ class GPT(nn.Module):
         for block in self.blocks:
             x = block(x)
         return self.head(self.ln_f(x))
+
+    def aux_loss(self) -> torch.Tensor | float:
+        """Sum of the last forward's auxiliary losses of the MoE layers (0.0 without any): add a
+        small multiple (e.g. 0.01) to the language-model loss to keep the routers balanced."""
+        losses = [m.aux_loss for m in self.modules() if isinstance(getattr(m, "aux_loss", None), torch.Tensor)]
+        return sum(losses) if losses else 0.0
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
