@@ -108,9 +108,9 @@ def kv_ring(ctx: Ctx, fwd, bwd, att_f: float, att_b: float) -> None:
         comm = steps * per
         if par.overlap.cp == "none":
             exposed = comm
-        else:  # block i+1 travels while block i is attended; the local block goes first
-            exposed = layered_ms([per] * steps, [att / par.cp] * steps, [0.0] * steps,
-                                 ctx.hw.sm_comm_slowdown) - steps * att / par.cp
+        else:  # block i+1 travels while block i is attended; the local block needs no transfer
+            exposed = layered_ms([0.0] + [per] * steps, [att / par.cp] * par.cp, [0.0] * par.cp,
+                                 ctx.hw.sm_comm_slowdown) - att
         blk.add_comm("cp_kv", comm, max(0.0, exposed))
 
 

@@ -323,7 +323,7 @@ def _data_parallel(ctx: Ctx, step: Block, params: list, stages: list, slowest: i
         return _zero3(ctx, step, group, layer_f, layer_b, per_stage, notes)
     kind, _ = grad_reduction(par)
     # Each stage reduces behind its own last backward. Inside the drain, stage i finishes that
-    # backward (pp - 1 - i) micro-batch backwards before stage 0 does, and its reduction may use them.
+    # backward before stage 0 does by the last backwards of stages i-1 .. 0, and its reduction may use them.
     candidates = {0, slowest, par.pp - 1} if par.dp_in_drain else {slowest}
     worst, total = 0.0, 0.0
     for i in sorted(candidates):
@@ -331,7 +331,7 @@ def _data_parallel(ctx: Ctx, step: Block, params: list, stages: list, slowest: i
         comm, exposed = _reduction_exposed(ctx, params[i] * par.grad_bytes, bwd, notes if i == slowest else None)
         if i == slowest:
             total = comm
-        slack = (par.pp - 1 - i) * bwd if par.dp_in_drain else 0.0
+        slack = sum(stages[j][1].wall_ms for j in range(i)) if par.dp_in_drain else 0.0
         worst = max(worst, exposed - slack)
     step.add_comm(kind, total, max(0.0, worst))
     if par.zero in (1, 2):  # parameters gathered after the sharded step, before the next forward

@@ -1,0 +1,211 @@
+"""Each setting a published run needs (issue 13): a test that fails if the model ignored it."""
+
+import json
+import math
+
+import pytest
+
+from overlapkit.costmodel import MODEL_PRESETS, ConfigError, ModelConfig, Overlap, ParallelConfig, predict, preset
+from overlapkit.costmodel.flops import step_flops, throughput
+from overlapkit.costmodel.layer import CE_BYTES, EAGER_PASSES, UNFUSED_SCORE_PASSES
+from overlapkit.costmodel.memory import estimate
+from overlapkit.costmodel.step import FP16_UNSCALE_BYTES_PER_PARAM, HOST_OPS_PER_LAYER
+from overlapkit.costmodel.transformer import load_model
+
+H100, A100, H200 = preset("h100-sxm"), preset("a100-sxm-80g"), preset("h200-sxm")
+L8, L70, L405 = MODEL_PRESETS["llama3-8b"], MODEL_PRESETS["llama3-70b"], MODEL_PRESETS["llama3-405b"]
+GPT = ModelConfig(hidden=4096, ffn_hidden=16384, num_layers=32, num_heads=32, seq_len=2048, vocab_size=51200,
+                  gated_mlp=False, tied_embeddings=True, name="gpt-7b")
+
+
+def row(block, prefix):
+    return next(r for r in block.rows if r["op"].startswith(prefix))
+
+
+def test_unfused_attention_prices_the_score_gemms_and_passes_over_s_squared():
+    flash = predict(GPT, ParallelConfig(tp=2, sp=False, micro_batch=4), A100)
+    unfused = predict(GPT, ParallelConfig(tp=2, sp=False, micro_batch=4, attention="unfused"), A100)
+    s, d, batch = 2048, 128, 4 * 16
+    gemms = batch * (A100.gemm_ms(s, d, s) + A100.gemm_ms(s, s, d))
+    passes = A100.memory.elementwise_ms(batch * s * s, 2, 1) * UNFUSED_SCORE_PASSES[0]
+    assert row(unfused.layer_fwd, "attention fwd (unfused)")["time_ms"] == pytest.approx(gemms + passes)
+    assert unfused.step_ms > flash.step_ms * 1.1
+
+
+def test_pipeline_scatter_gather_sends_one_tp_share_over_the_network():
+    base = ParallelConfig(tp=8, pp=4, dp=2, sp=False, global_batch=16)
+    plain = predict(GPT, base, A100).comm_by_kind["pp_send"]
+    split = predict(GPT, ParallelConfig(**{**vars(base), "pp_scatter_gather": True}), A100).comm_by_kind["pp_send"]
+    assert split < plain / 3  # 1/8 of the bytes over InfiniBand plus an NVLink all-gather
+
+
+def test_grad_reduction_dtype_doubles_the_dp_bytes():
+    two = predict(L8, ParallelConfig(dp=8, grad_bytes=2), H100).comm_by_kind["dp_all_reduce"]
+    four = predict(L8, ParallelConfig(dp=8, grad_bytes=4), H100).comm_by_kind["dp_all_reduce"]
+    assert four == pytest.approx(2 * two, rel=0.05)
+
+
+def test_dp_reduction_inside_the_drain_hides_behind_the_other_stages_backward():
+    # The last stage holds most layers and finishes its last backward (pp - 1) micro-batches before
+    # stage 0: inside the drain its reduction hides behind them; stage 0's small one stays exposed.
+    kw = dict(tp=8, pp=4, dp=16, global_batch=64, grad_bytes=4, overlap=Overlap(dp="bulk"),
+              first_stage_layers=10, last_stage_layers=30)
+    after = predict(L70, ParallelConfig(**kw), H100)
+    drain = predict(L70, ParallelConfig(**kw, dp_in_drain=True), H100)
+    assert drain.comm_by_kind["dp_all_reduce"] == pytest.approx(after.comm_by_kind["dp_all_reduce"])
+    assert drain.exposed_by_kind["dp_all_reduce"] < 0.5 * after.exposed_by_kind["dp_all_reduce"]
+    one = dict(tp=8, dp=16, global_batch=64, overlap=Overlap(dp="bulk"))  # no pipeline: no drain to hide in
+    assert predict(L70, ParallelConfig(**one, dp_in_drain=True), H100).step_ms == \
+        pytest.approx(predict(L70, ParallelConfig(**one), H100).step_ms)
+
+
+def test_uneven_stages_take_llamas_126_layers_on_16_stages():
+    model = ModelConfig(**{**vars(L405), "num_layers": 126})
+    with pytest.raises(ConfigError, match="num_layers=126 is not divisible by pp\\*vpp=16"):
+        predict(model, ParallelConfig(tp=8, pp=16, global_batch=16), H100)
+    par = ParallelConfig(tp=8, pp=16, global_batch=16, first_stage_layers=7, last_stage_layers=7)
+    r = predict(model, par, H100)
+    assert list(r.stage_layers) == [7] + [8] * 14 + [7]
+    assert r.stage_ms[1] > r.stage_ms[0]  # 8 layers outweigh 7 layers and the embedding gradient
+    with pytest.raises(ConfigError, match="first/last stage layers"):
+        predict(model, ParallelConfig(tp=8, pp=2, global_batch=16, first_stage_layers=126, last_stage_layers=7), H100)
+
+
+def test_context_parallelism_splits_the_sequence_and_rings_kv():
+    r1 = predict(L8, ParallelConfig(tp=8, dp=2), H100)
+    r2 = predict(L8, ParallelConfig(tp=8, cp=2), H100)
+    assert row(r2.layer_fwd, "qkv fwd")["m"] == row(r1.layer_fwd, "qkv fwd")["m"] // 2
+    assert row(r2.layer_fwd, "attention fwd")["time_ms"] == pytest.approx(row(r1.layer_fwd, "attention fwd")["time_ms"] / 2)
+    assert r2.comm_by_kind["cp_kv"] > 0 and r2.exposed_by_kind["cp_kv"] == pytest.approx(r2.comm_by_kind["cp_kv"])
+    ring = predict(L8, ParallelConfig(cp=2, overlap=Overlap(cp="pipelined")), H100)
+    assert ring.exposed_by_kind["cp_kv"] < 0.5 * ring.comm_by_kind["cp_kv"]
+    assert ParallelConfig(tp=8, cp=16, pp=16, dp=8).world == 16384  # Llama 3's CP16 row is expressible
+
+
+def test_fp16_pays_the_loss_scale_unscale_over_the_gradients():
+    bf16 = predict(L8, ParallelConfig(dp=8, zero=1), H100)
+    fp16 = predict(L8, ParallelConfig(dp=8, zero=1, dtype="fp16"), H100)
+    assert fp16.optimizer_ms - bf16.optimizer_ms == pytest.approx(
+        bf16.optimizer_ms * FP16_UNSCALE_BYTES_PER_PARAM / 38, rel=1e-6)
+    assert fp16.layer_fwd.compute_ms == pytest.approx(bf16.layer_fwd.compute_ms)  # same matrix speed
+
+
+def test_op_level_recompute_reruns_half_the_matmuls_and_not_attention():
+    c = {rc: predict(L8, ParallelConfig(dp=8, recompute=rc), H100) for rc in ("none", "op", "full")}
+    matmuls = sum(r["gemm_ms"] for r in c["none"].layer_fwd.rows if r.get("m"))
+    assert row(c["op"].layer_bwd, "recompute every other matmul")["time_ms"] == pytest.approx(matmuls / 2)
+    assert not any(r["op"] == "recompute attention" for r in c["op"].layer_bwd.rows)
+    assert c["none"].compute_ms < c["op"].compute_ms < c["full"].compute_ms
+
+
+def test_eager_runs_memory_bound_ops_unfused_and_dispatches_more_ops():
+    fused = predict(L8, ParallelConfig(dp=8), H100)
+    eager = predict(L8, ParallelConfig(dp=8, eager=True), H100)
+    op = "norms, residuals, activation, rope"
+    assert row(eager.layer_fwd, op)["time_ms"] == pytest.approx(EAGER_PASSES * row(fused.layer_fwd, op)["time_ms"])
+    assert HOST_OPS_PER_LAYER[True] > HOST_OPS_PER_LAYER[False]
+
+
+def test_host_dispatch_bounds_a_small_layer():
+    tiny = ModelConfig(hidden=256, ffn_hidden=1024, num_layers=4, num_heads=4, seq_len=128, vocab_size=1024,
+                       gated_mlp=False)
+    r = predict(tiny, ParallelConfig(eager=True), H200)
+    host = HOST_OPS_PER_LAYER[True] * H200.host_us_per_op * 1e-3
+    assert r.layer_fwd.wall_ms < host and r.layer_fwd.host_ms == pytest.approx(host - r.layer_fwd.wall_ms)
+    assert r.host_ms == pytest.approx(4 * (r.layer_fwd.host_ms + r.layer_bwd.host_ms))
+    assert r.step_ms == pytest.approx(r.compute_ms + r.exposed_ms + r.bubble_ms + r.host_ms)
+    big = predict(L8, ParallelConfig(dp=8), H200)
+    assert big.host_ms == 0.0  # large kernels hide their dispatch
+
+
+def test_lm_head_cross_entropy_is_priced_per_logit():
+    r = predict(L8, ParallelConfig(tp=8), H200)
+    logits = 8192 * 128256 // 8
+    assert row(r.head_fwd, "cross-entropy")["time_ms"] == pytest.approx(
+        logits * CE_BYTES[0] / (H200.memory.elementwise_gbps * 1e6))
+
+
+def test_flop_conventions_match_their_formulas():
+    b, s, h, n, V = 512, 2048, 2304, 24, 51200
+    m = ModelConfig(hidden=h, ffn_hidden=4 * h, num_layers=n, num_heads=24, seq_len=s, vocab_size=V, gated_mlp=False)
+    assert step_flops(m, b, "narayanan") == pytest.approx(96 * b * s * n * h * h * (1 + s / (6 * h) + V / (16 * n * h)))
+    assert step_flops(m, b, "megatron2024") == pytest.approx(12 * b * s * n * h * h * (2 + s / h + 4 + V / (2 * n * h)))
+    p = n * 12 * h * h
+    assert step_flops(m, b, "palm") == pytest.approx(6 * p * b * s + 12 * n * h * s * b * s)
+    t = throughput(m, ParallelConfig(dp=32, micro_batch=16, global_batch=512), 3.528, 312.0, "narayanan")
+    assert t["tflops_per_gpu"] == pytest.approx(137, rel=0.01) and t["mfu"] == pytest.approx(137 / 312, rel=0.01)
+    with pytest.raises(ConfigError, match="convention"):
+        step_flops(m, b, "chinchilla")
+
+
+def test_memory_estimate_warns_when_405b_meets_one_gpu():
+    one = predict(L405, ParallelConfig(), H100)
+    assert not one.memory["fits"] and any("does not fit" in n for n in one.notes)
+    split = predict(L405, ParallelConfig(tp=8, pp=9, dp=8, zero=1, global_batch=72, recompute="full"), H100)
+    assert split.memory["fits"]
+    e = estimate(L8, ParallelConfig(dp=8, zero=1), H100)
+    assert e["parts_gib"]["optimizer"] == pytest.approx(L8.params * 12 / 8 / 2**30, rel=1e-6)
+
+
+def test_moe_chunks_change_what_the_all_to_all_hides():
+    moe = ModelConfig(hidden=4096, ffn_hidden=14336, num_layers=8, num_heads=32, seq_len=4096, vocab_size=32000,
+                      num_experts=8, top_k=2)
+    r = {c: predict(moe, ParallelConfig(dp=8, ep=8, moe_chunks=c, overlap=Overlap(ep="pipelined")), H100)
+         for c in (1, 4)}
+    assert r[1].exposed_by_kind["ep_all_to_all"] > r[4].exposed_by_kind["ep_all_to_all"]
+    assert r[4].comm_by_kind["ep_all_to_all"] == pytest.approx(r[1].comm_by_kind["ep_all_to_all"])
+
+
+def test_zero3_prefetch_depth_and_wrap_are_priced():
+    kw = dict(dp=8, zero=3, micro_batch=2, global_batch=16, recompute="full", overlap=Overlap(zero="pipelined"))
+    d0 = predict(L8, ParallelConfig(**kw, zero3_prefetch=0), H100)
+    d1 = predict(L8, ParallelConfig(**kw, zero3_prefetch=1), H100)
+    assert d0.exposed_by_kind["zero_all_gather"] > 5 * d1.exposed_by_kind["zero_all_gather"]
+    w2 = predict(L8, ParallelConfig(**kw, zero3_prefetch=1, zero3_wrap=2), H100)
+    assert w2.zero3["units"] == 16 and w2.zero3["wrap_layers"] == 2
+    auto = predict(L8, ParallelConfig(**kw), H100)
+    assert auto.zero3["prefetch"] >= 1 and auto.zero3["reason"].startswith("depth")
+
+
+def test_pipeline_report_gives_bubble_and_p2p_exposure():
+    kw = dict(tp=8, pp=4, dp=2, global_batch=32)
+    for vpp, overlap in ((1, "none"), (2, "none"), (2, "bulk")):
+        r = predict(L70, ParallelConfig(**kw, vpp=vpp, overlap=Overlap(pp=overlap)), H200)
+        p = r.pipeline()
+        assert p["schedule"] == ("interleaved-1f1b" if vpp > 1 else "1f1b")
+        assert p["bubble_fraction"] == pytest.approx(r.bubble_ms / r.step_ms)
+        assert p["ideal_bubble_fraction"] == pytest.approx(3 / (vpp * 16 + 3))
+        assert p["p2p_exposed_fraction"] == pytest.approx(1.0 if overlap == "none" else 2 * 3 / (2 * vpp * 16))
+
+
+def test_huggingface_config_json_is_read(tmp_path):
+    llama = {"model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+             "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256, "hidden_act": "silu",
+             "max_position_embeddings": 131072, "tie_word_embeddings": False}
+    (tmp_path / "config.json").write_text(json.dumps(llama))
+    m = load_model(str(tmp_path / "config.json"), seq_len=8192)
+    assert (m.hidden, m.ffn_hidden, m.num_layers, m.num_kv_heads, m.gated_mlp, m.seq_len) == \
+        (4096, 14336, 32, 8, True, 8192)
+    assert m.layer_params == L8.layer_params
+    gpt2 = {"model_type": "gpt2", "n_embd": 768, "n_layer": 12, "n_head": 12, "vocab_size": 50257, "n_positions": 1024}
+    (tmp_path / "gpt2.json").write_text(json.dumps(gpt2))
+    g = load_model(str(tmp_path / "gpt2.json"))
+    assert (g.ffn_hidden, g.gated_mlp, g.tied_embeddings) == (3072, False, True) and "assumed" in g.name
+
+
+@pytest.mark.parametrize("kw,field", [
+    (dict(gated_mlp="no"), "gated_mlp='no': must be true or false"),
+    (dict(hidden=10**12), "hidden=1000000000000: must be <="),
+    (dict(num_kv_heads=-1), "num_kv_heads=-1"),
+])
+def test_model_fields_are_type_checked(kw, field):
+    base = dict(hidden=4096, ffn_hidden=14336, num_layers=32, num_heads=32, seq_len=4096, vocab_size=128256)
+    with pytest.raises(ConfigError, match=field.replace("(", "\\(")):
+        ModelConfig(**{**base, **kw})
+
+
+@pytest.mark.parametrize("kw,field", [(dict(bucket_mib=1e14), "bucket_mib"), (dict(bucket_mib=math.inf), "bucket_mib"),
+                                      (dict(sp="yes"), "sp='yes'"), (dict(cp=0), "cp=0"), (dict(tp=2**40), "tp=")])
+def test_parallel_fields_are_range_checked(kw, field):
+    with pytest.raises(ConfigError, match=field):
+        ParallelConfig(**kw)
