@@ -1,0 +1,77 @@
+"""Ring attention on gloo ranks vs one process, all from one spawned world of 4 (spawning is the slow part):
+cp = 2, 3 (a sub-group of three) and 4; uneven lengths and differing configs fail on every rank; the overlap
+seen in recorded spans; a tiny HF Llama with RoPE on each rank's slices; a GPT step with CP=2 x DP=2;
+CP=2 x TP=2 with the heads split over TP."""
+
+import torch.distributed as dist
+
+from cp_cases import (TOL, all_attention_cases, gpt_cp_dp_errors, llama_errors, recorded_overlap, rejections,
+                      tp_heads_errors)
+from distributed import distributed
+from overlapkit.groups import ParallelGroups
+
+
+@distributed(world_size=4, timeout_s=120)
+def _world():
+    rank = dist.get_rank()
+    three = dist.new_group([0, 1, 2])
+    cp2 = ParallelGroups.build(cp=2, dp=2).cp  # ranks [0, 1] and [2, 3]
+    return dict(cp4=all_attention_cases(dist.group.WORLD), cp3=all_attention_cases(three) if rank < 3 else {},
+                cp2=all_attention_cases(cp2), rejections=rejections(cp2),
+                pipelined=recorded_overlap(cp2, "pipelined"), sequential=recorded_overlap(cp2, "none"),
+                llama=llama_errors(cp2), gpt=gpt_cp_dp_errors(), tp=tp_heads_errors())
+
+
+_results = None
+
+
+def results():
+    global _results
+    if _results is None:
+        _results = _world()
+    return _results
+
+
+def test_ring_attention_equals_one_process_cp2_cp3_cp4():
+    for r, res in enumerate(results()):
+        for cp in ("cp2", "cp3", "cp4"):
+            for key, err in res[cp].items():
+                assert err <= TOL, f"rank {r} {cp} {key}: rel err {err:.2e}"
+    assert len(results()[0]["cp3"]) == len(results()[0]["cp4"]) == 20
+
+
+def test_uneven_sequence_and_differing_configs_fail_on_every_rank():
+    for r, res in enumerate(results()):
+        msgs = res["rejections"]
+        a, b = (0, 1) if r < 2 else (2, 3)  # global ranks of this rank's CP group
+        assert "sequence length (dim 2 of a (1, 1, 6, 2) tensor) 6 does not split over cp=2" in msgs["uneven_shard"]
+        assert "multiple of 4" in msgs["uneven_shard"], msgs["uneven_shard"]
+        assert "local sequence length 3" in msgs["uneven_local"], msgs["uneven_local"]
+        assert f"causal differs (rank {a}: True, rank {b}: False)" in msgs["mismatch_causal"], (r, msgs)
+        assert f"q differs (rank {a}: [1, 2, 4, 4], rank {b}: [1, 2, 6, 4])" in msgs["mismatch_seq"], (r, msgs)
+
+
+def test_kv_transfers_hide_behind_block_attention_in_recorded_spans():
+    for r, res in enumerate(results()):
+        pipe, seq = res["pipelined"], res["sequential"]
+        # Forward: 1 K/V hop; backward: 1 K/V hop and 2 dK/dV hops (the last one home to the owner).
+        assert pipe["count"] == seq["count"] == 4, (pipe, seq)
+        assert "cp.attn.fwd.kv[0]" in pipe["names"] and "cp.attn.bwd.dkv[1]" in pipe["names"]
+        assert pipe["max_hidden_ms"] > 0, f"rank {r}: no cp_kv span overlaps a compute span: {pipe}"
+        # The sequential schedule issues each transfer after the block's compute: nothing can hide.
+        assert seq["max_hidden_ms"] == 0 and abs(seq["exposed_ms"] - seq["comm_ms"]) < 1e-9, seq
+
+
+def test_hf_llama_cp2_with_rope_on_slices_equals_one_process():
+    for r, res in enumerate(results()):
+        assert res["llama"] <= TOL, f"rank {r}: rel err {res['llama']:.2e}"
+
+
+def test_gpt_steps_cp2_dp2_equal_one_process():
+    for r, res in enumerate(results()):
+        assert max(res["gpt"]) <= TOL, f"rank {r}: per-step rel err {res['gpt']}"
+
+
+def test_cp2_tp2_heads_split_over_tp():
+    for r, res in enumerate(results()):
+        assert res["tp"] <= TOL, f"rank {r}: rel err {res['tp']:.2e}"
