@@ -53,9 +53,20 @@ def test_every_step_counted_matches_an_independent_count():
 
 def test_analyze_prints_json_and_draws_the_picture(tmp_path, capsys):
     png = tmp_path / "t.png"
-    assert main([str(TRACES / n) for n in HTA_OVERLAP_PCT] + ["--json", "--plot", str(png)]) == 0
+    name = "hta_allreduce_2ranks.json.gz"
+    assert main([str(TRACES / name), "--json", "--plot", str(png)]) == 0
     doc = json.loads(capsys.readouterr().out)
-    assert [r["rank"] for r in doc["ranks"]] == [0, 0, 1]
-    assert [round(r["overlap_pct"], 1) for r in doc["ranks"]] == [14.8, 11.8, 0.0]
-    assert doc["slowest_rank"] is None  # traces of different jobs: no slowest rank to name
+    assert [(r["rank"], round(r["overlap_pct"], 1)) for r in doc["ranks"]] == [(0, 14.8)]
+    assert doc["slowest_rank"] is None and doc["stragglers"] == []  # one rank: nobody to compare with
+    assert [d["check"] for d in doc["diagnosis"]][:2] == ["compute saturated", "communication share of the step"]
     assert png.stat().st_size > 20_000
+
+
+def test_traces_of_different_jobs_are_refused(capsys):
+    # rank 0 of a 2-rank job and rank 0 of a 128-rank job: the same rank twice, world sizes 2 and 128
+    assert main([str(TRACES / n) for n in HTA_OVERLAP_PCT]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "rank 0 appears twice" in err and err.count("\n") == 0
+    assert main([str(TRACES / "hta_sampled_rank0_of128.json.gz"),
+                 str(TRACES / "hta_rank1_of2_sync_allreduce.json.gz")]) == 2
+    assert "world sizes ['128', '2'] differ" in capsys.readouterr().err

@@ -15,6 +15,8 @@ _WHERE = {
     "Report": "report", "report_spans": "report", "report_traces": "report",
     "print_report": "table",
     "Trace": "trace", "TraceError": "trace", "read_trace": "trace", "read_traces": "trace",
+    "on_trace_ready": "hooks", "tensorboard_scalars": "hooks",
+    "Analysis": "diagnose", "analyze": "diagnose", "walk": "diagnose",
 }
 
 __all__ = list(_WHERE)

@@ -105,3 +105,67 @@ def plain_text(report: Report, detail: bool = True) -> str:
     if line := summary(report):
         parts.append(line)
     return "\n".join(parts)
+
+
+def _gbps(x: float | None) -> str:
+    return "?" if x is None else f"{x:.2f}" if x < 10 else f"{x:.1f}"
+
+
+def diagnosis_tables(analysis, top: int = 12) -> list[tuple[str, list[str], list[list[str]]]]:
+    """(title, header, rows) of the bandwidth, exposed-by-phase and per-rank wait tables."""
+    out = []
+    bw = sorted(analysis.bandwidth, key=lambda b: -(b.median_ms * b.count))[:top]
+    if bw:
+        out.append(("Collectives: bandwidth (nccl-tests algbw/busbw) against the link's peak, most time first",
+                    ["rank", "kind", "message", "ranks", "count", "median ms", "algbw GB/s", "busbw GB/s", "% of peak",
+                     "bound"],
+                    [[str(b.rank), b.kind, _size(b.nbytes), str(b.group_size or "?"), str(b.count), _ms(b.median_ms),
+                      _gbps(b.algbw_gbps), _gbps(b.busbw_gbps), _pct(b.pct_of_peak), b.bound or "?"] for b in bw]))
+    ex = [r for r in analysis.exposed_by_phase if r["exposed_ms"] > 0]
+    if ex:
+        out.append(("Top exposed collectives by phase", ["rank", "phase", "kind", "message", "count", "comm ms",
+                                                         "exposed ms"],
+                    [[str(r["rank"]), r["phase"], r["kind"], _size(r["nbytes"]), str(r["count"]), _ms(r["comm_ms"]),
+                      _ms(r["exposed_ms"])] for r in ex]))
+    if analysis.waits:
+        behind = {s["rank"]: s["behind_ms"] for s in analysis.stragglers}
+        out.append(("Across ranks: step time, time waiting inside collectives (per step), stragglers",
+                    ["rank", "step ms", "wait ms", "straggler: behind ms"],
+                    [[str(r.rank), _ms(r.step_ms), _ms(analysis.waits.get(r.rank, 0.0)),
+                      _ms(behind[r.rank]) if r.rank in behind else ""] for r in analysis.report.ranks]))
+    return out
+
+
+def diagnosis_text(diagnosis: list[dict]) -> str:
+    """The diagnosis walk as numbered plain-text lines."""
+    lines = ["Diagnosis (seed 004 §15 order)"]
+    for i, d in enumerate(diagnosis, 1):
+        lines.append(f"{i}. {d['check']}: {d['verdict']}")
+        if d["evidence"]:
+            lines.append(f"   evidence: {d['evidence']}")
+        if d["try"]:
+            lines.append(f"   try: {d['try']}")
+    return "\n".join(lines)
+
+
+def print_diagnosis(analysis, diagnosis: list[dict], console=None) -> None:
+    """Print the diagnosis tables (rich when installed) and the walk."""
+    try:
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:
+        for title, head, rows in diagnosis_tables(analysis):
+            widths = [max(len(x) for x in col) for col in zip(head, *rows)]
+            print(title)
+            print("\n".join("  ".join(x.rjust(w) for x, w in zip(row, widths)) for row in [head] + rows) + "\n")
+        print(diagnosis_text(diagnosis))
+        return
+    console = console or Console()
+    for title, head, rows in diagnosis_tables(analysis):
+        t = Table(title=title, title_justify="left")
+        for i, h in enumerate(head):
+            t.add_column(h, justify="left" if i < 3 else "right")
+        for row in rows:
+            t.add_row(*row)
+        console.print(t)
+    console.print(diagnosis_text(diagnosis), markup=False, highlight=False)
