@@ -82,3 +82,110 @@ def test_bench_gemm_needs_a_gpu(capsys, tmp_path):
         pytest.skip("a GPU is visible: tests/gpu/test_model_bench_gemm.py runs the measurement")
     code, out, err = run(["bench", "gemm", "--out", str(tmp_path / "hw.json")], capsys)
     assert code == 2 and "needs a CUDA GPU" in err and not (tmp_path / "hw.json").exists()
+
+
+def plan_json(argv, capsys):
+    code, out, err = run(["plan", "--json", *argv], capsys)
+    assert code == 0, err
+    return json.loads(out)
+
+
+def test_megatron_spellings_are_aliases(capsys):
+    ours = plan_json(["--model", "llama3-70b", "--tp", "8", "--pp", "2", "--dp", "2", "--global-batch", "8",
+                      "--overlap-dp", "bulk", "--zero", "1", "--grad-dtype", "fp32", "--dtype", "fp16"], capsys)
+    theirs = plan_json(["--model", "llama3-70b", "--tensor-model-parallel-size", "8", "--pipeline-model-parallel-size",
+                        "2", "--data-parallel-size", "2", "--global-batch-size", "8", "--overlap-grad-reduce",
+                        "--use-distributed-optimizer", "--accumulate-allreduce-grads-in-fp32", "--fp16"], capsys)
+    assert theirs["step_time_s"] == ours["step_time_s"]
+    assert theirs["parallel"]["grad_bytes"] == 4 and theirs["parallel"]["dtype"] == "fp16"
+    assert theirs["parallel"]["overlap"]["dp"] == "bulk" and theirs["parallel"]["zero"] == 1
+
+
+def test_every_new_flag_reaches_the_prediction(capsys):
+    base = ["--model", "llama3-8b", "--tp", "8", "--dp", "2", "--global-batch", "4"]
+    ref = plan_json(base, capsys)["step_time_s"]
+    for extra in (["--cp", "2"], ["--attention", "unfused"], ["--eager"], ["--recompute", "op"],
+                  ["--grad-dtype", "fp32"], ["--seq-len", "4096"], ["--bucket-mb", "1"]):
+        d = plan_json(base + extra, capsys)
+        assert d["step_time_s"] != ref, extra
+    pp = ["--model", "llama3-8b", "--tp", "8", "--pp", "4", "--dp", "2", "--global-batch", "16", "--no-sp"]
+    assert plan_json(pp + ["--pp-scatter-gather"], capsys)["by_kind"]["pp_send"]["comm_s"] < \
+        plan_json(pp, capsys)["by_kind"]["pp_send"]["comm_s"]
+    uneven = plan_json(pp + ["--decoder-first-pipeline-num-layers", "6", "--decoder-last-pipeline-num-layers", "10"], capsys)
+    assert uneven["stage_layers"] == [6, 8, 8, 10]
+    z3 = plan_json(["--model", "llama3-8b", "--dp", "8", "--zero", "3", "--overlap", "auto", "--recompute", "full",
+                    "--zero3-prefetch", "2", "--zero3-wrap", "4"], capsys)
+    assert z3["zero3"]["prefetch"] == 2 and z3["zero3"]["units"] == 8
+    moe = plan_json(["--model", "llama3-8b", "--dp", "8", "--ep", "8", "--experts", "8", "--top-k", "2",
+                     "--overlap-ep", "pipelined", "--moe-chunks", "8"], capsys)
+    assert moe["by_kind"]["ep_all_to_all"]["comm_s"] > 0
+    assert next(r for r in moe["layer_rows"] if r.get("comm") == "ep_all_to_all")["chunks"] == 8
+
+
+def test_plan_prints_throughput_memory_and_pipeline(capsys):
+    code, out, _ = run(["plan", "--model", "llama3-70b", "--tp", "8", "--pp", "4", "--vpp", "2", "--dp", "2",
+                        "--global-batch", "32", "--overlap-pp", "bulk", "--flops", "palm"], capsys)
+    assert code == 0
+    assert "TFLOP/s per GPU, MFU" in out and "palm FLOPs" in out and "memory ~" in out
+    assert "pipeline interleaved-1f1b (overlap_p2p on): bubble" in out
+    code, out, _ = run(["plan", "--model", "llama3-405b", "--hardware", "h100-sxm"], capsys)
+    assert code == 0 and "WARNING: memory" in out and "does not fit the 75 GiB" in out
+
+
+def test_huggingface_config_as_model(tmp_path, capsys):
+    cfg = {"model_type": "llama", "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
+           "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256, "hidden_act": "silu"}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    d = plan_json(["--model", str(tmp_path / "config.json"), "--seq-len", "2048", "--tp", "2"], capsys)
+    assert d["model"] == tmp_path.name and d["layers_per_stage"] == 16
+
+
+def _hardware_file(tmp_path, change):
+    from overlapkit.costmodel import preset
+
+    d = preset("h200-sxm").to_dict()
+    change(d)
+    path = tmp_path / "hw.json"
+    path.write_text(json.dumps(d))
+    return str(path)
+
+
+@pytest.mark.parametrize("change,field", [
+    (lambda d: d["intra"].update(alpha_us=float("inf")), "alpha_us=inf: must be a finite number"),
+    (lambda d: d.pop("sm_count"), "missing key(s) sm_count"),
+    (lambda d: d.update(gemm=[1, 2]), "hardware.gemm=[1, 2]: must be a JSON object"),
+    (lambda d: d["intra"].update(bandwidth_gbps=float("nan")), "bandwidth_gbps=nan"),
+])
+def test_bad_hardware_files_are_one_line(tmp_path, capsys, change, field):
+    code, out, err = run(["plan", "--model", "llama3-8b", "--tp", "8", "--hardware", _hardware_file(tmp_path, change)],
+                         capsys)
+    assert code == 2 and out == "" and err.count("\n") == 1 and field in err
+
+
+@pytest.mark.parametrize("content,field", [
+    ("[1, 2]", "must be a JSON object, not list"),
+    ('{"hidden": 4096, "ffn_hidden": 14336, "num_layers": 32, "num_heads": 32, "seq_len": 4096, '
+     '"vocab_size": 128256, "gated_mlp": "no"}', "gated_mlp='no': must be true or false"),
+    ('{"hidden": 1e12, "ffn_hidden": 14336, "num_layers": 32, "num_heads": 32, "seq_len": 4096, "vocab_size": 1}',
+     "hidden=1000000000000.0: must be an integer"),
+    ('{"hidden": 4096}', "missing key(s) ffn_hidden"),
+])
+def test_bad_model_files_are_one_line(tmp_path, capsys, content, field):
+    (tmp_path / "m.json").write_text(content)
+    code, out, err = run(["plan", "--model", str(tmp_path / "m.json")], capsys)
+    assert code == 2 and err.count("\n") == 1 and field in err
+
+
+@pytest.mark.parametrize("argv,field", [
+    (["--tp", "abc"], "argument --tp/--tensor-model-parallel-size: invalid int value"),
+    (["--bucket-mb", "1e14", "--dp", "2"], "bucket_mib=100000000000000.0: must be <="),
+    (["--tp", str(10**12)], "tp=1000000000000: must be <="),
+    (["--attention", "sdpa"], "argument --attention: invalid choice"),
+    (["--first-stage-layers", "3"], "first_stage_layers=3 needs pp > 1"),
+])
+def test_bad_flags_are_one_line(argv, field, capsys):
+    with pytest.raises(SystemExit) as e:
+        code, _, err = run(["plan", "--model", "llama3-8b", *argv], capsys)
+        raise SystemExit(code)
+    err = capsys.readouterr().err or err
+    assert e.value.code == 2 and err.count("\n") == 1 and field in err

@@ -23,7 +23,7 @@ from pathlib import Path
 from . import _validate as v
 from .gemm import AttentionCurve, GemmCurve, MemoryCurve
 
-HOST_US_PER_OP = 30.0
+HOST_US_PER_OP = 16.0
 """Calibrated once on our H200 runs (benchmarks/model_vs_measured.py, 'host' section): the DP
 benchmark's GPT step without communication, whose kernels are too short to hide their dispatch."""
 
