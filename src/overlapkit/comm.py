@@ -166,6 +166,51 @@ def all_to_all_single(out: torch.Tensor, inp: torch.Tensor, group, *, out_splits
     return _finish(h, async_op)
 
 
+
+def send_recv(sends: Sequence[tuple[torch.Tensor, int, int]], recvs: Sequence[tuple[torch.Tensor, int, int]],
+              group, *, send_kind: str = "pp_send", recv_kind: str = "pp_recv",
+              name: str = "") -> tuple[Handle, list[Handle]]:
+    """Point-to-point as one batch on the wire: (one handle for the sends, one handle per receive).
+
+    Each entry is (tensor, group_peer, tag). One `batch_isend_irecv` (one NCCL group) holds all
+    of them, so two neighbours that both send and receive never wait on each other's order;
+    gloo matches by tag, NCCL (which ignores tags) by issue order. Each receive is its own span
+    and handle, so waiting for one does not wait for the others; under NCCL's coalescing the
+    batch is one work, and every handle then waits for all of it.
+    """
+    ops = [dist.P2POp(dist.isend, t, dist.get_global_rank(group, p), group, tag) for t, p, tag in sends]
+    ops += [dist.P2POp(dist.irecv, t, dist.get_global_rank(group, p), group, tag) for t, p, tag in recvs]
+    if not ops:
+        return Handle([]), []
+    rec = _rec.active()
+    parts = [(send_kind, list(sends))] if sends else []
+    parts += [(recv_kind, [r]) for r in recvs]
+    pend = [rec.comm_issued(k, name, sum(t.numel() * t.element_size() for t, _, _ in items), 2)
+            if rec is not None else None for k, items in parts]
+    with _rec.comm_range(send_kind if sends else recv_kind, name):
+        works = [w for w in dist.batch_isend_irecv(ops) if w is not None]
+    if len(works) == len(ops):
+        split = ([works[:len(sends)]] if sends else []) + [[w] for w in works[len(sends):]]
+    else:
+        split = [works] * len(parts)
+    handles = []
+    for p, ws in zip(pend, split):
+        if p is not None and rec.cuda:
+            side = _stamp_stream(rec.device)
+            side.wait_stream(torch.cuda.current_stream(rec.device))
+            with torch.cuda.stream(side):
+                for w in ws:
+                    w.wait()
+                rec.comm_done(p, rec._now())
+        elif p is not None:
+            for w in ws:
+                rec.comm_watch(p, w)
+        handles.append(Handle(ws, p, rec if p is not None else None))
+    if not sends:
+        handles.insert(0, Handle([]))
+    return handles[0], handles[1:]
+
+
 # -- CUDA_DEVICE_MAX_CONNECTIONS ----------------------------------------------------------
 
 MAX_CONNECTIONS_ADVICE = (

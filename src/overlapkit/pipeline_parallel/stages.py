@@ -1,0 +1,159 @@
+"""Cut a model into pipeline chunks: pp stages, or pp × v virtual stages for the interleaved
+schedule (rank r holds chunks r, r + pp, r + 2·pp, ...). Nothing here communicates; the cut
+decides how much compute each stage has to hide its neighbours' transfers behind.
+
+Chunks keep the parameter names of the model they came from (blocks live in a ModuleDict keyed
+by their index there), so a chunk's gradients compare with the unsplit model's by name and
+`models.expected_local` works on a chunk of a tensor-parallel GPT unchanged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from ..models.gpt import GPT
+
+
+@dataclass(frozen=True)
+class StageLayout:
+    """Which layers each chunk holds: the cut, stated."""
+
+    pp: int
+    """Pipeline ranks."""
+    virtual_stages: int
+    """Chunks per rank (v); pp * v chunks in all."""
+    counts: tuple[int, ...]
+    """Layers (blocks) in each global chunk, in chunk order."""
+    first_extra: str = ""
+    """What chunk 0 holds besides its blocks (the GPT's embeddings)."""
+    last_extra: str = ""
+    """What the last chunk holds besides its blocks (the GPT's final norm and head)."""
+
+    @property
+    def n_chunks(self) -> int:
+        return self.pp * self.virtual_stages
+
+    def layers_of(self, chunk: int) -> range:
+        """Indices (in the unsplit model) of the blocks of a global chunk."""
+        start = sum(self.counts[:chunk])
+        return range(start, start + self.counts[chunk])
+
+    def describe(self) -> str:
+        """One line per chunk: rank, block indices, embedding/head."""
+        lines = []
+        for c in range(self.n_chunks):
+            r = self.layers_of(c)
+            parts = [self.first_extra] if c == 0 and self.first_extra else []
+            parts.append(f"blocks {r.start}-{r.stop - 1}" if len(r) else "no blocks")
+            if c == self.n_chunks - 1 and self.last_extra:
+                parts.append(self.last_extra)
+            lines.append(f"chunk {c} (rank {c % self.pp}): {len(r)} layers: {' + '.join(parts)}")
+        return "\n".join(lines)
+
+
+def split_layers(n_layers: int, pp: int, virtual_stages: int = 1, counts: Sequence[int] | None = None,
+                 *, ends_may_be_empty: bool = False) -> tuple[int, ...]:
+    """Layers per chunk: `counts` checked, or an even cut whose remainder goes to the middle chunks.
+
+    The first and last chunks get the fewest layers of an uneven cut because they also carry
+    the embedding and the head. `ends_may_be_empty`: the first and last chunk may hold no layer
+    (they still compute the embedding / head); a middle chunk never may.
+    """
+    n_chunks = pp * virtual_stages
+    if counts is not None:
+        counts = tuple(counts)
+        if len(counts) != n_chunks or any(not isinstance(c, int) or c < 0 for c in counts) \
+                or sum(counts) != n_layers:
+            raise ValueError(f"layer_counts={list(counts)} must be {n_chunks} integers >= 0 (pp={pp} x "
+                             f"virtual_stages={virtual_stages}) summing to the model's {n_layers} layers")
+    else:
+        if n_layers < n_chunks:
+            raise ValueError(f"cannot split {n_layers} layers into pp={pp} x virtual_stages={virtual_stages} = "
+                             f"{n_chunks} chunks of at least one layer; pass layer_counts or use fewer chunks")
+        base, extra = divmod(n_layers, n_chunks)
+        # The remainder goes to the chunks nearest the middle, so the ends (embedding/head) stay light.
+        order = sorted(range(n_chunks), key=lambda c: (abs(2 * c - (n_chunks - 1)), c))
+        counts = tuple(base + (c in order[:extra]) for c in range(n_chunks))
+    for c, k in enumerate(counts):
+        end = c in (0, n_chunks - 1)
+        if k == 0 and not (end and ends_may_be_empty):
+            raise ValueError(f"layer_counts={list(counts)}: chunk {c} would hold no layer "
+                             f"({'only the first and last chunk of a GPT may' if ends_may_be_empty else 'every chunk needs one'})")
+    return counts
+
+
+class GPTChunk(nn.Module):
+    """Some consecutive blocks of a GPT; chunk 0 adds the embeddings, the last chunk the final norm and head.
+
+    forward: token ids [b, s] (chunk 0) or activations [s, b, h] -> activations [s, b, h], or
+    logits [s, b, vocab] on the last chunk.
+    """
+
+    def __init__(self, model: GPT, layers: range, first: bool, last: bool) -> None:
+        super().__init__()
+        self.cfg, self.first, self.last = model.cfg, first, last
+        if first:
+            self.tok_emb, self.pos_emb, self.enter_blocks = model.tok_emb, model.pos_emb, model.enter_blocks
+        self.blocks = nn.ModuleDict({str(i): model.blocks[i] for i in layers})
+        if last:
+            self.ln_f, self.head = model.ln_f, model.head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.first:
+            b, s = x.shape
+            if s > self.cfg.seq_len:
+                raise ValueError(f"sequence length {s} exceeds GPTConfig.seq_len={self.cfg.seq_len}")
+            pos = torch.arange(s, device=x.device)
+            x = self.enter_blocks((self.tok_emb(x) + self.pos_emb(pos)).transpose(0, 1))
+        for block in self.blocks.values():
+            x = block(x)
+        return self.head(self.ln_f(x)) if self.last else x
+
+
+class SequentialChunk(nn.Module):
+    """Some consecutive layers of an nn.Sequential-like list, applied in order (one tensor in, one out).
+
+    Children are named by their index in the list ("3.weight"), as in the nn.Sequential.
+    """
+
+    def __init__(self, layers: dict[int, nn.Module]) -> None:
+        super().__init__()
+        for i, m in layers.items():
+            self.add_module(str(i), m)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.children():
+            x = layer(x)
+        return x
+
+
+def gpt_chunks(model: GPT, pp: int, rank: int, virtual_stages: int = 1,
+               layer_counts: Sequence[int] | None = None) -> tuple[list[GPTChunk], StageLayout]:
+    """The chunks of a GPT (plain or parallelized) that pipeline rank `rank` holds, in local order."""
+    _check_rank(pp, rank)
+    counts = split_layers(len(model.blocks), pp, virtual_stages, layer_counts, ends_may_be_empty=True)
+    layout = StageLayout(pp=pp, virtual_stages=virtual_stages, counts=counts,
+                         first_extra="embeddings", last_extra="final norm + head")
+    n = layout.n_chunks
+    chunks = [GPTChunk(model, layout.layers_of(c), first=c == 0, last=c == n - 1) for c in range(rank, n, pp)]
+    return chunks, layout
+
+
+def sequential_chunks(layers: Sequence[nn.Module], pp: int, rank: int, virtual_stages: int = 1,
+                      layer_counts: Sequence[int] | None = None) -> tuple[list[SequentialChunk], StageLayout]:
+    """The chunks of an nn.Sequential (or list of layers) that pipeline rank `rank` holds, in local order."""
+    _check_rank(pp, rank)
+    layers = list(layers)
+    layout = StageLayout(pp=pp, virtual_stages=virtual_stages,
+                         counts=split_layers(len(layers), pp, virtual_stages, layer_counts))
+    chunks = [SequentialChunk({i: layers[i] for i in layout.layers_of(c)}) for c in range(rank, layout.n_chunks, pp)]
+    return chunks, layout
+
+
+def _check_rank(pp: int, rank: int) -> None:
+    if not isinstance(pp, int) or pp < 1 or not 0 <= rank < pp:
+        raise ValueError(f"pipeline rank={rank!r} must be in [0, pp={pp!r})")

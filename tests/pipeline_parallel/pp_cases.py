@@ -1,0 +1,94 @@
+"""Shared bodies of the pipeline tests: one case builds the GPT, cuts it, runs the engine and
+returns the worst relative error of the loss and of every gradient against one process."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+
+from overlapkit.data_parallel import DataParallel
+from overlapkit.groups import ParallelGroups
+from overlapkit.models import GPT, GPTConfig, expected_local, lm_loss, parallelize
+from overlapkit.pipeline_parallel import PipelineConfig, PipelineEngine, gpt_chunks
+from overlapkit.tensor_parallel.layers import allreduce_sequence_parallel_grads
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = _local(a).detach().float(), _local(b).detach().float()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def _local(t):
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def tiny_gpt(tp: int, layers: int, seed: int = 0) -> GPT:
+    cfg = GPTConfig(vocab_size=8 * tp, seq_len=4 * tp, hidden=8 * tp, num_heads=2 * tp, ffn_hidden=8 * tp,
+                    num_layers=layers)
+    torch.manual_seed(seed)
+    return GPT(cfg)
+
+
+def data(cfg: GPTConfig, dp: int, m: int, mb: int = 1, seed: int = 1):
+    """Per data-parallel replica: (m micro-batches of token ids, m of targets)."""
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.randint(0, cfg.vocab_size, (dp, m * mb, cfg.seq_len), generator=g)
+    tgt = torch.randint(0, cfg.vocab_size, (dp, m * mb, cfg.seq_len), generator=g)
+    return idx, tgt
+
+
+def reference_grads(ref: GPT, idx, tgt, m: int) -> torch.Tensor:
+    """Mean over every replica's micro-batches of the loss, backward on one process; returns the loss."""
+    dp = idx.shape[0]
+    total = torch.zeros(())
+    for d in range(dp):
+        for x, y in zip(idx[d].chunk(m), tgt[d].chunk(m)):
+            loss = lm_loss(ref(x), y) / (m * dp)
+            loss.backward()
+            total += loss.detach()
+    return total
+
+
+def loss_fn(logits, target):
+    return lm_loss(logits, target)
+
+
+def pipeline_case(groups: ParallelGroups, schedule: str, v: int, m: int, overlap: bool, layers: int,
+                  steps: int = 1, sequence_parallel: bool = True) -> float:
+    """Worst relative error (loss and every gradient, every step) of a pp x dp x tp pipeline vs one process."""
+    tp, dp, pp = groups.sizes.tp, groups.sizes.dp, groups.sizes.pp
+    ref = tiny_gpt(tp, layers)
+    model = copy.deepcopy(ref)
+    if tp > 1:
+        model = parallelize(model, groups, sequence_parallel=sequence_parallel, overlap="none")
+    chunks, layout = gpt_chunks(model, pp, groups.pp_rank, v)
+    if dp > 1:
+        chunks = [DataParallel(c, groups.dp, sequence_parallel_group=groups.tp if tp > 1 else None)
+                  for c in chunks]
+    engine = PipelineEngine(chunks, groups.pp, PipelineConfig(schedule=schedule, microbatches=m, virtual_stages=v,
+                                                              overlap_p2p=overlap, broadcast_loss=True), loss_fn)
+    worst = 0.0
+    for step in range(steps):
+        idx, tgt = data(ref.cfg, dp, m, seed=step + 1)
+        for p in ref.parameters():
+            p.grad = None
+        for c in chunks:
+            c.zero_grad() if isinstance(c, DataParallel) else c.zero_grad(set_to_none=True)
+        ref_loss = reference_grads(ref, idx, tgt, m)
+        d = groups.dp_rank
+        loss = engine.step(idx[d], tgt[d])
+        if tp > 1 and dp == 1:
+            for c in chunks:
+                allreduce_sequence_parallel_grads(c, groups.tp)
+        if dp > 1:
+            loss = loss.clone()
+            dist.all_reduce(loss, group=groups.dp)
+            loss /= dp
+        worst = max(worst, rel(loss, ref_loss))
+        for c in chunks:
+            for name, local, full in expected_local(c, ref, "grad"):
+                assert local is not None, f"{name} got no gradient"
+                worst = max(worst, rel(local, full))
+    return worst
