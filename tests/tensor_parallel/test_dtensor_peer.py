@@ -64,12 +64,16 @@ def _compare(sp: bool, overlap: str):
     diffs = {
         "out": (y - yp).abs().max().item(),
         "dx": (x.grad - xp.grad).abs().max().item(),
-        "fc1.w": (ours.fc1.weight.grad - local(peer.fc1.weight.grad)).abs().max().item(),
-        "fc1.b": (ours.fc1.bias.grad - local(peer.fc1.bias.grad)).abs().max().item(),
-        "fc2.w": (ours.fc2.weight.grad - local(peer.fc2.weight.grad)).abs().max().item(),
+        "fc1.w": (local(ours.fc1.weight.grad) - local(peer.fc1.weight.grad)).abs().max().item(),
+        "fc1.b": (local(ours.fc1.bias.grad) - local(peer.fc1.bias.grad)).abs().max().item(),
+        "fc2.w": (local(ours.fc2.weight.grad) - local(peer.fc2.weight.grad)).abs().max().item(),
+        # With SP too: both give the row bias its full gradient (DTensor's Partial -> Replicate; ours
+        # from the gathered output gradient).
+        "fc2.b": (local(ours.fc2.bias.grad) - local(peer.fc2.bias.grad)).abs().max().item(),
     }
-    if not sp:  # with SP both hold a per-token-shard partial of the row bias grad
-        diffs["fc2.b"] = (ours.fc2.bias.grad - local(peer.fc2.bias.grad)).abs().max().item()
+    for name in ("fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"):  # the same DTensor placements as torch's
+        mine, theirs = ours.get_parameter(name), peer.get_parameter(name)
+        diffs[name + " placements"] = float(tuple(mine.placements) != tuple(theirs.placements))
     return diffs
 
 

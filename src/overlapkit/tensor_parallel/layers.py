@@ -13,8 +13,13 @@ overlap="auto": the cost model (overlapkit.costmodel.choose_tp_overlap) picks no
 pipelined with a chunk count for this layer's GEMM at the first input of each shape, from the
 GEMM-efficiency curve of `hardware` (a preset, or a file written by `overlapkit bench gemm`).
 
-Layout: weights are nn.Linear's [out, in]; the sequence-parallel dimension is dim 0 of the
-activation ([tokens, hidden] or [seq, batch, hidden]).
+Layout: weights are nn.Linear's [out, in], held as DTensors on the TP mesh dim (column:
+Shard(0) weight and bias; row: Shard(1) weight, Replicate bias; see params.py); the autograd
+functions below compute on their local shards. The sequence-parallel dimension is
+`sequence_dim` of the activation: 0 for Megatron's [seq, batch, hidden] (the default), 1 for
+HF/torchtitan's [batch, seq, hidden]; the functions see it moved to dim 0.
+Every layer checks its configuration against the other ranks when built, and each new input
+shape the first time it sees it (overlapkit.agreement), before any collective.
 """
 
 from __future__ import annotations
@@ -22,13 +27,16 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from .. import comm
+from ..agreement import Agreement, agree
 from ..timeline.recorder import compute_span
 from .mappings import _gather_dim0, _reduce_scatter_dim0, check_divisible, gather_from_tp, scatter_to_tp
+from .params import LocalShardParams, make_param, tp_mesh_and_group
 from .pipelined import check_layer_options, column_parallel_linear_pipelined, row_parallel_linear_pipelined
+from .precision import autocast_dtype, autocast_off, cast
+from .sequence_parallel import allreduce_sequence_parallel_grads, mark_sequence_parallel  # noqa: F401 (re-export)
 
 OVERLAP_MODES = ("none", "bulk", "pipelined", "auto")
 """Accepted values of the layers' `overlap`."""
@@ -40,9 +48,8 @@ def check_overlap(overlap: str, allowed=OVERLAP_MODES) -> str:
     return overlap
 
 
-def _check_input(layer: nn.Module, x: torch.Tensor, in_features: int, sp_split: bool) -> None:
+def _check_input(layer: nn.Module, x: torch.Tensor, w: torch.Tensor, in_features: int, sp_split: bool) -> None:
     """Shape, dtype and device checks, done before any collective so every rank fails alike."""
-    w = layer.weight
     name = layer.name or type(layer).__name__
     if x.dim() < 2:
         raise ValueError(f"{name}: input must have at least 2 dims [tokens, hidden], got shape {tuple(x.shape)}")
@@ -53,7 +60,7 @@ def _check_input(layer: nn.Module, x: torch.Tensor, in_features: int, sp_split: 
     if x.device != w.device:
         raise ValueError(f"{name}: input is on {x.device}, the weight on {w.device}")
     if sp_split:
-        check_divisible(x.shape[0], layer.tp_size, f"{name}: sequence length (dim 0)")
+        check_divisible(x.shape[0], layer.tp_size, f"{name}: sequence length (dim {layer.sequence_dim})")
 
 
 def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, name: str) -> torch.Tensor:
@@ -128,27 +135,56 @@ class _RowLinear(torch.autograd.Function):
     def backward(ctx, dy):
         x, weight = ctx.saved_tensors
         dy = dy.contiguous()
-        # With SP the bias grad is this rank's tokens only; the TP sum happens in
-        # allreduce_sequence_parallel_grads (the bias is marked sequence_parallel).
-        db = dy.reshape(-1, dy.shape[-1]).sum(0) if ctx.has_bias else None
         dy_full = _gather_dim0(dy, ctx.group, ctx.name + ".bwd") if ctx.sp else dy
+        # From the gathered gradient, the bias gradient covers every token: complete on every
+        # rank (and the same on each), with no sum over TP left for anyone to forget.
+        db = dy_full.reshape(-1, dy_full.shape[-1]).sum(0) if ctx.has_bias else None
         with compute_span(ctx.name + ".bwd.dgrad"):
             dx = dy_full @ weight
         dw, _ = _wgrad(dy_full, x, False, ctx.name + ".bwd.wgrad")
         return dx, dw, db, None, None, None
 
 
-class _ParallelLinear(nn.Module):
-    """What the column and row layers share: sizes, group, overlap mode, parameter creation."""
+def _check_positive_int(label: str, field: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{label}: {field}={value!r} must be a positive integer")
 
-    def __init__(self, in_features: int, out_features: int, group: dist.ProcessGroup, *, bias: bool,
-                 sequence_parallel: bool, overlap: str, name: str, device, dtype,
+
+def _check_bool(label: str, field: str, value) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{label}: {field}={value!r} must be True or False")
+
+
+class _ParallelLinear(LocalShardParams, nn.Module):
+    """What the column and row layers share: sizes, mesh and group, overlap mode, parameters, checks."""
+
+    _split_dim: int
+    """Dim of the [out, in] weight split over TP (0: column, 1: row)."""
+
+    def __init__(self, in_features: int, out_features: int, mesh_or_group, *, bias: bool,
+                 sequence_parallel: bool, sequence_dim: int, overlap: str, name: str, device, dtype,
                  transport: str = "p2p", chunks: int | None = None, save_gathered_input: bool = False,
-                 hardware: str = "h200-sxm") -> None:
+                 hardware: str = "h200-sxm", **flags: bool) -> None:
         super().__init__()
+        self.mesh, self.group = tp_mesh_and_group(mesh_or_group)
+        self.tp_size, self.tp_rank = comm.group_size(self.group), comm.group_rank(self.group)
+        label = name or type(self).__name__
+        # Ranks built with different arguments would pair unrelated collectives later: compare
+        # them now, before validating, so a bad value on one rank fails on every rank.
+        agree(self.group, f"{type(self).__name__}({name})", in_features=in_features, out_features=out_features,
+              bias=bias, sequence_parallel=sequence_parallel, sequence_dim=sequence_dim, overlap=overlap,
+              transport=transport, chunks=chunks, save_gathered_input=save_gathered_input, hardware=hardware,
+              dtype=dtype, device_type=torch.device(device).type if device is not None else None, **flags)
+        _check_positive_int(label, "in_features", in_features)
+        _check_positive_int(label, "out_features", out_features)
+        for field, value in dict(bias=bias, sequence_parallel=sequence_parallel,
+                                 save_gathered_input=save_gathered_input, **flags).items():
+            _check_bool(label, field, value)
+        if isinstance(sequence_dim, bool) or not isinstance(sequence_dim, int):
+            raise ValueError(f"{label}: sequence_dim={sequence_dim!r} must be an integer (the activation's "
+                             "sequence dim: 0 for [seq, batch, hidden], 1 for [batch, seq, hidden])")
         self.in_features, self.out_features = in_features, out_features
-        self.group, self.tp_size, self.tp_rank = group, comm.group_size(group), comm.group_rank(group)
-        self.sequence_parallel = sequence_parallel
+        self.sequence_parallel, self.sequence_dim = sequence_parallel, sequence_dim
         self.overlap = check_overlap(overlap)
         check_layer_options(overlap, sequence_parallel, transport, chunks, self.tp_size, save_gathered_input)
         self.transport, self.chunks, self.save_gathered_input = transport, chunks, save_gathered_input
@@ -156,14 +192,85 @@ class _ParallelLinear(nn.Module):
         self.auto_choices: dict[tuple, tuple[str, int | None]] = {}
         """overlap='auto': input shape -> (mode, chunks) the cost model chose for it."""
         self.name = name
+        self._agreement = Agreement(f"{type(self).__name__}({name})")
+        self._seen_inputs: set = set()
+        self._init_state_dict_hooks()
 
-    def _make_params(self, w_shape, b_shape, fan_in, bias, device, dtype) -> None:
-        bound = 1.0 / math.sqrt(fan_in)  # nn.Linear's default init, on the full fan-in
-        self.weight = nn.Parameter(torch.empty(w_shape, device=device, dtype=dtype).uniform_(-bound, bound))
+    def _make_params(self, bias: bool, device, dtype) -> None:
+        """DTensor weight and bias on the TP mesh; initialized like nn.Linear unless on meta."""
+        full_w = (self.out_features, self.in_features)
+        local_w = list(full_w)
+        local_w[self._split_dim] //= self.tp_size
+        w_place, b_place = self._param_placements()
+        self._placements["weight"] = w_place
+        self.weight = make_param(torch.empty(local_w, device=device, dtype=dtype), self.mesh, w_place, full_w)
         if bias:
-            self.bias = nn.Parameter(torch.empty(b_shape, device=device, dtype=dtype).uniform_(-bound, bound))
+            b_local = self.out_features // (self.tp_size if self._split_dim == 0 else 1)
+            self._placements["bias"] = b_place
+            self.bias = make_param(torch.empty(b_local, device=device, dtype=dtype), self.mesh, b_place,
+                                   (self.out_features,))
         else:
             self.register_parameter("bias", None)
+        if self.local_data("weight").device.type != "meta":
+            self.reset_parameters()
+
+    def _param_placements(self):
+        from torch.distributed.tensor import Replicate, Shard
+        return [Shard(self._split_dim)], [Shard(0) if self._split_dim == 0 else Replicate()]
+
+    def _global_shape(self, name: str):
+        return (self.out_features, self.in_features) if name == "weight" else (self.out_features,)
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """nn.Linear's init drawn for the FULL weight and bias, this rank keeping its shard.
+
+        So a layer seeded like an unsharded nn.Linear holds exactly that layer's shard (every
+        rank draws the same full tensors: seed them alike); after `to_empty` from meta, too.
+        """
+        w = self.local_data("weight")
+        if w.device.type == "meta":
+            raise RuntimeError(f"{self.name or type(self).__name__}: parameters are on meta; materialize them "
+                               "with to_empty(device=...) before reset_parameters()")
+        full = torch.empty(self.out_features, self.in_features, device=w.device, dtype=w.dtype)
+        nn.init.kaiming_uniform_(full, a=math.sqrt(5))
+        w.copy_(self.shard_of(full))
+        if self.bias is not None:
+            bound = 1.0 / math.sqrt(self.in_features)
+            full_b = torch.empty(self.out_features, device=w.device, dtype=w.dtype).uniform_(-bound, bound)
+            self.local_data("bias").copy_(self.shard_of(full_b))
+
+    def _enter(self, x: torch.Tensor, expected_in: int, sp_split: bool):
+        """(x moved to [seq, ...], local weight, local bias, autocast dtype, moved?) after every check.
+
+        The first time an input shape/configuration is seen, it is compared across the ranks
+        (a store round trip); afterwards a set lookup.
+        """
+        cdt = autocast_dtype(x)
+        key = (x.shape, x.dtype, cdt, torch.is_grad_enabled(), x.requires_grad, self.overlap, self.chunks,
+               self.sequence_parallel, self.sequence_dim, self.transport)
+        if key not in self._seen_inputs:
+            self._agreement.check(self.group, shape=tuple(x.shape), dtype=x.dtype, autocast=cdt,
+                                  grad_enabled=torch.is_grad_enabled(), requires_grad=x.requires_grad,
+                                  overlap=self.overlap, chunks=self.chunks, sequence_parallel=self.sequence_parallel,
+                                  sequence_dim=self.sequence_dim, transport=self.transport,
+                                  in_features=self.in_features, out_features=self.out_features)
+        w, b = cast(self.local(self.weight), cdt), cast(self.local(self.bias), cdt)
+        x = cast(x, cdt)
+        moved = False
+        if self.sequence_parallel:
+            sd = self.sequence_dim + x.dim() if self.sequence_dim < 0 else self.sequence_dim
+            if not 0 <= sd <= x.dim() - 2:
+                raise ValueError(f"{self.name or type(self).__name__}: sequence_dim={self.sequence_dim} is not a "
+                                 f"dim of the {x.dim()}-D input {tuple(x.shape)} other than the last (hidden)")
+            if sd != 0:
+                x, moved = x.movedim(sd, 0), True
+        _check_input(self, x, w, expected_in, sp_split)
+        self._seen_inputs.add(key)
+        return x, w, b, cdt, moved
+
+    def _leave(self, y: torch.Tensor, moved: bool) -> torch.Tensor:
+        return y.movedim(0, self.sequence_dim).contiguous() if moved else y
 
     def _maybe_warn(self, x: torch.Tensor, mode: str) -> None:
         if mode == "bulk":
@@ -189,82 +296,93 @@ class _ParallelLinear(nn.Module):
         return self.auto_choices[key]
 
     @classmethod
-    def from_full(cls, linear: nn.Linear, group: dist.ProcessGroup, **kwargs):
-        """This rank's shard of an unsharded nn.Linear (same dtype and device); kwargs go to the layer."""
-        layer = cls(linear.in_features, linear.out_features, group, bias=linear.bias is not None,
-                    device=linear.weight.device, dtype=linear.weight.dtype, **kwargs)
+    def from_full(cls, linear: nn.Linear, mesh_or_group, **kwargs):
+        """This rank's shard of an unsharded nn.Linear (same dtype and device); kwargs go to the layer.
+
+        Built on meta and filled from `linear`, so no random init is drawn (nor RNG consumed).
+        """
+        layer = cls(linear.in_features, linear.out_features, mesh_or_group, bias=linear.bias is not None,
+                    device="meta", dtype=linear.weight.dtype, **kwargs)
+        layer.to_empty(device=linear.weight.device)
         with torch.no_grad():
-            layer.weight.copy_(layer.shard_of(linear.weight))
+            layer.local_data("weight").copy_(layer.shard_of(linear.weight))
             if linear.bias is not None:
-                layer.bias.copy_(layer.shard_of(linear.bias))
+                layer.local_data("bias").copy_(layer.shard_of(linear.bias))
         return layer
 
     def extra_repr(self) -> str:
         return (f"in={self.in_features}, out={self.out_features}, tp={self.tp_size}, "
-                f"sp={self.sequence_parallel}, overlap={self.overlap!r}")
+                f"sp={self.sequence_parallel}, sequence_dim={self.sequence_dim}, overlap={self.overlap!r}")
 
 
 class ColumnParallelLinear(_ParallelLinear):
     """y = x W^T + b with W split by output rows over the TP group; output is this rank's columns.
 
-    With sequence_parallel the input is this rank's slice of dim 0 and is all-gathered first;
-    without it the input is replicated and its gradient is all-reduced in backward.
-    gather_output concatenates the output columns of every rank (last dim).
+    `mesh_or_group`: a 1-D DeviceMesh, a mesh with a "tp" dim, a ParallelGroups or a
+    ProcessGroup. With sequence_parallel the input is this rank's slice of `sequence_dim` and
+    is all-gathered first; without it the input is replicated and its gradient is all-reduced
+    in backward. gather_output concatenates the output columns of every rank (last dim).
+    The weight and bias are DTensors sharded on dim 0 (Shard(0)).
     """
 
-    def __init__(self, in_features: int, out_features: int, group: dist.ProcessGroup, *, bias: bool = True,
-                 gather_output: bool = False, sequence_parallel: bool = False, overlap: str = "none",
-                 transport: str = "p2p", chunks: int | None = None, save_gathered_input: bool = False,
-                 hardware: str = "h200-sxm", name: str = "", device=None, dtype=None) -> None:
-        super().__init__(in_features, out_features, group, bias=bias, sequence_parallel=sequence_parallel,
-                         overlap=overlap, name=name, device=device, dtype=dtype, transport=transport,
-                         chunks=chunks, save_gathered_input=save_gathered_input, hardware=hardware)
+    _split_dim = 0
+
+    def __init__(self, in_features: int, out_features: int, mesh_or_group=None, *, bias: bool = True,
+                 gather_output: bool = False, sequence_parallel: bool = False, sequence_dim: int = 0,
+                 overlap: str = "none", transport: str = "p2p", chunks: int | None = None,
+                 save_gathered_input: bool = False, hardware: str = "h200-sxm", name: str = "",
+                 device=None, dtype=None) -> None:
+        super().__init__(in_features, out_features, mesh_or_group, bias=bias, sequence_parallel=sequence_parallel,
+                         sequence_dim=sequence_dim, overlap=overlap, name=name, device=device, dtype=dtype,
+                         transport=transport, chunks=chunks, save_gathered_input=save_gathered_input,
+                         hardware=hardware, gather_output=gather_output)
         check_divisible(out_features, self.tp_size, "ColumnParallelLinear: out_features")
         self.gather_output = gather_output
         self.out_per_rank = out_features // self.tp_size
-        self._make_params((self.out_per_rank, in_features), (self.out_per_rank,), in_features, bias, device, dtype)
+        self._make_params(bias, device, dtype)
 
     def shard_of(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's slice of a full weight [out, in] or bias [out] (rows)."""
         return full.chunk(self.tp_size, dim=0)[self.tp_rank]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        _check_input(self, x, self.in_features, sp_split=False)
+        x, w, b, cdt, moved = self._enter(x, self.in_features, sp_split=False)
         tokens = x.numel() // x.shape[-1] * (self.tp_size if self.sequence_parallel else 1)
         mode, chunks = self._mode(x, tokens, self.in_features, self.out_per_rank, "all_gather", x.shape[0])
         self._maybe_warn(x, mode)
-        if mode == "pipelined":
-            y = column_parallel_linear_pipelined(x, self.weight, self.bias, self.group, chunks=chunks,
-                                                 transport=self.transport, name=self.name or "column",
-                                                 save_gathered_input=self.save_gathered_input)
-        else:
-            y = _ColumnLinear.apply(x, self.weight, self.bias, self.group, self.sequence_parallel,
-                                    mode == "bulk", self.name)
-        return gather_from_tp(y, self.group, self.name + ".out") if self.gather_output else y
+        with autocast_off(x, cdt):
+            if mode == "pipelined":
+                y = column_parallel_linear_pipelined(x, w, b, self.group, chunks=chunks, transport=self.transport,
+                                                     name=self.name or "column",
+                                                     save_gathered_input=self.save_gathered_input)
+            else:
+                y = _ColumnLinear.apply(x, w, b, self.group, self.sequence_parallel, mode == "bulk", self.name)
+            y = self._leave(y, moved)
+            return gather_from_tp(y, self.group, self.name + ".out") if self.gather_output else y
 
 
 class RowParallelLinear(_ParallelLinear):
     """y = x W^T + b with W split by input columns over the TP group; partial outputs are summed.
 
-    With sequence_parallel the sum is a reduce-scatter over dim 0 (output is this rank's
-    tokens), without it an all-reduce. The bias is full and added after the sum; with
-    sequence_parallel its gradient covers this rank's tokens only and is marked
-    `sequence_parallel` (see allreduce_sequence_parallel_grads).
+    With sequence_parallel the sum is a reduce-scatter over `sequence_dim` (output is this
+    rank's tokens), without it an all-reduce. The weight is a DTensor sharded on dim 1; the
+    bias is full (Replicate), added after the sum, and its gradient is complete on every rank.
     """
 
-    def __init__(self, in_features: int, out_features: int, group: dist.ProcessGroup, *, bias: bool = True,
-                 input_is_parallel: bool = True, sequence_parallel: bool = False, overlap: str = "none",
-                 transport: str = "p2p", chunks: int | None = None, hardware: str = "h200-sxm",
-                 name: str = "", device=None, dtype=None) -> None:
-        super().__init__(in_features, out_features, group, bias=bias, sequence_parallel=sequence_parallel,
-                         overlap=overlap, name=name, device=device, dtype=dtype, transport=transport,
-                         chunks=chunks, hardware=hardware)
+    _split_dim = 1
+
+    def __init__(self, in_features: int, out_features: int, mesh_or_group=None, *, bias: bool = True,
+                 input_is_parallel: bool = True, sequence_parallel: bool = False, sequence_dim: int = 0,
+                 overlap: str = "none", transport: str = "p2p", chunks: int | None = None,
+                 hardware: str = "h200-sxm", name: str = "", device=None, dtype=None) -> None:
+        super().__init__(in_features, out_features, mesh_or_group, bias=bias, sequence_parallel=sequence_parallel,
+                         sequence_dim=sequence_dim, overlap=overlap, name=name, device=device, dtype=dtype,
+                         transport=transport, chunks=chunks, hardware=hardware,
+                         input_is_parallel=input_is_parallel)
         check_divisible(in_features, self.tp_size, "RowParallelLinear: in_features")
         self.input_is_parallel = input_is_parallel
         self.in_per_rank = in_features // self.tp_size
-        self._make_params((out_features, self.in_per_rank), (out_features,), in_features, bias, device, dtype)
-        if self.bias is not None and sequence_parallel:
-            self.bias.sequence_parallel = True
+        self._make_params(bias, device, dtype)
 
     def shard_of(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's slice of a full weight [out, in] (columns); a bias is not split."""
@@ -272,29 +390,16 @@ class RowParallelLinear(_ParallelLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         expected = self.in_per_rank if self.input_is_parallel else self.in_features
-        _check_input(self, x, expected, sp_split=self.sequence_parallel)
+        x, w, b, cdt, moved = self._enter(x, expected, sp_split=self.sequence_parallel)
         mode, chunks = self._mode(x, x.numel() // x.shape[-1], self.in_per_rank, self.out_features,
                                   "reduce_scatter", x.shape[0] // self.tp_size)
         self._maybe_warn(x, mode)
-        if not self.input_is_parallel:
-            x = scatter_to_tp(x, self.group, self.name + ".in")
-        if mode == "pipelined":
-            return row_parallel_linear_pipelined(x, self.weight, self.bias, self.group, chunks=chunks,
-                                                 transport=self.transport, name=self.name or "row")
-        return _RowLinear.apply(x, self.weight, self.bias, self.group, self.sequence_parallel, self.name)
-
-
-def allreduce_sequence_parallel_grads(module: nn.Module, group: dist.ProcessGroup) -> None:
-    """Sum over the TP group the grads of parameters that live in the sequence-parallel region.
-
-    Layer norms and the row-parallel bias see only this rank's tokens under sequence
-    parallelism, so each rank holds a partial gradient. Call after backward, before the
-    optimizer step (and before or after data-parallel reduction: sums commute). One flat
-    all-reduce for all of them.
-    """
-    if getattr(module, "sums_sequence_parallel_grads", False):
-        raise ValueError("allreduce_sequence_parallel_grads: this DataParallel already sums sequence-parallel "
-                         "gradients over its sequence_parallel_group in backward; a second sum would double them")
-    grads = [p.grad for p in module.parameters() if getattr(p, "sequence_parallel", False) and p.grad is not None]
-    if comm.group_size(group) > 1:
-        comm.all_reduce_coalesced(grads, group, kind="tp_all_reduce", name="sequence_parallel_grads")
+        with autocast_off(x, cdt):
+            if not self.input_is_parallel:
+                x = scatter_to_tp(x, self.group, self.name + ".in")
+            if mode == "pipelined":
+                y = row_parallel_linear_pipelined(x, w, b, self.group, chunks=chunks, transport=self.transport,
+                                                  name=self.name or "row")
+            else:
+                y = _RowLinear.apply(x, w, b, self.group, self.sequence_parallel, self.name)
+            return self._leave(y, moved)

@@ -3,8 +3,9 @@
 Each operator is an autograd Function whose backward is the mirror of its forward, so the
 communication of backward follows from forward by construction. These are the synchronous
 building blocks; the parallel linear layers fuse them with their GEMMs to overlap them.
-All of them split or gather the sequence-parallel dimension 0, or the last (hidden) dimension
-for the tensor-parallel output; `name` labels the transfer on the timeline.
+The sequence-parallel ones split or gather the sequence dim (`dim`, 0 by default for
+[seq, batch, hidden]; 1 for [batch, seq, hidden]), the tensor-parallel ones the last (hidden)
+dimension; `name` labels the transfer on the timeline.
 """
 
 from __future__ import annotations
@@ -68,6 +69,13 @@ def _split_last(x: torch.Tensor, group) -> torch.Tensor:
     return x.chunk(ws, dim=-1)[comm.group_rank(group)].contiguous()
 
 
+def _on_dim(fn, x: torch.Tensor, dim: int, *args):
+    """fn (a dim-0 helper) applied along `dim`: moved to the front and back (copies only when dim != 0)."""
+    if dim == 0 or dim == -x.dim():
+        return fn(x, *args)
+    return fn(x.movedim(dim, 0), *args).movedim(0, dim).contiguous()
+
+
 def check_divisible(size: int, ws: int, what: str) -> None:
     if size % ws != 0:
         raise ValueError(f"{what} {size} is not divisible by the tensor-parallel size {ws}")
@@ -107,17 +115,17 @@ class _ReduceFromTP(torch.autograd.Function):
 class _ScatterToSP(torch.autograd.Function):
     """Split the sequence in forward, all-gather it in backward.
 
-    Forward: each rank keeps its slice of dim 0. Backward: the slices' grads are gathered.
+    Forward: each rank keeps its slice of the sequence dim. Backward: the slices' grads are gathered.
     """
 
     @staticmethod
-    def forward(ctx, x, group, name):
-        ctx.group, ctx.name = group, name
-        return _split_dim0(x, group)
+    def forward(ctx, x, group, name, dim):
+        ctx.group, ctx.name, ctx.dim = group, name, dim
+        return _on_dim(_split_dim0, x, dim, group)
 
     @staticmethod
     def backward(ctx, g):
-        return _gather_dim0(g, ctx.group, ctx.name + ".bwd"), None, None
+        return _on_dim(_gather_dim0, g, ctx.dim, ctx.group, ctx.name + ".bwd"), None, None, None
 
 
 class _GatherFromSP(torch.autograd.Function):
@@ -127,13 +135,13 @@ class _GatherFromSP(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, group, name):
-        ctx.group, ctx.name = group, name
-        return _gather_dim0(x, group, name + ".fwd")
+    def forward(ctx, x, group, name, dim):
+        ctx.group, ctx.name, ctx.dim = group, name, dim
+        return _on_dim(_gather_dim0, x, dim, group, name + ".fwd")
 
     @staticmethod
     def backward(ctx, g):
-        return _reduce_scatter_dim0(g, ctx.group, ctx.name + ".bwd"), None, None
+        return _on_dim(_reduce_scatter_dim0, g, ctx.dim, ctx.group, ctx.name + ".bwd"), None, None, None
 
 
 class _ReduceScatterToSP(torch.autograd.Function):
@@ -143,13 +151,13 @@ class _ReduceScatterToSP(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, group, name):
-        ctx.group, ctx.name = group, name
-        return _reduce_scatter_dim0(x, group, name + ".fwd")
+    def forward(ctx, x, group, name, dim):
+        ctx.group, ctx.name, ctx.dim = group, name, dim
+        return _on_dim(_reduce_scatter_dim0, x, dim, group, name + ".fwd")
 
     @staticmethod
     def backward(ctx, g):
-        return _gather_dim0(g, ctx.group, ctx.name + ".bwd"), None, None
+        return _on_dim(_gather_dim0, g, ctx.dim, ctx.group, ctx.name + ".bwd"), None, None, None
 
 
 class _GatherFromTP(torch.autograd.Function):
@@ -192,17 +200,22 @@ def reduce_from_tp(x: torch.Tensor, group: dist.ProcessGroup, name: str = "reduc
     return _ReduceFromTP.apply(x, group, name)
 
 
-def scatter_to_sp(x: torch.Tensor, group: dist.ProcessGroup, name: str = "scatter_to_sp") -> torch.Tensor:
-    return _ScatterToSP.apply(x, group, name)
+def scatter_to_sp(x: torch.Tensor, group: dist.ProcessGroup, name: str = "scatter_to_sp", *,
+                  dim: int = 0) -> torch.Tensor:
+    """Keep this rank's slice of the sequence dim `dim` (0: [s, b, h]; 1: [b, s, h])."""
+    return _ScatterToSP.apply(x, group, name, dim)
 
 
-def gather_from_sp(x: torch.Tensor, group: dist.ProcessGroup, name: str = "gather_from_sp") -> torch.Tensor:
-    return _GatherFromSP.apply(x, group, name)
+def gather_from_sp(x: torch.Tensor, group: dist.ProcessGroup, name: str = "gather_from_sp", *,
+                   dim: int = 0) -> torch.Tensor:
+    """All-gather the sequence dim `dim`."""
+    return _GatherFromSP.apply(x, group, name, dim)
 
 
-def reduce_scatter_to_sp(x: torch.Tensor, group: dist.ProcessGroup,
-                         name: str = "reduce_scatter_to_sp") -> torch.Tensor:
-    return _ReduceScatterToSP.apply(x, group, name)
+def reduce_scatter_to_sp(x: torch.Tensor, group: dist.ProcessGroup, name: str = "reduce_scatter_to_sp", *,
+                         dim: int = 0) -> torch.Tensor:
+    """Sum over TP and keep this rank's slice of the sequence dim `dim`."""
+    return _ReduceScatterToSP.apply(x, group, name, dim)
 
 
 def gather_from_tp(x: torch.Tensor, group: dist.ProcessGroup, name: str = "gather_from_tp") -> torch.Tensor:

@@ -137,6 +137,12 @@ def produce_and_reduce_scatter(produce: Produce, total_rows: int, cols: int, k: 
         dst, src = (r + t) % ws, (r - t) % ws
         for j in range(k):
             partial = produce(slice(dst * R + j * u, dst * R + (j + 1) * u), None)
+            if partial.dtype != dtype or partial.shape != (u, cols):
+                # A partial of another dtype would land as reinterpreted bytes in `arrived` (a
+                # GEMM under torch.autocast gave bf16 into an fp32 buffer): refuse, never sum that.
+                raise RuntimeError(f"{name}: a partial product is {partial.dtype} {tuple(partial.shape)}, the "
+                                   f"receive buffer {dtype} {(u, cols)}; run the GEMM in the buffer's dtype "
+                                   "(the TP layers cast for torch.autocast themselves)")
             lane.after_compute()
             transfer = lane.exchange((partial, dst), (arrived[t, j * u:(j + 1) * u], src), f"{t}.{j}")
             in_flight.append((transfer, partial))  # keeps the partial alive until it has left

@@ -4,6 +4,8 @@
 as the chunk has arrived, and the local shard's GEMM runs first, under the first transfer.
 `matmul_reduce_scatter` computes reduce_scatter(x @ Wᵀ): each chunk's partial product is sent
 while the next chunk is computed; partial sums are added in fp32 for bf16/fp16 inputs.
+Under torch.autocast both cast their inputs to the autocast dtype first (as F.linear would) and
+run every GEMM and buffer in it (see precision.py).
 
 The layer functions use both for forward and backward of sequence-parallel linears:
 - column-parallel: forward all-gather+GEMM; backward dgrad as GEMM+reduce-scatter, and wgrad
@@ -32,6 +34,7 @@ from .. import comm
 from ..timeline.recorder import compute_span
 from . import p2p, symm_mem
 from .p2p import accum_dtype
+from .precision import autocast_dtype, autocast_off, cast
 from .symm_mem import TransportUnavailable
 
 TRANSPORTS = ("p2p", "symm_mem")
@@ -191,7 +194,8 @@ def all_gather_matmul(x_shard: torch.Tensor, weights: Sequence[torch.Tensor], gr
     Several weights share one gather (QKV, gate/up). Returns the list of outputs, or
     (gathered input, outputs) with `return_gathered`. Forward only (not differentiable).
     """
-    weights = list(weights)
+    cdt = autocast_dtype(x_shard)  # under torch.autocast: every GEMM and buffer in its dtype
+    x_shard, weights = cast(x_shard, cdt), [cast(w, cdt) for w in weights]
     d = _check_dim(x_shard, gather_dim, "gather_dim")
     if not weights:
         raise ValueError("weights is empty: give at least one [out, in] weight")
@@ -203,7 +207,8 @@ def all_gather_matmul(x_shard: torch.Tensor, weights: Sequence[torch.Tensor], gr
     transport_ = _check_transport(transport, group, x_shard.device)
     xm = x_shard.movedim(d, 0)
     full = (ws * xm.shape[0],) + tuple(xm.shape[1:-1])
-    gathered, outs = _ag_mm(_rows(xm), weights, k, group, transport_, need_gathered=return_gathered, name=name)
+    with autocast_off(xm, cdt):
+        gathered, outs = _ag_mm(_rows(xm), weights, k, group, transport_, need_gathered=return_gathered, name=name)
     outs = [o.view(*full, o.shape[-1]).movedim(0, d) for o in outs]
     if return_gathered:
         return gathered.view(*full, xm.shape[-1]).movedim(0, d), outs
@@ -217,6 +222,8 @@ def matmul_reduce_scatter(x: torch.Tensor, weight: torch.Tensor, group, *, scatt
 
     Partial sums are added in fp32 when x is bf16/fp16. Forward only (not differentiable).
     """
+    cdt = autocast_dtype(x)
+    x, weight = cast(x, cdt), cast(weight, cdt)
     d = _check_dim(x, scatter_dim, "scatter_dim")
     _check_weight(x, weight, "weight")
     _check_no_grad(x, weight)
@@ -226,7 +233,8 @@ def matmul_reduce_scatter(x: torch.Tensor, weight: torch.Tensor, group, *, scatt
     k = _chunks_per_rank(chunks, ws, x.shape[d] // ws, d)
     transport_ = _check_transport(transport, group, x.device)
     xm = x.movedim(d, 0)
-    out = _mm_rs(_rows(xm), weight.t(), k, group, transport_, name=name)
+    with autocast_off(xm, cdt):
+        out = _mm_rs(_rows(xm), weight.t(), k, group, transport_, name=name)
     return out.view(xm.shape[0] // ws, *xm.shape[1:-1], weight.shape[0]).movedim(0, d)
 
 
@@ -293,16 +301,16 @@ class _RowPipelined(torch.autograd.Function):
                 with compute_span(ctx.name + ".bwd.dgrad.gemm", stream=_lane_stream(lane)):
                     torch.mm(data, weight, out=dx2[rows])
 
-        dw = None
-        if need_dx or need_dw:
-            gathered = ctx.transport.gather_and_consume(dy2, consume, ctx.k, ctx.group,
-                                                        name=ctx.name + ".bwd", need_gathered=need_dw)
+        dw = db = None
+        if need_dx or need_dw or need_db:
+            gathered = ctx.transport.gather_and_consume(dy2, consume, ctx.k, ctx.group, name=ctx.name + ".bwd",
+                                                        need_gathered=need_dw or need_db)
             if need_dw:
                 with compute_span(ctx.name + ".bwd.wgrad.gemm"):
                     dw = gathered.t() @ x2
-        # Like the bias of RowParallelLinear with sequence parallelism: this rank's tokens only;
-        # the sum over the TP group is allreduce_sequence_parallel_grads' job.
-        db = dy2.sum(0) if need_db else None
+            # As in RowParallelLinear: from the gathered gradient the bias gradient covers every
+            # token, complete and identical on every rank.
+            db = gathered.sum(0) if need_db else None
         dx = dx2.view(ctx.x_shape) if need_dx else None
         return dx, dw, db, None, None, None, None
 
@@ -335,7 +343,7 @@ def row_parallel_linear_pipelined(x: torch.Tensor, weight: torch.Tensor, bias, g
     """Sequence-parallel row-parallel linear: [s, ..., in/tp] -> [s/tp, ..., out], differentiable.
 
     weight is this rank's [out, in/tp] columns, bias the full [out] (added after the reduce-scatter;
-    its gradient covers this rank's tokens only, as in RowParallelLinear).
+    its gradient is complete on every rank, as in RowParallelLinear).
     """
     _check_linear(x, weight, bias, "row-parallel")
     ws = comm.group_size(group)

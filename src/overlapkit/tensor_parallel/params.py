@@ -1,0 +1,159 @@
+"""DTensor parameters for layers that compute on local shards: the TP mesh, creation, state dict, local views.
+
+Nothing here overlaps anything. It makes the parallel layers citizens of PyTorch's parallel
+stack: their parameters are DTensors on the TP mesh dim with the placements that say how
+they are split, so `state_dict()` tells DCP, FSDP2 and `full_tensor()` the truth, while the
+overlapped autograd functions take `.to_local()` shards and never go through DTensor dispatch.
+
+`LocalShardParams` is the mixin that holds that contract (part of the vocabulary-parallel
+layers use it too): `local(p)` in forward, `load_state_dict` accepting a full plain tensor
+(it is sharded) or a DTensor on the same mesh (it is redistributed), and
+`localize_parameters` for engines that need plain tensors (our DataParallel's flat gradient
+buffer): the parameters become their local shards and `state_dict()` still returns DTensors.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+_meshes: dict[str, object] = {}
+"""1-D DeviceMeshes built from bare ProcessGroups, by group name: one per group, shared by layers."""
+
+
+def _dtensor():
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    return DTensor, Replicate, Shard
+
+
+def is_dtensor(t) -> bool:
+    return isinstance(t, _dtensor()[0])
+
+
+def tp_mesh_and_group(mesh_or_group):
+    """(1-D TP DeviceMesh or None, ProcessGroup or None) for a mesh, a mesh with a "tp" dim, groups or a group.
+
+    A ParallelGroups or an N-D mesh gives its "tp" sub-mesh, so that DTensors of the TP layers
+    share a root mesh with FSDP2's `mesh["dp"]` (FSDP2 requires it for 2-D). A bare
+    ProcessGroup gets a 1-D mesh built over it (`DeviceMesh.from_group`). None means the world,
+    or a single process without torch.distributed (plain parameters, no communication).
+    """
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from ..groups import ParallelGroups, resolve_group
+
+    group = resolve_group(mesh_or_group, "tp")  # validates: a mesh without a "tp" dim is refused here
+    if group is None:
+        return None, None
+    if isinstance(mesh_or_group, DeviceMesh):
+        return (mesh_or_group if mesh_or_group.ndim == 1 else mesh_or_group["tp"]), group
+    if isinstance(mesh_or_group, ParallelGroups) and mesh_or_group.mesh is not None:
+        return mesh_or_group.mesh["tp"], group
+    name = group.group_name
+    if name not in _meshes:
+        device_type = "cuda" if str(dist.get_backend(group)) == "nccl" else "cpu"
+        _meshes[name] = DeviceMesh.from_group(group, device_type)
+    return _meshes[name], group
+
+
+def make_param(local: torch.Tensor, mesh, placements: Sequence, global_shape: Sequence[int]) -> nn.Parameter:
+    """nn.Parameter of the DTensor whose local shard is `local` (a plain Parameter without a mesh)."""
+    if mesh is None:
+        return nn.Parameter(local)
+    DTensor, _, _ = _dtensor()
+    full = torch.empty(global_shape, device="meta")  # only for the global stride
+    return nn.Parameter(DTensor.from_local(local, mesh, list(placements), run_check=False,
+                                           shape=torch.Size(global_shape), stride=full.stride()))
+
+
+class LocalShardParams:
+    """Mixin: parameters are DTensors (or plain local shards, see `localize_parameters`).
+
+    A subclass sets `self.mesh` (1-D TP mesh or None) and fills `self._placements`
+    (parameter name -> placements) and implements `shard_of(full)` (this rank's slice of a full
+    parameter) and `_global_shape(name)`.
+    """
+
+    mesh = None
+    _placements: dict
+
+    def _init_state_dict_hooks(self) -> None:
+        self._placements = {}
+        self._register_load_state_dict_pre_hook(self._load_hook, with_module=False)
+        self._register_state_dict_hook(self._save_hook)
+
+    @staticmethod
+    def local(p: torch.Tensor | None) -> torch.Tensor | None:
+        """The local shard of a parameter, differentiably (its gradient flows back as a DTensor)."""
+        if p is None or not is_dtensor(p):
+            return p
+        return p.to_local()
+
+    def local_data(self, name: str) -> torch.Tensor:
+        """The local shard of parameter `name` without autograd, for in-place init and copies."""
+        p = getattr(self, name)
+        return p._local_tensor if is_dtensor(p) else p.data
+
+    def _as_dtensor(self, name: str, local: torch.Tensor):
+        shape = torch.Size(self._global_shape(name))
+        DTensor, _, _ = _dtensor()
+        return DTensor.from_local(local, self.mesh, self._placements[name], run_check=False, shape=shape,
+                                  stride=torch.empty(shape, device="meta").stride())
+
+    def _save_hook(self, module, state_dict, prefix, local_metadata):
+        # Plain local shards (after localize_parameters) go out as DTensors, sharing storage.
+        if self.mesh is None:
+            return
+        for name in self._placements:
+            key = prefix + name
+            if key in state_dict and not is_dtensor(state_dict[key]):
+                state_dict[key] = self._as_dtensor(name, state_dict[key])
+
+    def _load_hook(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+        label = getattr(self, "name", "") or type(self).__name__
+        for name in self._placements:
+            key = prefix + name
+            if key not in state_dict or getattr(self, name) is None:
+                continue
+            value, param = state_dict[key], getattr(self, name)
+            shape = tuple(self._global_shape(name))
+            if is_dtensor(value):
+                if self.mesh is None or value.device_mesh != self.mesh:
+                    raise ValueError(f"{label}: state_dict[{key!r}] is a DTensor on {value.device_mesh}; this "
+                                     f"layer's parameters live on {self.mesh}")
+                if tuple(value.placements) != tuple(self._placements[name]):
+                    value = value.redistribute(self.mesh, self._placements[name])
+                local = value.to_local()
+            else:
+                if tuple(value.shape) != shape:
+                    raise ValueError(f"{label}: state_dict[{key!r}] has shape {tuple(value.shape)}; a plain tensor "
+                                     f"must be the full (unsharded) parameter of shape {shape}")
+                local = self.shard_of(value)
+            state_dict[key] = local if not is_dtensor(param) else self._as_dtensor(name, local)
+
+    def localize_parameters(self) -> None:
+        """Replace DTensor parameters by plain Parameters of their local shards (same storage).
+
+        For engines that flatten parameters into buffers (overlapkit's DataParallel and
+        ShardedOptimizer): this layer computes on local shards anyway, and `state_dict()`
+        still wraps them as DTensors.
+        """
+        for name in self._placements:
+            p = getattr(self, name)
+            if p is not None and is_dtensor(p):
+                local = nn.Parameter(p._local_tensor, requires_grad=p.requires_grad)
+                setattr(self, name, local)
+
+    def _global_shape(self, name: str) -> Sequence[int]:
+        raise NotImplementedError
+
+
+def localize_parameters(module: nn.Module) -> nn.Module:
+    """`localize_parameters()` on every submodule that computes on local shards; returns `module`."""
+    for m in module.modules():
+        if isinstance(m, LocalShardParams):
+            m.localize_parameters()
+    return module

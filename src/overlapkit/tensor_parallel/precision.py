@@ -1,0 +1,38 @@
+"""Mixed precision for the tensor-parallel autograd functions: what torch.autocast would do, done once, outside.
+
+Nothing here overlaps anything. torch.autocast casts the inputs of each op it knows; inside
+our autograd functions that would make a GEMM's output bf16 while the buffer its partial
+sum travels into is fp32 (the pipelined reduce-scatter returned garbage that way). So a
+layer under autocast casts its input, weight and bias to the autocast dtype itself, as
+autocast would for `F.linear` (differentiably: the gradients return to the fp32
+parameters in fp32), and runs its function with autocast off, every tensor in one dtype.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+_CASTABLE = (torch.float32, torch.float16, torch.bfloat16)
+"""Dtypes autocast lowers; float64 stays float64, as under autocast."""
+
+
+def autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
+    """The dtype autocast would run a linear of `x` in, or None when autocast is off for its device."""
+    dt = x.device.type
+    if dt not in ("cuda", "cpu", "xpu") or not torch.is_autocast_enabled(dt) or x.dtype not in _CASTABLE:
+        return None
+    return torch.get_autocast_dtype(dt)
+
+
+def cast(t: torch.Tensor | None, dtype: torch.dtype | None) -> torch.Tensor | None:
+    """`t` in `dtype` (differentiable; a no-op when already there or when dtype is None)."""
+    if t is None or dtype is None or t.dtype == dtype:
+        return t
+    return t.to(dtype)
+
+
+def autocast_off(x: torch.Tensor, dtype: torch.dtype | None):
+    """A context with autocast disabled for x's device when a dtype was picked, else nothing."""
+    return torch.autocast(x.device.type, enabled=False) if dtype is not None else contextlib.nullcontext()
