@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from .. import comm
-from ..agreement import Agreement, agree
+from ..agreement import Agreement, RankMismatchError, agree
 from ..groups import resolve_group
 from .config import MoEConfig
 from .dispatch import ExpertsA2A, plan_dispatch
@@ -77,6 +77,7 @@ class MoE(nn.Module):
                                device=device, dtype=dtype)
         self.load_full(*init_full_experts(num_experts, hidden, ffn_hidden, generator))
         self._agreement = Agreement(f"MoE {name} input")
+        self._tp_checked: set[tuple[int, ...]] = set()
         self.aux_loss: torch.Tensor | None = None
         self.last_load: LoadStats | None = None
 
@@ -110,6 +111,8 @@ class MoE(nn.Module):
         if x.dim() < 1 or x.shape[-1] != cfg.hidden:
             raise ValueError(f"MoE {self.name}: input's last dim must be hidden={cfg.hidden}, got shape {tuple(x.shape)}")
         x2 = x.reshape(-1, cfg.hidden)
+        if self.tp_group is not None and tuple(x2.shape) not in self._tp_checked:
+            self._check_replicated_over_tp(x2)
         routing = self.router(x2)
         plan = plan_dispatch(routing.experts, cfg.num_experts, cfg.chunks, cfg.capacity(x2.shape[0]),
                              self.group, self.name)
@@ -130,6 +133,17 @@ class MoE(nn.Module):
                                    received_per_expert=plan.received_per_expert.tolist(),
                                    first_expert=self.local_experts.start)
         return out.view(x.shape)
+
+    def _check_replicated_over_tp(self, x2: torch.Tensor) -> None:
+        # Sequence-parallel shards have equal shapes but different tokens; summing their experts'
+        # partial outputs over TP would be silently wrong. A fingerprint per new shape catches it.
+        try:
+            agree(self.tp_group, f"MoE {self.name} input over TP", shape=tuple(x2.shape),
+                  fingerprint=float(x2.detach().double().sum()))
+        except RankMismatchError as e:
+            raise RankMismatchError(f"{e}. A MoE with tp_group needs its TP ranks to hold the same tokens "
+                                    "(tensor parallelism without sequence parallelism)") from None
+        self._tp_checked.add(tuple(x2.shape))
 
     def extra_repr(self) -> str:
         c = self.config
