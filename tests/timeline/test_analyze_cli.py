@@ -79,3 +79,75 @@ def test_the_command_line_prints_no_traceback(tmp_path):
                          text=True, timeout=120)
     assert run.returncode == 2
     assert "Traceback" not in run.stderr and run.stderr.strip().count("\n") == 0, run.stderr
+
+
+def test_the_same_trace_twice_is_refused(tmp_path, capsys):
+    path = _gpu_trace(tmp_path)
+    assert main([str(path), str(path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "rank 0 appears twice" in err and err.count("\n") == 0
+
+
+def test_traces_of_different_jobs_are_refused(tmp_path, capsys):
+    a, b = TraceBuilder(rank=0, world_size=2), TraceBuilder(rank=1, world_size=4)
+    for t in (a, b):
+        t.launch("gemm", 0, 10, at=0)
+    assert main([str(a.write(tmp_path / "a.json")), str(b.write(tmp_path / "b.json"))]) == 2
+    assert "world sizes ['2', '4'] differ" in capsys.readouterr().err
+    c, d = TraceBuilder(rank=0), TraceBuilder(rank=1)
+    for t, job in ((c, "job-a"), (d, "job-b")):
+        t.launch("gemm", 0, 10, at=0)
+        doc = t.doc()
+        doc["group_trace_id"] = job
+        (tmp_path / f"{job}.json").write_text(json.dumps(doc))
+    assert main([str(tmp_path / "job-a.json"), str(tmp_path / "job-b.json")]) == 2
+    assert "job ids ['job-a', 'job-b'] differ" in capsys.readouterr().err
+
+
+def test_a_non_numeric_timestamp_is_one_line(tmp_path, capsys):
+    b = TraceBuilder()
+    b.launch("gemm", 0, 10, at=0)
+    b.events[-1]["ts"] = "soon"
+    assert main([str(b.write(tmp_path / "bad_ts.json"))]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "non-numeric ts: 'soon'" in err and "bad_ts.json" in err and err.count("\n") == 0
+
+
+def test_an_unsupported_picture_format_fails_before_any_work(tmp_path, capsys):
+    # the trace does not exist: the format is refused first, so nothing is read
+    assert main([str(tmp_path / "nowhere.json"), "--plot", str(tmp_path / "t.bmpx")]) == 2
+    err = capsys.readouterr().err
+    assert "cannot draw to this format" in err and "nowhere" not in err
+
+
+def test_picture_labels_are_unique(tmp_path):
+    from overlapkit.timeline import read_trace
+    from overlapkit.timeline.cli import plot_labels
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    paths = []
+    for d in ("a", "b"):
+        t = TraceBuilder(rank=0)
+        t.launch("gemm", 0, 10, at=0)
+        paths.append(t.write(tmp_path / d / "rank0.json"))
+    traces = [read_trace(p) for p in paths] + [read_trace(paths[0])]
+    labels = plot_labels(traces)
+    assert len(labels) == 3 and "rank 0 (b/rank0)" in labels  # no trace silently dropped
+
+
+def test_a_directory_is_read_as_its_traces(tmp_path, capsys):
+    d = tmp_path / "traces"
+    d.mkdir()
+    for rank in (0, 1):
+        b = TraceBuilder(rank=rank)
+        b.launch("gemm", 0, 10, at=0)
+        b.launch("ncclDevKernel_AllReduce_RING_LL(x)", 5, 10, at=1, stream=20)
+        b.write(d / f"rank{rank}.pt.trace.json.gz", gz=True)
+    (d / "notes.txt").write_text("not a trace")
+    assert main([str(d), "--json"]) == 0
+    assert [r["rank"] for r in json.loads(capsys.readouterr().out)["ranks"]] == [0, 1]
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert main([str(empty)]) == 2
+    assert "no .json or .json.gz trace" in capsys.readouterr().err

@@ -124,7 +124,7 @@ def _message(meta: dict) -> tuple[int, int]:
 def _unsupported(path: Path, categories: set[str], meta: dict) -> None:
     for prefix, device in UNSUPPORTED_DEVICES.items():
         if any(c.startswith(prefix) for c in categories):
-            raise TraceError(f"{path}: unsupported device: a {device} trace (overlapkit reads CUDA/ROCm kernel "
+            raise TraceError(f"{path}: unsupported device: {device} (overlapkit reads CUDA/ROCm kernel "
                              f"traces and CPU gloo traces)")
 
 
