@@ -52,19 +52,22 @@ class ContextParallelConfig:
 
 
 class _RingAttention(torch.autograd.Function):
-    """Ring of K/V blocks in forward; the same ring, carrying dK/dV back to their owners, in backward."""
+    """Ring of K/V blocks in forward; the same ring, carrying dK/dV back to their owners, in backward.
+
+    Keeps one received K/V block (rank r−1's) from forward beyond what attention saves anyway, so that
+    backward can start computing at once (memory: one more local K/V)."""
 
     @staticmethod
     def forward(ctx, q, k, v, ring: Ring):
-        out, lse, rests = ring_forward(ring, q, k, v)
-        ctx.save_for_backward(q, k, v, out, lse)
+        out, lse, rests, first = ring_forward(ring, q, k, v)
+        ctx.save_for_backward(q, k, v, out, lse, *(first or ()))
         ctx.ring, ctx.rests = ring, rests
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = ring_backward(ctx.ring, dout, q, k, v, out, lse, ctx.rests)
+        q, k, v, out, lse, *first = ctx.saved_tensors
+        dq, dk, dv = ring_backward(ctx.ring, dout, q, k, v, out, lse, ctx.rests, first or None)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
 
 

@@ -98,8 +98,9 @@ class Ring:
 
 
 def ring_forward(ring: Ring, q, k, v):
-    """(out fp32, lse fp32, rests) of the local queries against every rank's keys and values."""
-    out = lse = None
+    """(out fp32, lse fp32, rests, the K/V block received first) of the local queries against every rank's keys
+    and values. That block (rank r−1's) is kept for backward, which starts with it (see `ring_backward`)."""
+    out = lse = first = None
     rests = []
     kv = [k.contiguous(), v.contiguous()]
     for i in range(ring.size):
@@ -108,60 +109,81 @@ def ring_forward(ring: Ring, q, k, v):
         if ring.overlap == "pipelined" and not last:
             handle, incoming = ring.pass_on(kv, f"fwd.kv[{i}]")
         with compute_span(f"{ring.name}.fwd[{i}]"):
-            step_rests = []
-            for c in ring.plan(i):
-                o, l, rest = block_forward(q[:, :, c.q0:c.q1], kv[0][:, :, c.k0:c.k1], kv[1][:, :, c.k0:c.k1],
-                                           c.causal, ring.scale, ring.kernel)
-                step_rests.append(rest)
-                if out is None:  # step 0 is the rank's own block: every row sees its own diagonal
-                    out, lse = o, l
-                else:
-                    merge(out[:, :, c.q0:c.q1], lse[:, :, c.q0:c.q1], o, l)
+            out, lse, step_rests = _forward_step(ring, i, q, kv, out, lse)
             rests.append(step_rests)
         if ring.overlap == "none" and not last:
             handle, incoming = ring.pass_on(kv, f"fwd.kv[{i}]")
         if handle is not None:
             handle.wait()
             kv = incoming
+            first = incoming if first is None else first
+    return out, lse, rests, first
+
+
+def _forward_step(ring: Ring, step: int, q, kv, out, lse):
+    """Fold the held block into (out, lse) (step 0, the own block that every row sees, starts them)."""
+    rests = []
+    for c in ring.plan(step):
+        o, l, rest = block_forward(q[:, :, c.q0:c.q1], kv[0][:, :, c.k0:c.k1], kv[1][:, :, c.k0:c.k1],
+                                   c.causal, ring.scale, ring.kernel)
+        rests.append(rest)
+        if out is None:
+            out, lse = o, l
+        else:
+            merge(out[:, :, c.q0:c.q1], lse[:, :, c.q0:c.q1], o, l)
     return out, lse, rests
 
 
-def ring_backward(ring: Ring, dout, q, k, v, out, lse, rests):
-    """(dq, dk, dv) in fp32 for the local q, k, v: dK/dV of each block travel back to their owner."""
+def ring_backward(ring: Ring, dout, q, k, v, out, lse, rests, first):
+    """(dq, dk, dv) in fp32 for the local q, k, v.
+
+    Steps run over the other ranks' blocks first (starting with `first`, rank r−1's, kept from
+    forward, so nothing has to arrive before the first computation) and the rank's own block
+    last: the dK/dV accumulator of a block travels r+1 → … → r−1 → r, each rank adding its part,
+    and its final hop home lands while the owner computes its own block — so no hop is left
+    after the last computation.
+    """
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    kv = [k.contiguous(), v.contiguous()]
     acc_handle = acc = None
-    for i in range(ring.size):
-        last = i == ring.size - 1
+    kv = first
+    for step in range(1, ring.size):
         kv_handle = None
-        if ring.overlap == "pipelined" and not last:
-            kv_handle, kv_in = ring.pass_on(kv, f"bwd.kv[{i}]")
-        with compute_span(f"{ring.name}.bwd[{i}]"):
-            dkv = [torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in kv]
-            for c, rest in zip(ring.plan(i), rests[i]):
-                s = slice(c.q0, c.q1)
-                dq_b, dk_b, dv_b = block_backward(dout[:, :, s], q[:, :, s], kv[0][:, :, c.k0:c.k1],
-                                                  kv[1][:, :, c.k0:c.k1], out[:, :, s], lse[:, :, s],
-                                                  c.causal, ring.scale, ring.kernel, rest)
-                dq[:, :, s] += dq_b
-                dkv[0][:, :, c.k0:c.k1] += dk_b
-                dkv[1][:, :, c.k0:c.k1] += dv_b
+        if ring.overlap == "pipelined" and step < ring.size - 1:
+            kv_handle, kv_in = ring.pass_on(kv, f"bwd.kv[{step}]")
+        with compute_span(f"{ring.name}.bwd[{step}]"):
+            dkv = _backward_step(ring, step, dout, q, kv, out, lse, rests[step], dq)
         if acc_handle is not None:
             # The parts of this block's dK/dV from the ranks that held it before this one.
             acc_handle.wait()
             dkv[0] += acc[0]
             dkv[1] += acc[1]
-        if ring.overlap == "none" and not last:
-            kv_handle, kv_in = ring.pass_on(kv, f"bwd.kv[{i}]")
+        if ring.overlap == "none" and step < ring.size - 1:
+            kv_handle, kv_in = ring.pass_on(kv, f"bwd.kv[{step}]")
             kv_handle.wait()
-        if ring.size == 1:
-            return dq, dkv[0], dkv[1]
-        # After the last step this rank's accumulator is its successor's own block, complete.
-        acc_handle, acc = ring.pass_on(dkv, f"bwd.dkv[{i}]")
+        # After the last of these steps the accumulator goes home: the next rank owns that block.
+        acc_handle, acc = ring.pass_on(dkv, f"bwd.dkv[{step}]")
         if ring.overlap == "none":
             acc_handle.wait()
         if kv_handle is not None:
             kv_handle.wait()
             kv = kv_in
-    acc_handle.wait()
-    return dq, acc[0], acc[1]
+    with compute_span(f"{ring.name}.bwd[0]"):
+        dkv = _backward_step(ring, 0, dout, q, [k, v], out, lse, rests[0], dq)
+    if acc_handle is not None:
+        acc_handle.wait()
+        dkv[0] += acc[0]
+        dkv[1] += acc[1]
+    return dq, dkv[0], dkv[1]
+
+
+def _backward_step(ring: Ring, step: int, dout, q, kv, out, lse, rests, dq) -> list[torch.Tensor]:
+    """Add the held block's part of dq into `dq`; return its (dk, dv) parts in fp32."""
+    dkv = [torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in kv]
+    for c, rest in zip(ring.plan(step), rests):
+        s = slice(c.q0, c.q1)
+        dq_b, dk_b, dv_b = block_backward(dout[:, :, s], q[:, :, s], kv[0][:, :, c.k0:c.k1], kv[1][:, :, c.k0:c.k1],
+                                          out[:, :, s], lse[:, :, s], c.causal, ring.scale, ring.kernel, rest)
+        dq[:, :, s] += dq_b
+        dkv[0][:, :, c.k0:c.k1] += dk_b
+        dkv[1][:, :, c.k0:c.k1] += dv_b
+    return dkv
