@@ -36,7 +36,7 @@ def test_every_gpu_has_its_own_curve_from_its_published_matmul_rate():
     assert 230 < big < 268  # TFLOP/s: under the MAMF best shape, above the borrowed 227
     # The power-limited H100 runs its tensor cores at a lower clock and has HBM2e.
     h100, low = preset("h100-sxm"), preset("h100-sxm-500w")
-    assert low.gemm.peak_fraction == pytest.approx(h100.gemm.peak_fraction * 0.874)
+    assert low.gemm.peak_fraction == pytest.approx(h100.gemm.peak_fraction * 0.70)
     assert low.hbm_gbps == 2400.0 and low.gemm_ms(8192, 8192, 8192) > 1.1 * h100.gemm_ms(8192, 8192, 8192)
     for name in ("h100-sxm", "h100-sxm-500w", "a100-sxm-80g", "h800-sxm", "a800-sxm-80g"):
         assert preset(name).gemm.table == () and "MAMF" in preset(name).source

@@ -189,10 +189,12 @@ _HDR200 = Link("InfiniBand HDR 200 Gb/s per GPU", alpha_us=5.0, bandwidth_gbps=2
 # H200's measured table (its cuBLAS choices and HBM3e timing) is not carried over to any other GPU.
 MAMF_EFFICIENCY = {"h200-sxm": 794.5 / 989.4, "h100-sxm": 792.1 / 989.4, "a100-sxm-80g": 267.9 / 312.0}
 """Published best-shape matmul rate / dense peak, per GPU (sources above)."""
-POWER_LIMIT_CLOCK = 0.874
-"""Tensor-core clock of an H100 held at 500 W, as a share of its 700 W clock under dense GEMMs:
-dynamic power ~ f·V² with V ~ f gives f ∝ P_dyn^(1/3); with ~100 W static, (400/600)^(1/3) = 0.874.
-An estimate, not a measurement (no published MAMF at 500 W): `overlapkit bench gemm` replaces it."""
+POWER_LIMIT_CLOCK = 0.70
+"""Matmul rate of an H100 held at 500 W, as a share of the 700 W part's: calibrated once on the
+vanilla-TP bf16 Llama 3.1 70B run of torchtitan's async-TP benchmark on this hardware (256 GPUs,
+FSDP 32 x TP 8, full AC, 597.3 tokens/s per GPU: benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md),
+which is not one of the published steps the model is checked against. About a 1.3 GHz sustained
+tensor clock against 1.83; a cube-root power law alone would give 0.87."""
 
 
 def _derived(name: str, hbm_gbps: float, mamf: float, clock: float = 1.0, **published) -> Hardware:
@@ -238,7 +240,7 @@ def preset(name: str) -> Hardware:
         # Grand Teton H100 as in torchtitan's benchmarks (benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md):
         # 96 GB HBM2e at 2.4 TB/s, the default 500 W power limit, NVLink 4, 400 Gb/s RDMA per GPU.
         src = (f"H100 96GB HBM2e at 500 W (torchtitan benchmarks): H100's curve (MAMF 792.1/989) at 2.4 TB/s and a "
-               f"{POWER_LIMIT_CLOCK} tensor-clock share (estimated from the power limit, see POWER_LIMIT_CLOCK)")
+               f"{POWER_LIMIT_CLOCK} matmul-rate share at 500 W (calibrated, see POWER_LIMIT_CLOCK)")
         return _derived(name, 2400.0, MAMF_EFFICIENCY["h100-sxm"], POWER_LIMIT_CLOCK, intra=_NVLINK4,
                         source=src, **{**hopper, "hbm_gib": 96 * 1e9 / 2**30})
     if name == "h800-sxm":
