@@ -1,0 +1,191 @@
+"""Per-rank bodies of the ZeRO-3 (fully_shard) tests: one spawn per world size runs every case.
+
+Each case trains the same model on every rank, each rank its slice of one global batch, and
+compares with one process on the whole batch and with torch's plain FSDP2 on the same slices.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import fully_shard as torch_fully_shard
+from torch.distributed.tensor import DTensor
+from torch.nn import functional as F
+
+from distributed import distributed
+from overlapkit.agreement import RankMismatchError
+from overlapkit.data_parallel import fully_shard, layer_report, prefetch_plan
+from overlapkit.timeline import record
+
+PER_RANK = 4
+STEPS = 4  # auto: warm-up, probe, then two steps at the chosen depth
+PREFETCH = (0, 1, 2, "auto")
+
+
+class Net(nn.Module):
+    """Odd widths: no weight's first dim divides by 2 or 3, so every shard is padded."""
+
+    def __init__(self, seed: int = 0, sleep_in: int | None = None) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.inp = nn.Linear(5, 7)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(7, 13), nn.Tanh(), nn.Linear(13, 7)) for _ in range(4))
+        self.out = nn.Linear(7, 3)
+        self.sleep_in, self.slept = sleep_in, None
+
+    def forward(self, x):
+        h = self.inp(x)
+        for i, b in enumerate(self.blocks):
+            h = h + b(h)
+            if i == self.sleep_in:
+                t0 = time.perf_counter()
+                time.sleep(0.3)
+                self.slept = (t0, time.perf_counter())
+        return self.out(h)
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+def batch(world: int):
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(world * PER_RANK, 5, generator=g), torch.randn(world * PER_RANK, 3, generator=g)
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def train(model, x, y, steps=STEPS):
+    """The last step's gradients and the parameters after `steps` AdamW steps (which every step's gradients shaped)."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    for _ in range(steps):
+        opt.zero_grad()
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+    return [full(p.grad) for p in model.parameters()], [full(p).detach() for p in model.parameters()]
+
+
+def worst(a, b) -> float:
+    return max(rel_err(u, v) for u, v in zip(a, b))
+
+
+def _equality_cases(rank: int, world: int, mesh, model_fn, x, y, sl) -> dict:
+    out = {}
+    ref_grads, ref_params = train(model_fn(), x, y)
+    plain = model_fn()
+    for b in plain.blocks:
+        torch_fully_shard(b, mesh=mesh)
+    torch_fully_shard(plain, mesh=mesh)
+    plain_grads, plain_params = train(plain, x[sl], y[sl])
+    for p in PREFETCH:
+        m = fully_shard(model_fn(), mesh, prefetch=p)
+        grads, params = train(m, x[sl], y[sl])
+        out[f"prefetch={p} vs single process"] = max(worst(grads, ref_grads), worst(params, ref_params))
+        out[f"prefetch={p} vs FSDP2"] = max(worst(grads, plain_grads), worst(params, plain_params))
+        plan = prefetch_plan(m)
+        out[f"prefetch={p} depths"] = (plan.forward_depth, plan.backward_depth, plan.decided)
+        out[f"prefetch={p} reason"] = plan.reason
+    return out
+
+
+def _memory_case(world: int, mesh) -> dict:
+    m = fully_shard(Net(), mesh, prefetch=1)
+    x, y = batch(world)
+    F.mse_loss(m(x[:PER_RANK]), y[:PER_RANK]).backward()
+    total = sum(p.numel() * p.element_size() for p in Net().parameters())
+    storages, bound = {}, 0
+    for p in m.parameters():
+        local = p.to_local()
+        storages[local.untyped_storage().data_ptr()] = local.untyped_storage().nbytes()
+        rows = -(-p.shape[0] // world)  # FSDP2 pads dim 0 to a multiple of the DP size
+        bound += rows * (p.numel() // p.shape[0]) * p.element_size()
+    return {"param bytes per rank": sum(storages.values()), "model param bytes": total, "padded bound": bound,
+            "all sharded": all(isinstance(p, DTensor) and p.placements[0].is_shard() for p in m.parameters())}
+
+
+def _overlap_case(world: int, mesh) -> dict:
+    """A 0.3 s sleep after block 1: with prefetch 1, block 2's gather (issued in block 1's
+    pre-forward) lands during it; with prefetch 0 it starts after it."""
+    out = {}
+    x, y = batch(world)
+    for depth in (0, 1):
+        m = fully_shard(Net(sleep_in=1), mesh, prefetch=depth)
+        F.mse_loss(m(x[:PER_RANK]), y[:PER_RANK]).backward()  # warm-up
+        with record() as rec:
+            rec.next_step()
+            F.mse_loss(m(x[:PER_RANK]), y[:PER_RANK]).backward()
+        t0 = rec._t0
+        slept = [(a - t0) * 1e3 for a in m.slept]
+        gather = [s for s in rec.spans if s.kind == "zero_all_gather" and s.name == "blocks.2 forward"]
+        out[f"depth {depth} gather"] = (gather[0].start_ms, gather[0].end_ms) if gather else None
+        out[f"depth {depth} sleep"] = tuple(slept)
+        rows = {r.name: r for r in layer_report(rec.spans)}
+        out[f"depth {depth} blocks.2 exposed"] = rows["blocks.2"].forward_gather_exposed_ms
+        out[f"depth {depth} blocks.2 gather ms"] = rows["blocks.2"].forward_gather_ms
+        out[f"depth {depth} kinds"] = sorted({s.kind for s in rec.spans})
+    return out
+
+
+def _bad_input_cases(rank: int, world: int, mesh) -> dict:
+    out = {}
+    cases = {
+        "prefetch=-1 everywhere": dict(prefetch=-1),
+        "prefetch=-1 on the last rank": dict(prefetch=-1 if rank == world - 1 else 1),
+        "prefetch differs": dict(prefetch=rank),
+        "wrap names no module": dict(wrap="nope"),
+        "wrap names no module on rank 0": dict(wrap="nope" if rank == 0 else None),
+    }
+    for name, kw in cases.items():
+        t0 = time.perf_counter()
+        try:
+            fully_shard(Net(), mesh, **kw)
+            out[name] = None
+        except RankMismatchError as e:
+            out[name] = ("RankMismatchError", str(e))
+        except ValueError as e:
+            out[name] = ("ValueError", str(e))
+        out[name + " seconds"] = time.perf_counter() - t0
+    t = torch.ones(1)
+    dist.all_reduce(t)  # the group still pairs after every refusal
+    out["after bad input, sum"] = t.item()
+    return out
+
+
+def _run(cases: tuple[str, ...]) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+    x, y = batch(world)
+    sl = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
+    out = {}
+    if "equal" in cases:
+        out.update(_equality_cases(rank, world, mesh, Net, x, y, sl))
+    if "memory" in cases:
+        out.update(_memory_case(world, mesh))
+    if "overlap" in cases:
+        out.update(_overlap_case(world, mesh))
+    if "bad" in cases:
+        out.update(_bad_input_cases(rank, world, mesh))
+    return out
+
+
+@distributed(world_size=2, timeout_s=60.0)
+def _two():
+    return _run(("equal", "memory", "overlap", "bad"))
+
+
+@distributed(world_size=3, timeout_s=60.0)
+def _three():
+    return _run(("equal", "memory", "bad"))
+
+
+@functools.cache
+def results(world: int) -> list[dict]:
+    return _two() if world == 2 else _three()

@@ -1,0 +1,70 @@
+"""ZeRO-3 (fully_shard on FSDP2): equal to one process and to plain FSDP2 at every prefetch depth,
+really sharded, its gathers on the timeline where prefetch puts them, bad input refused everywhere."""
+
+import pytest
+
+from fsdp_cases import PREFETCH, results
+
+WORLDS = [2, 3]
+TOL = 1e-5
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("prefetch", PREFETCH)
+@pytest.mark.parametrize("peer", ["single process", "FSDP2"])
+def test_grads_and_params_match(world, prefetch, peer):
+    for r in results(world):
+        assert r[f"prefetch={prefetch} vs {peer}"] <= TOL, r
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_fixed_depths_are_set_and_auto_decides_the_same_on_every_rank(world):
+    out = results(world)
+    for r in out:
+        for d in (0, 1, 2):
+            assert r[f"prefetch={d} depths"] == (d, d, True)
+        fd, bd, decided = r["prefetch=auto depths"]
+        assert decided and 0 <= fd <= 4 and 0 <= bd <= 4, r["prefetch=auto reason"]
+        assert "forward depth" in r["prefetch=auto reason"] and "MiB" in r["prefetch=auto reason"]
+    assert len({r["prefetch=auto depths"] for r in out}) == 1  # gathers must pair across ranks
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_parameters_are_sharded(world):
+    for r in results(world):
+        assert r["all sharded"]
+        # Bound: each parameter's dim 0 padded up to a multiple of the DP size, then split.
+        assert r["param bytes per rank"] <= r["padded bound"], r
+        assert r["padded bound"] <= r["model param bytes"] / world + 4 * 4 * 13 * 11, r  # <= one padded row each
+        assert r["param bytes per rank"] < 0.75 * r["model param bytes"] if world == 2 else \
+            r["param bytes per rank"] < 0.5 * r["model param bytes"]
+
+
+def test_prefetch_moves_the_gather_behind_compute():
+    out = results(2)
+    for r in out:
+        (s0, e0), (z0, z1) = r["depth 0 gather"], r["depth 0 sleep"]
+        assert s0 >= z1 - 1.0, r  # depth 0: issued when block 2 starts, after the sleep
+        (s1, e1), (y0, y1) = r["depth 1 gather"], r["depth 1 sleep"]
+        assert s1 <= y0 and e1 <= y1, r  # depth 1: issued in block 1's pre-forward, landed during the sleep
+        assert r["depth 1 blocks.2 exposed"] == 0, r  # all of it under the sleep (compute)
+        assert "zero_all_gather" in r["depth 1 kinds"] and "zero_reduce_scatter" in r["depth 1 kinds"]
+    # At depth 0 the rank whose peer is still sleeping waits for the gather: exposed. (The
+    # other finds it done when it waits, so only the slowest rank's is asserted.)
+    assert max(r["depth 0 blocks.2 exposed"] for r in out) > 0, out
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_bad_input_fails_on_every_rank(world):
+    out = results(world)
+    for r in out:
+        assert r["prefetch=-1 everywhere"][0] == "ValueError" and "integer >= 0" in r["prefetch=-1 everywhere"][1]
+        kind, msg = r["prefetch=-1 on the last rank"]
+        assert kind == "RankMismatchError" and "prefetch differs" in msg and "integer >= 0" in msg, msg
+        assert r["prefetch differs"][0] == "RankMismatchError" and "prefetch differs" in r["prefetch differs"][1]
+        assert r["wrap names no module"][0] == "ValueError" and "'nope'" in r["wrap names no module"][1]
+        assert "blocks" in r["wrap names no module"][1]  # names what the model has
+        assert r["wrap names no module on rank 0"][0] == "RankMismatchError"
+        for name in ("prefetch=-1 on the last rank", "wrap names no module on rank 0"):
+            assert r[name + " seconds"] < 10, r
+        assert r["after bad input, sum"] == world
