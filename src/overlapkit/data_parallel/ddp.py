@@ -27,6 +27,7 @@ from torch.utils._pytree import tree_flatten
 
 from .. import comm
 from ..timeline.recorder import compute_span
+from ..tensor_parallel.params import localize_parameters
 from .agree import check_same_on_ranks, copy_from_first_rank
 from .buckets import GradBuffer
 
@@ -256,6 +257,10 @@ class DataParallel(nn.Module):
                                          grad_reduce_dtype=grad_reduce_dtype, find_unused=find_unused)
         self.module = module
         self.group = group
+        # The TP layers compute on local shards: their DTensor parameters become the plain local
+        # tensors this engine's flat buffers need (their state_dict() still gives DTensors), as
+        # torch's own DDP + TP path swaps DTensors for local tensors.
+        localize_parameters(module)
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         self.sync = GradSync(named, group, self.config, sequence_parallel_group)
         # With a sequence_parallel_group the TP sum of sequence-parallel gradients happens in
