@@ -141,6 +141,11 @@ def markdown(rows: list[dict], summary: dict, extra: list[dict]) -> str:
                    f"{r['bubble_s']:.3f} | {r['host_s']:.3f} |")
     if extra:
         out += ["", "The CP16 row (not one of the 30: cases.json lists it as not run) is priced with `--cp 16`."]
+    out += ["", "What each source used where cases.json leaves it open (`SOURCE_SETTINGS` in this script):", "",
+            "| source | settings | why |", "|---|---|---|"]
+    for k, x in SOURCE_SETTINGS.items():
+        extra_bits = {**x["settings"], **x.get("model", {}), **({"hardware": x["hardware"]} if "hardware" in x else {})}
+        out.append(f"| {k} | {', '.join(f'{a}={b}' for a, b in extra_bits.items())} | {x['why']} |")
     return "\n".join(out) + "\n"
 
 
