@@ -15,7 +15,7 @@ def _demo(args) -> int:
     from .demo import DemoConfig, run
     try:
         cfg = DemoConfig(tp=args.tp, dp=args.dp, steps=args.steps, overlap=args.overlap,
-                         device=args.device, seed=args.seed, trace_dir=args.trace, timeout_s=args.timeout)
+                         device=args.device, seed=args.seed, trace_dir=args.trace, timeout_s=args.timeout, ep=args.ep)
         plot = None if args.plot == "" else check_output_path(args.plot, "--plot")
     except ValueError as e:
         print(f"overlapkit demo: {e}", file=sys.stderr)
@@ -78,6 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="train a tiny GPT with TP+SP(+DP) on local ranks and check it against one process")
     demo.add_argument("--tp", type=int, default=2, help="tensor-parallel size (default 2)")
     demo.add_argument("--dp", type=int, default=2, help="data-parallel size (default 2); ranks = tp*dp")
+    demo.add_argument("--ep", type=int, default=1,
+                      help="expert-parallel size, 1 or dp (default 1): > 1 puts a MoE in every second block")
     demo.add_argument("--steps", type=int, default=3, help="training steps (default 3)")
     demo.add_argument("--overlap", default="bulk", choices=("none", "bulk", "pipelined", "auto"),
                       help="overlap mode of the TP layers (default bulk)")

@@ -50,11 +50,17 @@ class DemoConfig:
     (rank<N>.json), ready for `overlapkit analyze`."""
     timeout_s: float = 120.0
     """Process-group timeout: a rank that stops answering fails the demo after this long."""
+    ep: int = 1
+    """Expert-parallel size, 1 or dp: with ep > 1 every second block's MLP is a MoE (2 experts a rank,
+    top-2, 2 chunks) over the DP ranks, TP inside the experts, the dense layers TP without SP."""
 
     def __post_init__(self) -> None:
         for name in ("tp", "dp", "steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"DemoConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.ep != 1 and self.ep != self.dp:
+            raise ValueError(f"DemoConfig.ep={self.ep} must be 1 or equal dp={self.dp} (the experts are carved out "
+                             "of the whole data-parallel group)")
         if not self.timeout_s > 0 or self.timeout_s == float("inf"):
             raise ValueError(f"DemoConfig.timeout_s must be a finite number of seconds > 0, got {self.timeout_s!r}")
         if self.device not in ("cpu", "cuda"):
@@ -77,14 +83,18 @@ def run_rank(cfg: DemoConfig) -> dict:
     from .tensor_parallel.layers import allreduce_sequence_parallel_grads
     from .timeline import record
 
-    groups = ParallelGroups.build(tp=cfg.tp, dp=cfg.dp)
+    groups = ParallelGroups.build(tp=cfg.tp, dp=cfg.dp, ep=cfg.ep)
     device = torch.device(f"cuda:{torch.cuda.current_device()}" if cfg.device == "cuda" else "cpu")
     mcfg = GPTConfig(vocab_size=16 * cfg.tp, seq_len=8 * cfg.tp, hidden=16 * cfg.tp, num_heads=2 * cfg.tp,
                      ffn_hidden=32 * cfg.tp, num_layers=2)
     torch.manual_seed(cfg.seed)
-    reference = GPT(mcfg).to(device)
-    model = parallelize(copy.deepcopy(reference), groups, sequence_parallel=True, overlap=cfg.overlap)
-    if cfg.dp > 1:
+    if cfg.ep > 1:  # the experts are sharded: DataParallel would average different experts together
+        from .expert_parallel.gpt import expected_local_ep as expected_local, moe_gpts
+        reference, model = moe_gpts(mcfg, groups, cfg.seed, device=device, overlap=cfg.overlap)
+    else:
+        reference = GPT(mcfg).to(device)
+        model = parallelize(copy.deepcopy(reference), groups, sequence_parallel=True, overlap=cfg.overlap)
+    if cfg.dp > 1 and cfg.ep == 1:
         from .data_parallel import DataParallel
         # Sequence-parallel grads (layer norms, row biases) are summed over TP in backward,
         # bucket by bucket, before their data-parallel all-reduce.
@@ -106,7 +116,10 @@ def run_rank(cfg: DemoConfig) -> dict:
             logits = model(idx[rows])
             loss = lm_loss(logits, tgt[rows])
             loss.backward()
-            if cfg.dp == 1:
+            if cfg.ep > 1:
+                from .expert_parallel import average_data_parallel_grads
+                average_data_parallel_grads(model, groups.dp, groups.ep)
+            elif cfg.dp == 1:
                 allreduce_sequence_parallel_grads(model, groups.tp)
 
             ref_opt.zero_grad()
@@ -118,6 +131,8 @@ def run_rank(cfg: DemoConfig) -> dict:
             full_loss = loss.detach().clone()
             dist.all_reduce(full_loss, group=groups.dp)
             full_loss /= cfg.dp
+            if hasattr(logits, "full_tensor"):  # vocabulary-parallel logits: a DTensor sharded over TP
+                logits = logits.full_tensor()
             pairs = [(full_loss, ref_loss), (logits, ref_logits[:, rows])]
             pairs += [(local, ref) for _, local, ref in expected_local(model, reference, "grad")]
             errs = torch.tensor(_max_errors(pairs), device=device)
@@ -131,7 +146,11 @@ def run_rank(cfg: DemoConfig) -> dict:
             if show:
                 progress(f"step {step + 1}/{cfg.steps}: loss {ref_loss.item():.4f}, "
                          f"max rel err vs one process {errs[1].item():.1e}")
-    return dict(rank=groups.rank, steps=steps, spans=rec.spans, origin_unix_ms=rec.origin_unix_ms)
+    out = dict(rank=groups.rank, steps=steps, spans=rec.spans, origin_unix_ms=rec.origin_unix_ms)
+    if cfg.ep > 1:
+        from .expert_parallel.gpt import moe_loads
+        out["moe_loads"] = moe_loads(model)
+    return out
 
 
 @contextlib.contextmanager
@@ -228,6 +247,12 @@ def print_results(cfg: DemoConfig, results: list[dict], plot_path: str | None) -
     for layer, phases in collectives_by_layer(results[0]["spans"]).items():
         layers.add_row(layer, ", ".join(phases["fwd"]) or "-", ", ".join(phases["bwd"]) or "-")
     console.print(layers)
+    if "moe_loads" in results[0]:  # EP: what the routers did in the last step, over the EP ranks of DP row 0
+        from .timeline.report import load_imbalance
+        ep_ranks = [r for r in results if r["rank"] % cfg.tp == 0]
+        for i, (layer, _, _) in enumerate(results[0]["moe_loads"]):
+            load = load_imbalance([r["moe_loads"][i][1] for r in ep_ranks], sum(r["moe_loads"][i][2] for r in ep_ranks))
+            console.print(f"{layer}, last step: {load.line()}")
 
     # Every rank's spans on one clock (the ranks' recorders started at different moments).
     origin = min(r["origin_unix_ms"] for r in results)

@@ -1,7 +1,6 @@
 """TP inside the experts, and the GPT with MoE blocks under EP carved from DP (x TP without SP), equal one process."""
 
 import pytest
-
 import torch
 import torch.distributed as dist
 

@@ -92,7 +92,7 @@ def plan_dispatch(experts: torch.Tensor, num_experts: int, chunks: int, capacity
     send = counts.permute(1, 0, 2).contiguous()  # [dest rank, chunk, local expert]
     if ep > 1:
         recv = torch.empty_like(send)
-        comm.all_to_all_single(recv, send, group, kind="ep_dispatch", name=f"{name}.counts", async_op=False)
+        comm.all_to_all_single(recv, send, group, kind="ep_dispatch", name=f"{name}.fwd.counts", async_op=False)
     else:
         recv = send
     counts_l, recv_l = counts.tolist(), recv.tolist()  # [chunk][rank][e], [src][chunk][e]
