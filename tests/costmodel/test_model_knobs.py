@@ -32,6 +32,13 @@ def test_unfused_attention_prices_the_score_gemms_and_passes_over_s_squared():
     assert unfused.step_ms > flash.step_ms * 1.1
 
 
+def test_flash2_attention_is_slower_on_hopper_only():
+    r = {a: predict(L8, ParallelConfig(dp=8, attention=a), H100) for a in ("flash", "flash2")}
+    f, f2 = (row(r[a].layer_fwd, "attention fwd")["time_ms"] for a in ("flash", "flash2"))
+    assert f2 == pytest.approx(f * H100.flash2_slowdown) and H100.flash2_slowdown == pytest.approx(0.6514 / 0.35, rel=1e-3)
+    assert A100.flash2_slowdown == 1.0  # on Ampere FlashAttention-2 is what the curve already is
+
+
 def test_pipeline_scatter_gather_sends_one_tp_share_over_the_network():
     base = ParallelConfig(tp=8, pp=4, dp=2, sp=False, global_batch=16)
     plain = predict(GPT, base, A100).comm_by_kind["pp_send"]

@@ -80,7 +80,8 @@ def register(subparsers) -> None:
     p.add_argument("--grad-dtype", choices=("bf16", "fp32"), default="bf16", help="dtype of the DP gradient reduction")
     p.add_argument("--bucket-mb", type=float, default=25.0, help="DP gradient bucket size, MiB")
     p.add_argument("--attention", choices=ATTENTION, default="flash",
-                   help="flash, or unfused (scores materialized, softmax + dropout: Megatron before 2022)")
+                   help="flash (cuDNN/FA3-class), flash2 (FlashAttention-2-class, 2024 PyTorch SDPA), or unfused "
+                        "(scores materialized, softmax + dropout: Megatron before 2022)")
     p.add_argument("--pp-scatter-gather", action=argparse.BooleanOptionalAction, default=False,
                    help="pipeline sends split over the TP ranks and re-gathered (Megatron's scatter-gather)")
     p.add_argument("--dp-in-drain", action=argparse.BooleanOptionalAction, default=False,

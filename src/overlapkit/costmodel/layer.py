@@ -83,9 +83,10 @@ def attention_ms(ctx: Ctx) -> tuple[float, float]:
     """(forward, backward) of this rank's attention: flash or unfused, 1/cp of the causal work."""
     model, par, hw = ctx.model, ctx.par, ctx.hw
     heads, s, d = model.num_heads // par.tp, model.seq_len, model.head_dim
-    if par.attention == "flash":
+    if par.attention in ("flash", "flash2"):
         f, b = hw.attention_ms(par.micro_batch, heads, s, d, par.dtype)
-        return f / par.cp, b / par.cp
+        slow = hw.flash2_slowdown if par.attention == "flash2" else 1.0
+        return f * slow / par.cp, b * slow / par.cp
     # Unfused: QK^T and PV as batched GEMMs over the whole s x s (no causal skipping), and the
     # softmax/dropout passes over the scores; backward runs two GEMMs per forward GEMM.
     batch = par.micro_batch * heads

@@ -23,8 +23,10 @@ RECOMPUTE = ("none", "selective", "op", "full")
 (torchtitan's per-op selective AC); full: the whole layer's forward."""
 TRANSPORTS = ("p2p", "symm_mem")
 """Pipelined TP transports: NCCL send/recv (takes SMs) or copy-engine pulls (takes none)."""
-ATTENTION = ("flash", "unfused")
-"""flash: fused attention (FlashAttention / cuDNN); unfused: scores materialized, softmax and
+ATTENTION = ("flash", "flash2", "unfused")
+"""flash: fused attention at the fitted rate (cuDNN / FlashAttention-3-class kernels on Hopper, as
+torch 2.11's SDPA on our H200); flash2: FlashAttention-2-class kernels (PyTorch SDPA's flash backend
+of 2024), slower on Hopper (Hardware.flash2_slowdown); unfused: scores materialized, softmax and
 dropout as separate kernels over b·heads·s² elements (Megatron-LM before 2022)."""
 DTYPES = ("bf16", "fp16", "fp8")
 MAX_SIZE = 1 << 24
