@@ -102,6 +102,11 @@ def test_traces_of_different_jobs_are_refused(tmp_path, capsys):
         (tmp_path / f"{job}.json").write_text(json.dumps(doc))
     assert main([str(tmp_path / "job-a.json"), str(tmp_path / "job-b.json")]) == 2
     assert "job ids ['job-a', 'job-b'] differ" in capsys.readouterr().err
+    e, f = TraceBuilder(rank=0), TraceBuilder(rank=1, base_ns=1_800_000_000_000_000_000)  # years later
+    for t in (e, f):
+        t.launch("gemm", 0, 10, at=0)
+    assert main([str(e.write(tmp_path / "e.json")), str(f.write(tmp_path / "f.json"))]) == 2
+    assert "never overlap in time" in capsys.readouterr().err
 
 
 def test_a_non_numeric_timestamp_is_one_line(tmp_path, capsys):

@@ -142,3 +142,11 @@ def test_unknown_compute_stops_the_walk_at_the_first_check():
     a = analyze(read_traces([DATA / "hta_cpu_only_rank34.json.gz"]))
     (only,) = walk(a)
     assert only["check"] == "compute saturated" and only["verdict"] == "unknown"
+
+
+def test_two_groups_of_one_kind_are_not_taken_for_one():
+    # TP groups {0, 1} and {2, 3} all-gather at different times on one clock, no group named: rank 1
+    # waits 2 ms for rank 0, rank 3 waits 1 ms for rank 2; across groups nobody waits for anybody
+    spans = {0: (0, 1), 1: (-2, 1), 2: (10, 11), 3: (9, 11)}
+    traces = [_trace(r, [_comm(a, b, kind="tp_all_gather", n=0, rank=r)]) for r, (a, b) in spans.items()]
+    assert rank_waits(traces, {}) == {0: 0.0, 1: pytest.approx(2.0), 2: 0.0, 3: pytest.approx(1.0)}

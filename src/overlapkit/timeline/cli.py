@@ -50,7 +50,8 @@ def _fail(problem: str) -> int:
 
 
 def check_one_job(traces) -> None:
-    """Refuse the same rank twice and traces of different jobs (world sizes or job ids differ)."""
+    """Refuse the same rank twice and traces of different jobs (world sizes or job ids differ, or
+    they never overlap in time: the ranks of one job are profiled over the same steps)."""
     seen: dict[int, str] = {}
     for t in traces:
         if t.rank in seen:
@@ -62,6 +63,11 @@ def check_one_job(traces) -> None:
         if len(values) > 1:
             raise TraceError(f"traces of different jobs: {what} {sorted(map(str, values))} differ; analyze each job "
                              f"on its own")
+    if len({t.origin_unix_ms for t in traces}) > 1:  # read_traces puts traces that overlap in time on one axis
+        first, other = traces[0], next(t for t in traces if t.origin_unix_ms != traces[0].origin_unix_ms)
+        raise TraceError(f"traces of different jobs: {first.path} and {other.path} never overlap in time "
+                         f"({abs(other.origin_unix_ms - first.origin_unix_ms) / 1e3:.0f} s apart); analyze each job "
+                         f"on its own")
 
 
 def plan_from_config(pairs: list[str], hardware: str | None):

@@ -43,11 +43,11 @@ def _message(args: dict) -> int:
 
 
 def _group_size(info: dict) -> int:
-    """The process groups' size when they all have one (gloo ranges do not say which group ran them)."""
+    """The process groups' size when they all have one, else 0 (gloo ranges do not say which group ran them)."""
     sizes = {pg.get("pg_size") for pg in info.get("pg_config") or [] if isinstance(pg, dict)}
     if len(sizes) == 1 and isinstance(next(iter(sizes)), int):
         return next(iter(sizes))
-    return info.get("world_size") if isinstance(info.get("world_size"), int) else 0
+    return 0
 
 
 def cpu_spans(ranges: Ranges, gloo, ops, markers: Ranges, info: dict):

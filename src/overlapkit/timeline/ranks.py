@@ -5,7 +5,8 @@ the time a rank spends inside it beyond the fastest rank's time is time spent wa
 others. That needs no common clock: only the durations of the same collective on each rank.
 
 - The same collective: the i-th transfer of one (kind, message size, process group) on each
-  rank (collectives of one group run in the same order on all its members; p2p is left out).
+  rank (collectives of one group run in the same order on all its members; p2p is left out);
+  when the trace names no process group, the members are told apart by ending together.
 - wait of rank r in it = its duration − the shortest duration among the ranks;
   `wait_ms` of a rank = the sum over its collectives, per step.
 - behind_ms of rank r = median over the other ranks of their wait_ms − r's wait_ms: how much
@@ -29,6 +30,10 @@ STRAGGLER_MS = 0.05
 """A straggler is behind by at least this many ms per step ..."""
 STRAGGLER_SHARE = 0.05
 """... and by at least this share of the median step time."""
+END_TOLERANCE_MS = 0.05
+"""Transfers of one collective instance end within this many ms of each other on its members ..."""
+END_TOLERANCE_SHARE = 0.05
+"""... or within this share of its median duration, whichever is larger."""
 SLOW_GROUP_SHARE = 0.5
 """A group whose bus bandwidth is below this share of its peers' median is flagged."""
 
@@ -58,18 +63,42 @@ def _members(key: tuple, ranks: list[int]) -> list[list[int]]:
     return [ranks]
 
 
+def _co_ending(spans: dict[int, object]) -> list[list[int]]:
+    """Ranks whose transfers end together: the members of one collective instance (see rank_waits)."""
+    order = sorted(spans, key=lambda r: spans[r].end_ms)
+    tol = max(END_TOLERANCE_MS, END_TOLERANCE_SHARE * statistics.median(s.duration_ms for s in spans.values()))
+    groups = [[order[0]]]
+    for prev, r in zip(order, order[1:]):
+        if spans[r].end_ms - spans[prev].end_ms > tol:
+            groups.append([])
+        groups[-1].append(r)
+    return groups
+
+
 def rank_waits(traces, n_steps: dict[int, int]) -> dict[int, float]:
-    """Per rank, ms per step spent inside collectives waiting for the last rank to arrive."""
+    """Per rank, ms per step spent inside collectives waiting for the last rank to arrive.
+
+    Who ran a collective together: the process group the trace names, or all the ranks given
+    when the group size says so; else, when the traces share a clock, the ranks whose i-th transfers of it end together (within END_TOLERANCE_MS or
+    END_TOLERANCE_SHARE of its duration: a collective completes on all members at once), so two
+    TP groups' all-gathers are not taken for one; else every rank that ran it.
+    """
     wait = {t.rank: 0.0 for t in traces}
+    shared_clock = len({t.origin_unix_ms for t in traces}) == 1
     for key, by_rank in _instances(traces).items():
         for members in _members(key, sorted(by_rank)):
             if len(members) < 2:
                 continue
             for i in range(min(len(by_rank[r]) for r in members)):
-                durations = {r: by_rank[r][i].duration_ms for r in members}
-                fastest = min(durations.values())
-                for r, d in durations.items():
-                    wait[r] += d - fastest
+                instance = {r: by_rank[r][i] for r in members}
+                known = key[2] or instance[members[0]].group_size == len(members)
+                together = [members] if known or not shared_clock else _co_ending(instance)
+                for group in together:
+                    if len(group) < 2:
+                        continue
+                    fastest = min(instance[r].duration_ms for r in group)
+                    for r in group:
+                        wait[r] += instance[r].duration_ms - fastest
     return {r: w / max(1, n_steps.get(r, 1)) for r, w in wait.items()}
 
 

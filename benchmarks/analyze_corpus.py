@@ -1,0 +1,117 @@
+"""`overlapkit analyze` on every job of the third-party trace corpus, against HolisticTraceAnalysis.
+
+For each folder of ../shared/traces/corpus: our overlap % per rank (read + report + the
+diagnosis's analysis, timed, best of --repeat), HTA 0.5.0's figure from the corpus's
+hta_reference.json, the difference, and — when HTA is importable (`--hta-path` to where it is
+installed) — HTA's own time for `TraceAnalysis(trace_dir=...).get_comm_comp_overlap()`.
+
+    python benchmarks/analyze_corpus.py --out benchmarks/results
+    python benchmarks/analyze_corpus.py --hta-path /tmp/hta --out benchmarks/results
+
+Writes benchmarks/results/analyze_corpus.json and .md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+from _common import write_results
+from overlapkit.timeline.diagnose import analyze
+from overlapkit.timeline.trace import TraceError, read_traces
+
+CORPUS = Path(__file__).resolve().parents[1] / ".." / "shared" / "traces" / "corpus"
+
+
+def _ours(folder: Path, repeat: int):
+    files = sorted(p for p in folder.iterdir() if p.is_file())
+    note, rank = "", None
+    best, result = float("inf"), None
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        try:
+            traces = read_traces(files, rank=rank)
+        except TraceError as e:
+            if "no rank" in str(e) and len(files) == 1:
+                rank, note = 0, "no rank in the trace: read as rank 0 (as HTA does)"
+                traces = read_traces(files, rank=0)
+            else:
+                return None, time.perf_counter() - t0, str(e).split(": ", 1)[-1]
+        a = analyze(traces)
+        best = min(best, time.perf_counter() - t0)
+        result = {r.rank: r.total.overlap_pct for r in a.report.ranks}
+        if not all(t.compute_known for t in traces):
+            note = "compute unknown: " + traces[0].notes[0]
+    return result, best, note
+
+
+def _hta(folder: Path):
+    from hta.trace_analysis import TraceAnalysis
+
+    t0 = time.perf_counter()
+    try:
+        df = TraceAnalysis(trace_dir=str(folder)).get_comm_comp_overlap()
+        out = {int(r): float(v) for r, v in zip(df["rank"], df["comp_comm_overlap_pctg"])}
+    except Exception as e:  # HTA's own failures are data for the table, not ours to fix
+        out = f"HTA failed: {type(e).__name__}"
+    return out, time.perf_counter() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--corpus", default=str(CORPUS))
+    ap.add_argument("--repeat", type=int, default=3, help="time our analysis this many times, keep the best")
+    ap.add_argument("--hta-path", help="a directory holding an installed HolisticTraceAnalysis (pip --target)")
+    ap.add_argument("--out", default="benchmarks/results")
+    args = ap.parse_args()
+    corpus = Path(args.corpus)
+    reference = json.loads((corpus / "hta_reference.json").read_text())["cases"]
+    hta_ok = False
+    if args.hta_path:
+        sys.path.insert(0, args.hta_path)
+        try:
+            import hta  # noqa: F401
+
+            hta_ok = True
+        except ImportError as e:
+            print(f"HTA not importable from {args.hta_path}: {e}", file=sys.stderr)
+    rows = []
+    for folder in sorted(p for p in corpus.iterdir() if p.is_dir()):
+        ours, seconds, note = _ours(folder, args.repeat)
+        ref = reference.get(folder.name, {})
+        hta_ref = ref.get("hta_by_rank") or ({str(ref.get("rank", 0)): ref["hta"]} if "hta" in ref else {})
+        row = dict(job=folder.name, ours=ours, ours_s=seconds, hta_reference=hta_ref, note=note)
+        if hta_ok:
+            row["hta_measured"], row["hta_s"] = _hta(folder)
+        rows.append(row)
+        print(f"{folder.name}: {ours} in {seconds:.2f} s {note}", file=sys.stderr, flush=True)
+    write_results(dict(corpus=str(corpus), hta_timed=hta_ok, rows=rows),
+                  os.path.join(args.out, "analyze_corpus"), _markdown)
+
+
+def _fmt(x) -> str:
+    return "—" if x is None else f"{x:.2f}"
+
+
+def _markdown(result: dict) -> str:
+    lines = ["| job | rank | HTA 0.5.0 % | overlapkit % | diff | overlapkit s | HTA s | note |",
+             "|---|---:|---:|---:|---:|---:|---:|---|"]
+    for r in result["rows"]:
+        ours = r["ours"] or {}
+        ranks = sorted(set(map(int, ours)) | set(map(int, r["hta_reference"]))) or ["—"]
+        for i, rank in enumerate(ranks):
+            o = ours.get(rank) if isinstance(rank, int) else None
+            h = r["hta_reference"].get(str(rank))
+            diff = o - h if o is not None and h is not None else None
+            hta_s = f"{r['hta_s']:.2f}" if "hta_s" in r and i == 0 else ""
+            lines.append(f"| {r['job'] if i == 0 else ''} | {rank} | {_fmt(h)} | {_fmt(o)} | {_fmt(diff)} | "
+                         f"{r['ours_s']:.2f} | {hta_s} | {r['note'] if i == 0 else ''} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()
