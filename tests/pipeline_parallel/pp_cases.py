@@ -4,6 +4,7 @@ returns the worst relative error of the loss and of every gradient against one p
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -55,15 +56,37 @@ def loss_fn(logits, target):
     return lm_loss(logits, target)
 
 
-def pipeline_case(groups: ParallelGroups, schedule: str, v: int, m: int, overlap: bool, layers: int,
+@dataclass(frozen=True)
+class Layout:
+    """What a case reads of a ParallelGroups: groups and sizes of pp, dp, tp (dp/tp of size 1: None)."""
+
+    pp: object
+    dp: object = None
+    tp: object = None
+
+    def size(self, dim):
+        g = getattr(self, dim)
+        return dist.get_world_size(g) if g is not None else 1
+
+    def rank(self, dim):
+        g = getattr(self, dim)
+        return dist.get_rank(g) if g is not None else 0
+
+
+def layout_of(groups: ParallelGroups, dp: bool = True, tp: bool = True) -> Layout:
+    return Layout(pp=groups.pp, dp=groups.dp if dp and groups.sizes.dp > 1 else None,
+                  tp=groups.tp if tp and groups.sizes.tp > 1 else None)
+
+
+def pipeline_case(groups: Layout, schedule: str, v: int, m: int, overlap: bool, layers: int,
                   steps: int = 1, sequence_parallel: bool = True) -> float:
     """Worst relative error (loss and every gradient, every step) of a pp x dp x tp pipeline vs one process."""
-    tp, dp, pp = groups.sizes.tp, groups.sizes.dp, groups.sizes.pp
+    tp, dp, pp = groups.size("tp"), groups.size("dp"), groups.size("pp")
     ref = tiny_gpt(tp, layers)
     model = copy.deepcopy(ref)
     if tp > 1:
-        model = parallelize(model, groups, sequence_parallel=sequence_parallel, overlap="none")
-    chunks, layout = gpt_chunks(model, pp, groups.pp_rank, v)
+        model = parallelize(model, groups.tp, sequence_parallel=sequence_parallel, overlap="none")
+    chunks, layout = gpt_chunks(model, pp, groups.rank("pp"), v)
     if dp > 1:
         chunks = [DataParallel(c, groups.dp, sequence_parallel_group=groups.tp if tp > 1 else None)
                   for c in chunks]
@@ -77,7 +100,7 @@ def pipeline_case(groups: ParallelGroups, schedule: str, v: int, m: int, overlap
         for c in chunks:
             c.zero_grad() if isinstance(c, DataParallel) else c.zero_grad(set_to_none=True)
         ref_loss = reference_grads(ref, idx, tgt, m)
-        d = groups.dp_rank
+        d = groups.rank("dp")
         loss = engine.step(idx[d], tgt[d])
         if tp > 1 and dp == 1:
             for c in chunks:

@@ -36,6 +36,11 @@ from .p2p import TickComm, producer_key, recording, restamp_receives
 from .schedules import SCHEDULES, Action, check_schedule, rank_actions, timetable
 
 
+_SWEEPS: dict[str, int] = {}
+"""Shape sweeps run so far on each pipeline group, by group name: the k-th sweep of a group has the
+same store keys on every rank, and no sweep reads an earlier one's (stale) shapes."""
+
+
 @dataclass(frozen=True)
 class PipelineConfig:
     """How a pipeline step runs."""
@@ -122,7 +127,6 @@ class PipelineEngine:
             if a.op == "B":
                 self._last_backward[a.chunk] = a.mb
         self._shapes: dict[tuple, list] = {}
-        self._sweeps = 0
         self.timings: list[StepTiming] = []
         """One entry per step run while a CPU timeline recorder was active."""
 
@@ -247,8 +251,9 @@ class PipelineEngine:
         nothing the timetable does not expect; each rank waits at most the group's timeout.
         """
         store = dist.distributed_c10d._get_default_store()
-        prefix = f"overlapkit/pp/{self.group.group_name}/shapes/{self._sweeps}/"
-        self._sweeps += 1
+        name = self.group.group_name
+        prefix = f"overlapkit/pp/{name}/shapes/{_SWEEPS.get(name, 0)}/"
+        _SWEEPS[name] = _SWEEPS.get(name, 0) + 1
         timeout = datetime.timedelta(seconds=group_timeout_s(self.group))
         shape, dtype = in_sig[0], in_sig[1]
         for c in range(self.n_chunks - 1):

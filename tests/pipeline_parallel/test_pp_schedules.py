@@ -1,0 +1,129 @@
+"""Schedules and cuts, no processes: every allowed (schedule, pp, v, m) finishes, runs each
+forward and backward once, keeps its order of transfers the same on both ends, and the bad
+ones are refused naming the value."""
+
+import pytest
+import torch
+from torch import nn
+
+from overlapkit.models import GPT, GPTConfig
+from overlapkit.pipeline_parallel import (SCHEDULES, bubble_fraction, check_schedule, gpt_chunks, rank_actions,
+                                          sequential_chunks, split_layers, timetable)
+from overlapkit.pipeline_parallel.p2p import producer_key
+
+
+def _allowed():
+    for s in SCHEDULES:
+        for pp in (1, 2, 3, 4):
+            for v in (1, 2, 3):
+                for m in range(1, 10):
+                    try:
+                        check_schedule(s, pp, v, m)
+                    except ValueError:
+                        continue
+                    yield s, pp, v, m
+
+
+def test_every_allowed_schedule_finishes_and_runs_each_action_once():
+    n = 0
+    for s, pp, v, m in _allowed():
+        table = timetable(s, pp, v, m)
+        n += 1
+        for r in range(pp):
+            ran = [a for _, a in table.ticks[r]]
+            want = {(op, mb, c) for op in "FB" for mb in range(m) for c in range(r, pp * v, pp)}
+            assert sorted((a.op, a.mb, a.chunk) for a in ran) == sorted(want), (s, pp, v, m, r)
+            ticks = [t for t, _ in table.ticks[r]]
+            assert ticks == sorted(set(ticks))  # one action a tick, in the rank's order
+            assert ran == rank_actions(s, pp, v, m, r)
+        # Every transfer is consumed strictly after it was produced, on another rank.
+        when = {(a.op, a.chunk, a.mb): t for row in table.ticks for t, a in row}
+        for t in table.transfers:
+            assert t.src != t.dst and when[(t.action.op, t.action.chunk, t.action.mb)] > t.tick
+            assert when[producer_key(t)] == t.tick
+    assert n > 60
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_both_ends_issue_transfers_in_the_same_order(overlap):
+    # What NCCL needs (it matches point-to-point by order, not tag): the sends a posts to b come
+    # in the order b posts its receives from a; and every tag is unique in a step (what gloo matches).
+    for s, pp, v, m in _allowed():
+        table = timetable(s, pp, v, m)
+        lag = 1 if overlap else 0
+        for a in range(pp):
+            for b in range(pp):
+                sent = [t for tick in range(table.n_ticks) for t in table.sends(a).get(tick, []) if t.dst == b]
+                posted = [t for tick in range(-lag, table.n_ticks) for t in table.recvs(b).get(tick + lag, [])
+                          if t.src == a]
+                assert sent == posted, (s, pp, v, m, a, b)
+        assert len({(t.src, t.dst, t.tag) for t in table.transfers}) == len(table.transfers)
+
+
+def test_1f1b_order_is_the_textbook_one():
+    # pp=4, m=4, rank 1: two warm-up forwards, then one forward one backward, then the drain.
+    order = [(a.op, a.mb) for a in rank_actions("1f1b", 4, 1, 4, 1)]
+    assert order == [("F", 0), ("F", 1), ("F", 2), ("B", 0), ("F", 3), ("B", 1), ("B", 2), ("B", 3)]
+    assert [(a.op, a.mb) for a in rank_actions("1f1b", 4, 1, 4, 3)] == [("F", 0), ("B", 0), ("F", 1), ("B", 1),
+                                                                         ("F", 2), ("B", 2), ("F", 3), ("B", 3)]
+
+
+def test_timetable_length_is_the_bubble_formula():
+    # Unit-time ticks, forward = backward: 2·v·m busy ticks + 2·(p-1) ticks of bubble (1F1B, interleaved).
+    for pp, v, m in ((2, 1, 4), (4, 1, 8), (4, 2, 4), (2, 2, 4), (3, 2, 6)):
+        s = "1f1b" if v == 1 else "interleaved-1f1b"
+        assert timetable(s, pp, v, m).n_ticks == 2 * v * m + 2 * (pp - 1), (pp, v, m)
+    assert bubble_fraction(4, 2, 8) == pytest.approx(3 / 16)
+
+
+@pytest.mark.parametrize("args, needle", [
+    (("1f1b", 4, 1, 3), "microbatches=3 < pp=4"),
+    (("interleaved-1f1b", 2, 2, 3), "microbatches=3, pp=2"),
+    (("1f1b", 2, 2, 4), "virtual_stages=2"),
+    (("zero-bubble", 2, 1, 4), "'zero-bubble'"),
+    (("gpipe", 2, 1, 0), "microbatches=0"),
+])
+def test_bad_schedules_are_refused_naming_the_value(args, needle):
+    with pytest.raises(ValueError, match=needle.replace("(", r"\(").replace("'", "'")):
+        check_schedule(*args)
+
+
+def test_split_layers_even_uneven_and_refused():
+    assert split_layers(8, 4) == (2, 2, 2, 2)
+    assert split_layers(6, 4) == (1, 2, 2, 1)  # the remainder to the middle: the ends carry embedding/head
+    assert split_layers(7, 2, 2) == (2, 2, 2, 1)  # middle first, then the lower end
+    assert split_layers(4, 2, counts=[3, 1]) == (3, 1)
+    assert split_layers(2, 3, counts=[0, 2, 0], ends_may_be_empty=True) == (0, 2, 0)
+    with pytest.raises(ValueError, match="cannot split 3 layers into pp=2 x virtual_stages=2 = 4 chunks"):
+        split_layers(3, 2, 2)
+    with pytest.raises(ValueError, match=r"layer_counts=\[3, 2\] must be 2 integers"):
+        split_layers(4, 2, counts=[3, 2])
+    with pytest.raises(ValueError, match="chunk 1 would hold no layer"):
+        split_layers(2, 3, counts=[1, 0, 1], ends_may_be_empty=True)
+
+
+def test_gpt_chunks_compose_to_the_model_and_keep_its_names():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(num_layers=5))
+    idx = torch.randint(0, 64, (2, 16))
+    for pp, v in ((2, 1), (3, 1), (2, 2)):
+        per_rank = [gpt_chunks(model, pp, r, v) for r in range(pp)]
+        layout = per_rank[0][1]
+        assert sum(layout.counts) == 5 and "embeddings" in layout.describe()
+        chunks = [per_rank[c % pp][0][c // pp] for c in range(pp * v)]
+        x = idx
+        for c in chunks:
+            x = c(x)
+        assert torch.equal(x, model(idx))
+        names = {n for c in chunks for n, _ in c.named_parameters()}
+        assert names == {n for n, _ in model.named_parameters()}
+
+
+def test_sequential_chunks_keep_the_sequential_names():
+    seq = nn.Sequential(*[nn.Linear(4, 4) for _ in range(5)])
+    chunks, layout = sequential_chunks(seq, 2, 1)
+    assert layout.counts == (3, 2)
+    assert [n for n, _ in chunks[0].named_parameters()] == ["3.weight", "3.bias", "4.weight", "4.bias"]
+    x = torch.randn(3, 4)
+    first, _ = sequential_chunks(seq, 2, 0)
+    assert torch.equal(chunks[0](first[0](x)), seq(x))
