@@ -184,7 +184,15 @@ def markdown(result: dict) -> str:
                      f"{fmt(r['hidden_pct'], '.0f')} | {fmt(r.get('removed_vs_1_pct'), '.0f')} | "
                      f"{fmt(r['chunk_compute_ms'], '.2f')} | {fmt(r['chunk_transfer_ms'], '.2f')} | "
                      f"{fmt(load.get('rank_max_over_mean'), '.2f')} |")
-    return head + "\n".join(lines) + "\n"
+    tail = ""
+    mlp = next((r for r in result["rows"] if r["variant"] == "plain MLP"), None)
+    if mlp is not None:
+        moe = next(r for r in result["rows"] if r["variant"] == "uniform" and r["chunks"] == 1)
+        tail = (f"\nFixed cost of the MoE layer (uniform, chunks=1, no transfer at world size 1) over a plain MLP of "
+                f"inner width top_k x ffn (the same active parameters): fwd {moe['fwd_ms'] - mlp['fwd_ms']:+.2f} ms "
+                f"(x{moe['fwd_ms'] / mlp['fwd_ms']:.2f}), fwd+bwd {moe['step_ms'] - mlp['step_ms']:+.2f} ms "
+                f"(x{moe['step_ms'] / mlp['step_ms']:.2f}).\n")
+    return head + "\n".join(lines) + "\n" + tail
 
 
 def main(argv: list[str] | None = None) -> int:
