@@ -104,13 +104,18 @@ def _load_unsharded(path):
     return all(torch.equal(a, b) for a, b in zip(sd.values(), _reference().state_dict().values()))
 
 
-def test_dcp_saves_at_tp2_and_loads_at_tp2_tp4_and_unsharded(tmp_path):
+def test_dcp_saves_at_tp2_and_loads_at_tp2_tp4_and_unsharded_and_meta_init(tmp_path):
     path = str(tmp_path / "ckpt")
     for out in _save_and_reload_tp2(path):
         assert out["placements"] == [("0.weight", "DTensor", (("Shard", 0),)), ("0.bias", "DTensor", (("Shard", 0),)),
                                      ("2.weight", "DTensor", (("Shard", 1),)), ("2.bias", "DTensor", (("Replicate", None),))]
         assert out["tp2 bit-equal"] and out["full_state_dict plain and equal"] and out["load full plain"]
         assert "must be the full (unsharded) parameter of shape (12, 8)" in out["local-shaped plain"]
+        # Meta init: to_empty + reset_parameters (seeded like nn.Linear) gives nn.Linear's parameters.
+        for name, r in out["meta"].items():
+            assert r["eager"] and r["meta"], (name, r)
+            assert r["dtensor_after_to_empty"] == "DTensor"
+            assert "materialize them with to_empty" in r["refused"]
     for out in _load_tp4_and_meshes(path):
         assert out["tp4 bit-equal"]
         assert out["2-D mesh -> its tp dim"] and out["ParallelGroups -> mesh['tp']"] and out["ProcessGroup -> 1-D mesh"]
@@ -140,11 +145,3 @@ def _meta_init():
             meta=torch.equal(meta.weight.full_tensor(), ref.weight) and torch.equal(meta.bias.full_tensor(), ref.bias),
             dtensor_after_to_empty=type(meta.weight).__name__, refused=refused)
     return out
-
-
-def test_meta_init_then_to_empty_and_reset_parameters_equals_seeded_nn_linear(tmp_path):
-    for out in _save_and_reload_tp2(str(tmp_path / "ckpt")):
-        for name, r in out["meta"].items():
-            assert r["eager"] and r["meta"], (name, r)
-            assert r["dtensor_after_to_empty"] == "DTensor"
-            assert "materialize them with to_empty" in r["refused"]
