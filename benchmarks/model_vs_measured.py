@@ -240,6 +240,25 @@ def engine_rows(results: Path) -> list[dict]:
         rows += tp_engine_rows(json.loads(path.read_text()))
     if (results / "dp_overlap_cuda.json").is_file():
         rows += dp_engine_rows(json.loads((results / "dp_overlap_cuda.json").read_text()))
+    if (results / "lm_head_probe_cuda.json").is_file():
+        rows += lm_head_rows(json.loads((results / "lm_head_probe_cuda.json").read_text()))
+    return rows
+
+
+def lm_head_rows(d: dict) -> list[dict]:
+    """lm_head_probe.py on CUDA: the LM head GEMM and its fp32 cross-entropy, forward and backward."""
+    hw = _hardware_of(d["device"])
+    if hw is None:
+        return []
+    rows = []
+    for r in d["rows"]:
+        model = ModelConfig(hidden=r["hidden"], ffn_hidden=r["hidden"], num_layers=1, num_heads=1,
+                            seq_len=r["tokens"], vocab_size=r["vocab"], gated_mlp=False)
+        p = predict(model, ParallelConfig(sp=False), hw)
+        shape = f"LM head {r['tokens']}x{r['hidden']}x{r['vocab']}"
+        rows += [dict(what=f"{shape}: head + cross-entropy forward, ms", predicted=p.head_fwd.wall_ms, measured=r["fwd_ms"]),
+                 dict(what=f"{shape}: forward + backward, ms", predicted=p.head_fwd.wall_ms + p.head_bwd.wall_ms,
+                      measured=r["fwd_bwd_ms"])]
     return rows
 
 

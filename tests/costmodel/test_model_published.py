@@ -72,3 +72,18 @@ def test_engine_benchmark_results_are_predicted_when_present(bench, tmp_path):
     dp_row = next(r for k, r in rows.items() if k.startswith("DP benchmark GPT, world 1: step without communication"))
     assert len(rows) == 3 and dp_row["predicted"] > 0
     assert bench.engine_rows(tmp_path / "nothing") == []
+
+
+def test_lm_head_probe_results_are_predicted_when_present(bench, tmp_path):
+    """lm_head_probe.py's CUDA format; made-up times exercise the reader, the prediction is the model's."""
+    import json
+
+    d = {"device": "NVIDIA H200", "rows": [{"tokens": 8192, "hidden": 4096, "vocab": 128256,
+                                             "gemm_ms": 10.0, "fwd_ms": 20.0, "fwd_bwd_ms": 50.0}]}
+    (tmp_path / "lm_head_probe_cuda.json").write_text(json.dumps(d))
+    rows = bench.engine_rows(tmp_path)
+    assert [r["measured"] for r in rows] == [20.0, 50.0]
+    # the head GEMM (8192 x 4096 x 128256) plus 30 B per fp32 logit at the H200's elementwise rate
+    gemm = bench.preset("h200-sxm").gemm_ms(8192, 4096, 128256)
+    ce = 8192 * 128256 * 30 / (bench.preset("h200-sxm").memory.elementwise_gbps * 1e6)
+    assert rows[0]["predicted"] == pytest.approx(gemm + ce)
