@@ -15,7 +15,8 @@ def _demo(args) -> int:
     from .demo import DemoConfig, run
     try:
         cfg = DemoConfig(tp=args.tp, dp=args.dp, steps=args.steps, overlap=args.overlap,
-                         device=args.device, seed=args.seed, trace_dir=args.trace, timeout_s=args.timeout, ep=args.ep)
+                         device=args.device, seed=args.seed, trace_dir=args.trace, timeout_s=args.timeout, ep=args.ep,
+                         cp=args.cp)
         plot = None if args.plot == "" else check_output_path(args.plot, "--plot")
     except ValueError as e:
         print(f"overlapkit demo: {e}", file=sys.stderr)
@@ -80,6 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--dp", type=int, default=2, help="data-parallel size (default 2); ranks = tp*dp")
     demo.add_argument("--ep", type=int, default=1,
                       help="expert-parallel size, 1 or dp (default 1): > 1 puts a MoE in every second block")
+    demo.add_argument("--cp", type=int, default=1,
+                      help="context-parallel size (default 1): > 1 splits each sequence and runs ring attention; ranks = tp*dp*cp")
     demo.add_argument("--steps", type=int, default=3, help="training steps (default 3)")
     demo.add_argument("--overlap", default="bulk", choices=("none", "bulk", "pipelined", "auto"),
                       help="overlap mode of the TP layers (default bulk)")

@@ -53,14 +53,19 @@ class DemoConfig:
     ep: int = 1
     """Expert-parallel size, 1 or dp: with ep > 1 every second block's MLP is a MoE (2 experts a rank,
     top-2, 2 chunks) over the DP ranks, TP inside the experts, the dense layers TP without SP."""
+    cp: int = 1
+    """Context-parallel size: ranks that split each sequence (zigzag) and run ring attention over it;
+    gradients then average over dp x cp ranks."""
 
     def __post_init__(self) -> None:
-        for name in ("tp", "dp", "steps"):
+        for name in ("tp", "dp", "steps", "cp"):
             if getattr(self, name) < 1:
                 raise ValueError(f"DemoConfig.{name} must be >= 1, got {getattr(self, name)}")
         if self.ep != 1 and self.ep != self.dp:
             raise ValueError(f"DemoConfig.ep={self.ep} must be 1 or equal dp={self.dp} (the experts are carved out "
                              "of the whole data-parallel group)")
+        if self.cp > 1 and self.ep > 1:
+            raise ValueError(f"DemoConfig.cp={self.cp} with ep={self.ep}: the demo runs CP with dense MLPs only")
         if not self.timeout_s > 0 or self.timeout_s == float("inf"):
             raise ValueError(f"DemoConfig.timeout_s must be a finite number of seconds > 0, got {self.timeout_s!r}")
         if self.device not in ("cpu", "cuda"):
@@ -83,9 +88,9 @@ def run_rank(cfg: DemoConfig) -> dict:
     from .tensor_parallel.layers import allreduce_sequence_parallel_grads
     from .timeline import record
 
-    groups = ParallelGroups.build(tp=cfg.tp, dp=cfg.dp, ep=cfg.ep)
+    groups = ParallelGroups.build(tp=cfg.tp, dp=cfg.dp, ep=cfg.ep, cp=cfg.cp)
     device = torch.device(f"cuda:{torch.cuda.current_device()}" if cfg.device == "cuda" else "cpu")
-    mcfg = GPTConfig(vocab_size=16 * cfg.tp, seq_len=8 * cfg.tp, hidden=16 * cfg.tp, num_heads=2 * cfg.tp,
+    mcfg = GPTConfig(vocab_size=16 * cfg.tp, seq_len=8 * cfg.tp * cfg.cp, hidden=16 * cfg.tp, num_heads=2 * cfg.tp,
                      ffn_hidden=32 * cfg.tp, num_layers=2)
     torch.manual_seed(cfg.seed)
     if cfg.ep > 1:  # the experts are sharded: DataParallel would average different experts together
@@ -94,11 +99,15 @@ def run_rank(cfg: DemoConfig) -> dict:
     else:
         reference = GPT(mcfg).to(device)
         model = parallelize(copy.deepcopy(reference), groups, sequence_parallel=True, overlap=cfg.overlap)
-    if cfg.dp > 1 and cfg.ep == 1:
+    replicas = groups.dp
+    if cfg.cp > 1:  # ring attention over the CP ranks; parameters are replicated over dp x cp
+        from .context_parallel.models import apply_to_gpt, replicas_group
+        model, replicas = apply_to_gpt(model, groups.cp), replicas_group(groups)
+    if (cfg.dp > 1 or cfg.cp > 1) and cfg.ep == 1:
         from .data_parallel import DataParallel
         # Sequence-parallel grads (layer norms, row biases) are summed over TP in backward,
         # bucket by bucket, before their data-parallel all-reduce.
-        model = DataParallel(model, groups.dp, sequence_parallel_group=groups.tp)
+        model = DataParallel(model, replicas, sequence_parallel_group=groups.tp)
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.5)
     batch = 2 * cfg.dp
@@ -107,19 +116,23 @@ def run_rank(cfg: DemoConfig) -> dict:
     steps = []
     show = groups.rank == 0
     if show:
-        progress(f"model built (tp={cfg.tp} dp={cfg.dp}, overlap={cfg.overlap}); training {cfg.steps} steps")
+        progress(f"model built (tp={cfg.tp} dp={cfg.dp}{f' cp={cfg.cp}' if cfg.cp > 1 else ''}, overlap={cfg.overlap}); training {cfg.steps} steps")
     with record(device=device) as rec, _profiler(cfg.trace_dir, groups.rank, device, cfg.steps) as prof:
         for step in range(cfg.steps):
             idx = torch.randint(0, mcfg.vocab_size, (batch, mcfg.seq_len), generator=gen).to(device)
             tgt = torch.randint(0, mcfg.vocab_size, (batch, mcfg.seq_len), generator=gen).to(device)
             opt.zero_grad(set_to_none=False)
-            logits = model(idx[rows])
-            loss = lm_loss(logits, tgt[rows])
+            mine, my_tgt = idx[rows], tgt[rows]
+            if cfg.cp > 1:  # this CP rank's slice of every sequence (its positions follow inside the model)
+                from .context_parallel.models import shard_batch
+                mine, my_tgt = shard_batch(mine, groups.cp)[0], shard_batch(my_tgt, groups.cp)[0]
+            logits = model(mine)
+            loss = lm_loss(logits, my_tgt)
             loss.backward()
             if cfg.ep > 1:
                 from .expert_parallel import average_data_parallel_grads
                 average_data_parallel_grads(model, groups.dp, groups.ep)
-            elif cfg.dp == 1:
+            elif cfg.dp == 1 and cfg.cp == 1:
                 allreduce_sequence_parallel_grads(model, groups.tp)
 
             ref_opt.zero_grad()
@@ -127,13 +140,17 @@ def run_rank(cfg: DemoConfig) -> dict:
             ref_loss = lm_loss(ref_logits, tgt)
             ref_loss.backward()
 
-            # The loss of this DP rank covers its rows: the mean over DP ranks is the full loss.
+            # The loss of this DP (x CP) rank covers its rows (and tokens): the mean over them is the full loss.
             full_loss = loss.detach().clone()
-            dist.all_reduce(full_loss, group=groups.dp)
-            full_loss /= cfg.dp
+            dist.all_reduce(full_loss, group=replicas)
+            full_loss /= cfg.dp * cfg.cp
             if hasattr(logits, "full_tensor"):  # vocabulary-parallel logits: a DTensor sharded over TP
                 logits = logits.full_tensor()
-            pairs = [(full_loss, ref_loss), (logits, ref_logits[:, rows])]
+            ref_mine = ref_logits[:, rows]
+            if cfg.cp > 1:
+                from .context_parallel import shard
+                ref_mine = shard(ref_mine, 0, groups.cp_rank, cfg.cp, "zigzag")
+            pairs = [(full_loss, ref_loss), (logits, ref_mine)]
             pairs += [(local, ref) for _, local, ref in expected_local(model, reference, "grad")]
             errs = torch.tensor(_max_errors(pairs), device=device)
             dist.all_reduce(errs, op=dist.ReduceOp.MAX)
@@ -200,10 +217,10 @@ def run(cfg: DemoConfig, plot_path: str | None = "timeline.png") -> int:
     """Run the demo (spawning ranks, or in-process under torchrun) and print the results."""
     from .launch import spawn
 
-    world = cfg.tp * cfg.dp
+    world = cfg.tp * cfg.dp * cfg.cp
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun: this process is a rank
         from .groups import init
-        init(tp=cfg.tp, dp=cfg.dp, backend="nccl" if cfg.device == "cuda" else "gloo", timeout_s=cfg.timeout_s)
+        init(tp=cfg.tp, dp=cfg.dp, cp=cfg.cp, backend="nccl" if cfg.device == "cuda" else "gloo", timeout_s=cfg.timeout_s)
         try:
             results = [run_rank(cfg)]
         finally:
@@ -213,7 +230,7 @@ def run(cfg: DemoConfig, plot_path: str | None = "timeline.png") -> int:
             return 0 if results[0]["steps"][-1]["rel_err"] <= TOLERANCE else 1
     else:
         if cfg.device == "cuda" and torch.cuda.device_count() < world:
-            raise SystemExit(f"--device cuda needs tp*dp={world} GPUs, this machine has "
+            raise SystemExit(f"--device cuda needs tp*dp*cp={world} GPUs, this machine has "
                              f"{torch.cuda.device_count()} (NCCL refuses two ranks on one GPU)")
         backend = "nccl" if cfg.device == "cuda" else "gloo"
         say(f"starting {world} {backend} ranks (each imports torch first, a few seconds)")
@@ -230,7 +247,7 @@ def print_results(cfg: DemoConfig, results: list[dict], plot_path: str | None) -
 
     console = Console()
     steps = results[0]["steps"]
-    table = Table(title=f"tp={cfg.tp} dp={cfg.dp} overlap={cfg.overlap} vs one process (fp32)")
+    table = Table(title=f"tp={cfg.tp} dp={cfg.dp}{f' cp={cfg.cp}' if cfg.cp > 1 else ''} overlap={cfg.overlap} vs one process (fp32)")
     for col in ("step", "loss", "max abs err", "max rel err", "check"):
         table.add_column(col, justify="right")
     ok = True
