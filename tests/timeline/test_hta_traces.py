@@ -67,3 +67,18 @@ def test_traces_of_different_jobs_are_refused(capsys):
     assert main([str(TRACES / "hta_allreduce_2ranks.json.gz"), str(TRACES / "hta_sampled_rank0_of128.json.gz")]) == 2
     err = capsys.readouterr().err.strip()
     assert "rank 0 appears twice" in err and err.count("\n") == 0
+
+
+def test_diagnosis_of_one_a100_rank(traces):
+    from overlapkit.timeline.diagnose import analyze, walk
+
+    # A100 (deviceProperties) -> the a100-sxm-80g preset; all-reduces of 2 ranks on NVLink 3 (300 GB/s)
+    a = analyze([traces["hta_allreduce_2ranks.json.gz"]])
+    assert a.hardware == "a100-sxm-80g"
+    big = next(b for b in a.bandwidth if b.kind == "all_reduce" and b.nbytes == 4 * 6637568)
+    assert big.busbw_gbps == pytest.approx(big.algbw_gbps) and big.peak_gbps == 300.0  # factor 2(n-1)/n = 1 at n=2
+    checks = walk(a)
+    # 4.8 % of the window is exposed communication: small, so no communication switch is offered,
+    # and one rank's trace cannot judge the topology
+    assert checks[1]["verdict"] == "small" and checks[2]["try"] == "" and checks[3]["try"] == ""
+    assert checks[4]["verdict"] == "unknown" and checks[0]["verdict"] == "no"

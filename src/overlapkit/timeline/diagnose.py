@@ -150,6 +150,8 @@ def walk(a: Analysis) -> list[dict]:
     first = top[0] if top else None
     switch = _switch(first["phase"], first["kind"], first["bandwidth"].bound if first and first["bandwidth"] else None) \
         if first else ""
+    if small:
+        switch = ""  # §15: a small exposed share ends the communication search; the figures stay as evidence
     out.append(dict(check="which collectives", verdict=f"{first['phase']} {first['kind']}" if first else "none exposed",
                     evidence=ev, **{"try": switch}))
     pct = [r.total.overlap_pct for r in rows if r.total.overlap_pct is not None]
@@ -177,15 +179,17 @@ def _topology(a: Analysis) -> dict:
         tries.append(f"map group {g['group']} onto one NVLink domain (TP inside a node, DP across nodes)")
     slow_links = [b for b in a.bandwidth if b.bound == "bandwidth" and b.pct_of_peak is not None
                   and b.pct_of_peak < LOW_PEAK_PCT]
+    one_rank = len(a.report.ranks) < 2
     if slow_links:
         worst = min(slow_links, key=lambda b: b.pct_of_peak)
         notes.append(f"bandwidth-bound {worst.kind} {_size(worst.nbytes)} over {worst.group_size} ranks reaches "
-                     f"{worst.pct_of_peak:.0f}% of {worst.link}")
+                     f"{worst.pct_of_peak:.0f}% of {worst.link}" + (" (a lower bound: with one rank's trace the "
+                     "transfer time includes waiting for the others)" if one_rank else ""))
         tries.append("check which link the group uses (nvidia-smi topo -m) and NCCL's choice (NCCL_DEBUG=INFO)")
     if a.waits:
         notes.append("waiting inside collectives, ms/step: " + ", ".join(f"rank {r} {w:.2f}" for r, w in sorted(a.waits.items())))
     verdict = "mismatch" if a.stragglers or a.slow_groups or slow_links else ("fits" if a.waits or a.bandwidth else "unknown")
-    if len(a.report.ranks) < 2 and not slow_links:
+    if one_rank:
         verdict = "unknown"
         notes.append("one rank's trace: give every rank's trace (a directory) to compare ranks and groups")
     return dict(check="topology and grouping", verdict=verdict, evidence="; ".join(notes), **{"try": "; ".join(tries)})
