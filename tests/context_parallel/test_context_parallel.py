@@ -1,13 +1,14 @@
 """Ring attention on gloo ranks vs one process, all from one spawned world of 4 (spawning is the slow part):
 cp = 2, 3 (a sub-group of three) and 4; uneven lengths and differing configs fail on every rank; the overlap
 seen in recorded spans; a tiny HF Llama with RoPE on each rank's slices; a GPT step with CP=2 x DP=2;
-CP=2 x TP=2 with the heads split over TP."""
+CP=2 x TP=2 with the heads split over TP; the demo's CP=2 x TP=2 (+SP) GPT."""
 
 import torch.distributed as dist
 
 from cp_cases import (TOL, all_attention_cases, gpt_cp_dp_errors, llama_errors, recorded_overlap, rejections,
                       tp_heads_errors)
 from distributed import distributed
+from overlapkit.demo import TOLERANCE, DemoConfig, run_rank
 from overlapkit.groups import ParallelGroups
 
 
@@ -19,7 +20,8 @@ def _world():
     return dict(cp4=all_attention_cases(dist.group.WORLD), cp3=all_attention_cases(three) if rank < 3 else {},
                 cp2=all_attention_cases(cp2), rejections=rejections(cp2),
                 pipelined=recorded_overlap(cp2, "pipelined"), sequential=recorded_overlap(cp2, "none"),
-                llama=llama_errors(cp2), gpt=gpt_cp_dp_errors(), tp=tp_heads_errors())
+                llama=llama_errors(cp2), gpt=gpt_cp_dp_errors(), tp=tp_heads_errors(),
+                demo=run_rank(DemoConfig(tp=2, dp=1, cp=2, steps=2, overlap="none"))["steps"])
 
 
 _results = None
@@ -75,3 +77,8 @@ def test_gpt_steps_cp2_dp2_equal_one_process():
 def test_cp2_tp2_heads_split_over_tp():
     for r, res in enumerate(results()):
         assert res["tp"] <= TOL, f"rank {r}: rel err {res['tp']:.2e}"
+
+
+def test_demo_cp2_tp2_steps_match_one_process():
+    steps = results()[0]["demo"]
+    assert len(steps) == 2 and all(s["rel_err"] <= TOLERANCE for s in steps), steps
