@@ -275,10 +275,16 @@ class PipelineEngine:
         return out
 
     def _split_bubble(self, tc: TickComm, timing: StepTiming) -> None:
-        """Split every receive wait into bubble (before the neighbour sent) and transfer (after)."""
-        times = [None] * self.pp
-        dist.all_gather_object(times, tc.send_times, group=self.group)
-        timing.bubbles = [_ms(b) for b in restamp_receives(tc.waits, dict(enumerate(times)))]
+        """Split every receive wait into bubble (before the neighbour sent) and transfer (after), and
+        count the drain (this rank done, the pipeline not yet) as bubble too. Host clocks: one host."""
+        mine = (tc.send_times, time.perf_counter())
+        seen = [None] * self.pp
+        dist.all_gather_object(seen, mine, group=self.group)
+        bubbles = restamp_receives(tc.waits, {r: s[0] for r, s in enumerate(seen)})
+        t0 = _rec.active()._t0
+        last_end = t0 + max(a[4] for a in timing.actions) / 1e3 if timing.actions else mine[1]
+        bubbles.append((last_end, max(s[1] for s in seen)))
+        timing.bubbles = [_ms(b) for b in bubbles if b[1] > b[0]]
         self.timings.append(timing)
 
 

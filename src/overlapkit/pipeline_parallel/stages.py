@@ -111,7 +111,8 @@ class GPTChunk(nn.Module):
             x = self.enter_blocks((self.tok_emb(x) + self.pos_emb(pos)).transpose(0, 1))
         for block in self.blocks.values():
             x = block(x)
-        return self.head(self.ln_f(x)) if self.last else x
+        # Contiguous: what crosses to the next stage is sent as it is (torch's pipelining requires it).
+        return self.head(self.ln_f(x)) if self.last else x.contiguous()
 
 
 class SequentialChunk(nn.Module):

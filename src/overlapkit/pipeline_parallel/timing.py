@@ -7,7 +7,8 @@ in the warm-up is idle because of the schedule, not the wire. The engine re-stam
 to start when its sender sent (see p2p.restamp_receives) and records the waits before that as
 bubble intervals; here they are measured separately:
 
-- bubble_ms = |waits before the neighbour sent|, not counted as communication;
+- bubble_ms = |waits before the neighbour sent| + the drain (this rank done, the last rank not
+  yet), not counted as communication;
 - p2p_ms = |pp_send ∪ pp_recv|, exposed_p2p_ms = the part not under compute and not bubble;
 - steady_* = the same inside the steady state (first backward's start .. last forward's end).
 """
@@ -52,7 +53,7 @@ def pipeline_times(spans: list[Span], timing: StepTiming) -> PipelineTimes:
     """The split of one recorded step (`timing`) from the same rank's spans of that step."""
     mine = [s for s in spans if s.step == timing.step]
     start = min(a[3] for a in timing.actions)
-    end = max([s.end_ms for s in mine] + [a[4] for a in timing.actions])
+    end = max([s.end_ms for s in mine] + [a[4] for a in timing.actions] + [b[1] for b in timing.bubbles])
     compute = iv.union((s.start_ms, s.end_ms) for s in mine if s.is_compute)
     bubble = iv.subtract(iv.union(timing.bubbles), compute)
     p2p = iv.union((s.start_ms, s.end_ms) for s in mine if s.kind in P2P)

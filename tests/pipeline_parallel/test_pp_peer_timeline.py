@@ -1,0 +1,161 @@
+"""torch.distributed.pipelining on the same chunks gives the same loss and gradients; the timeline
+shows each transfer as pp_send / pp_recv and the bubble apart from exposed transfer; a stage that
+raises mid-schedule makes the other fail within the process-group timeout, never hang.
+
+One world of 2 gloo ranks with a 10 s process-group timeout; the failure runs last.
+"""
+
+import copy
+import functools
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from distributed import distributed
+from overlapkit.groups import ParallelGroups
+from overlapkit.pipeline_parallel import PipelineConfig, PipelineEngine, gpt_chunks, pipeline_times, timetable
+from overlapkit.timeline import record
+from pp_cases import data, loss_fn, rel, tiny_gpt
+
+TIMEOUT_S = 10.0
+SLEEP_MS = 15.0
+
+
+def _torch_peer(groups, schedule: str, v: int, m: int) -> float:
+    """Worst relative error between our engine and torch's schedule on copies of the same chunks."""
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
+
+    pp, rank = groups.sizes.pp, groups.pp_rank
+    ref = tiny_gpt(1, 4)
+    ours, _ = gpt_chunks(copy.deepcopy(ref), pp, rank, v)
+    theirs, _ = gpt_chunks(copy.deepcopy(ref), pp, rank, v)
+    idx, tgt = data(ref.cfg, 1, m, mb=2)
+    first, last = rank == 0, rank == (pp * v - 1) % pp
+    loss = PipelineEngine(ours, groups.pp, PipelineConfig(schedule, m, v), loss_fn).step(idx[0], tgt[0])
+    stages = [PipelineStage(c, k * pp + rank, pp * v, torch.device("cpu"), group=groups.pp)
+              for k, c in enumerate(theirs)]
+    cls = Schedule1F1B if schedule == "1f1b" else ScheduleInterleaved1F1B
+    sched = cls(stages[0] if schedule == "1f1b" else stages, m, loss_fn=loss_fn)
+    losses = []
+    kwargs = dict(target=tgt[0], losses=losses) if last else {}
+    sched.step(*([idx[0]] if first else []), **kwargs)
+    errs = [rel(loss, torch.stack(losses).mean())] if last else []
+    for a, b in zip(ours, theirs):
+        pb = dict(b.named_parameters())
+        errs += [rel(p.grad, pb[n].grad) for n, p in a.named_parameters()]
+    return max(errs)
+
+
+class _Sleep(torch.autograd.Function):
+    """Stands for a compute of known length that leaves the 2 shared cores free: forward F, backward 2F."""
+
+    @staticmethod
+    def forward(ctx, x):
+        time.sleep(SLEEP_MS / 1e3)
+        return x * 1.0
+
+    @staticmethod
+    def backward(ctx, g):
+        time.sleep(2 * SLEEP_MS / 1e3)
+        return g * 1.0
+
+
+class _SleepLayer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return _Sleep.apply(self.lin(x))
+
+
+def _timeline(groups, overlap: bool, m: int = 4) -> dict:
+    pp, rank = groups.sizes.pp, groups.pp_rank
+    torch.manual_seed(0)
+    engine = PipelineEngine([_SleepLayer()], groups.pp, PipelineConfig("1f1b", m, overlap_p2p=overlap),
+                            lambda out, t: ((out - t) ** 2).mean())
+    x = torch.randn(m * 2, 8)
+    with record() as rec:
+        for _ in range(3):
+            engine.step(x if rank == 0 else None, x if rank == pp - 1 else None)
+            rec.next_step()
+    table = timetable("1f1b", pp, 1, m)
+    spans = [s for s in rec.spans if s.step == 2]
+    t = pipeline_times(rec.spans, engine.timings[2])
+    return dict(times=t, recvs=sum(s.kind == "pp_recv" for s in spans),
+                want_recvs=sum(tr.dst == rank for tr in table.transfers),
+                sends=sum(s.kind == "pp_send" for s in spans), nbytes={s.nbytes for s in spans if s.kind == "pp_recv"})
+
+
+class _Boom(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin, self.calls = nn.Linear(8, 8), 0
+
+    def forward(self, x):
+        self.calls += 1
+        if self.calls == 3:
+            raise RuntimeError("stage 1 broke in its third forward")
+        return self.lin(x)
+
+
+def _failure(groups) -> tuple[str, float]:
+    rank = groups.pp_rank
+    engine = PipelineEngine([_Boom() if rank == 1 else nn.Linear(8, 8)], groups.pp, PipelineConfig("1f1b", 4),
+                            lambda out, t: out.pow(2).mean())
+    x = torch.randn(8, 8)
+    t0 = time.monotonic()
+    try:
+        engine.step(x if rank == 0 else None, x if rank == 1 else None)
+    except Exception as e:  # the point: every rank gets an error, none hangs
+        return f"{type(e).__name__}: {e}", time.monotonic() - t0
+    return "no error", time.monotonic() - t0
+
+
+@distributed(world_size=2, timeout_s=TIMEOUT_S)
+def _world2():
+    groups = ParallelGroups.build(pp=2)
+    out = {"peer": {("1f1b", 1, 4): _torch_peer(groups, "1f1b", 1, 4),
+                    ("interleaved-1f1b", 2, 4): _torch_peer(groups, "interleaved-1f1b", 2, 4)}}
+    out["timeline"] = {ov: _timeline(groups, ov) for ov in (True, False)}
+    out["failure"] = _failure(groups)
+    return out
+
+
+@functools.cache
+def _results():
+    return _world2()
+
+
+def test_torch_pipelining_gives_the_same_loss_and_grads():
+    for res in _results():
+        for case, err in res["peer"].items():
+            assert err <= 1e-5, (case, err)
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_timeline_has_every_transfer_and_the_bubble_apart(overlap):
+    for rank, res in enumerate(_results()):
+        tl = res["timeline"][overlap]
+        t = tl["times"]
+        assert tl["recvs"] == tl["want_recvs"] == 4 and tl["sends"] >= 1
+        assert tl["nbytes"] == {2 * 8 * 4}
+        # 1F1B, pp=2, m=4, backward = 2 x forward: the bubble is (p-1)/m = 0.25 of compute.
+        assert 0.12 <= t.bubble_fraction <= 0.5, (rank, overlap, t)
+        # The bubble is not counted as exposed communication: exposed transfer is a small part.
+        assert t.exposed_p2p_ms < 0.5 * t.bubble_ms, (rank, overlap, t)
+
+
+def test_overlap_hides_steady_state_transfers():
+    for rank, res in enumerate(_results()):
+        on, off = res["timeline"][True]["times"], res["timeline"][False]["times"]
+        assert on.steady_exposed_p2p_ms <= max(0.1 * on.steady_p2p_ms, 0.5), (rank, on)
+
+
+def test_a_stage_that_raises_makes_the_other_fail_within_the_timeout():
+    (msg0, t0), (msg1, _) = [res["failure"] for res in _results()]
+    assert "stage 1 broke" in msg1
+    assert msg0 != "no error" and t0 <= TIMEOUT_S + 5, (msg0, t0)
