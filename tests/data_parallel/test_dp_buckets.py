@@ -64,7 +64,7 @@ def test_grad_buffer_refuses_mixed_dtypes():
 
 
 @pytest.mark.parametrize("field,value,match", [
-    ("bucket_mb", 0, r"DataParallelConfig.bucket_mb must be a finite number of MiB > 0, got 0"),
+    ("bucket_mb", 0, r"DataParallelConfig.bucket_mb must be a finite number of MiB > 0 and <= 1048576 \(1 TiB\), got 0"),
     ("first_bucket_mb", float("inf"), r"first_bucket_mb .* got inf"),
     ("bucket_mb", True, r"bucket_mb .* got True"),
     ("overlap", 1, r"DataParallelConfig.overlap must be True or False, got 1"),

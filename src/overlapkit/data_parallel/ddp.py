@@ -17,7 +17,6 @@ raised on every rank, after the collectives complete: no rank is ever left insid
 from __future__ import annotations
 
 import contextlib
-import math
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
@@ -28,8 +27,12 @@ from torch.utils._pytree import tree_flatten
 from .. import comm
 from ..timeline.recorder import compute_span
 from ..tensor_parallel.params import localize_parameters
-from .agree import check_same_on_ranks, copy_from_first_rank
+from ..groups import resolve_group
+from .agree import check_same_on_ranks, check_same_per_item, copy_from_first_rank, raise_if_any
 from .buckets import GradBuffer
+
+MAX_BUCKET_MB = float(2**20)
+"""Largest bucket cap accepted (1 TiB): more than any device holds, and far from the int64 byte counts overflowing."""
 
 SHARD_ALIGN = 16
 """Elements every shard is a multiple of, so that each shard (and each bucket) starts aligned."""
@@ -61,8 +64,9 @@ class DataParallelConfig:
     def __post_init__(self) -> None:
         for name in ("bucket_mb", "first_bucket_mb"):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not (0 < v < math.inf):
-                raise ValueError(f"DataParallelConfig.{name} must be a finite number of MiB > 0, got {v!r}")
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not (0 < v <= MAX_BUCKET_MB):
+                raise ValueError(f"DataParallelConfig.{name} must be a finite number of MiB > 0 and "
+                                 f"<= {MAX_BUCKET_MB:.0f} (1 TiB), got {v!r}")
         for name in ("overlap", "find_unused"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"DataParallelConfig.{name} must be True or False, got {getattr(self, name)!r}")
@@ -74,7 +78,9 @@ class DataParallelConfig:
 class GradSync:
     """Reduces the gradients of `named_params` over `group` while backward runs.
 
-    `group=None` means a world of one without torch.distributed: nothing is communicated.
+    `group=None` means a world of one without torch.distributed: nothing is communicated
+    (DataParallel turns the user's None into the default group first, as torch.distributed does).
+    A parameter is reduced by one GradSync only: its hooks stay on the parameter for good.
     """
 
     def __init__(self, named_params: Sequence[tuple[str, nn.Parameter]], group,
@@ -84,13 +90,21 @@ class GradSync:
         self.world = comm.group_size(group)
         self.rank = comm.group_rank(group)
         if named_params:
+            device = named_params[0][1].device
+            taken = [n for n, p in named_params if getattr(p, "_overlapkit_grad_sync", False)]
+            raise_if_any(f"parameters {taken[:4]}{' ...' if len(taken) > 4 else ''} are already reduced by a "
+                         "DataParallel or ShardedOptimizer (its gradient hooks stay on them, so a second one would "
+                         "reduce them twice): wrap a module once" if taken else None, group, device)
             # Ranks that bucket differently would pair unrelated collectives: refuse before any.
-            shapes = [n * (i + 1) for i, (_, p) in enumerate(named_params) for n in p.shape]
             check_same_on_ranks({
                 "parameters": len(named_params), "elements": sum(p.numel() for _, p in named_params),
-                "shape signature": sum(shapes) % (2**61 - 1),
                 "bucket bytes": int(config.bucket_mb * 2**20), "first bucket bytes": int(config.first_bucket_mb * 2**20),
-            }, group, named_params[0][1].device, "the parameters and bucket sizes")
+            }, group, device, "the parameters and bucket sizes")
+            check_same_per_item([n for n, _ in named_params],
+                                [f"{tuple(p.shape)} {p.dtype}" for _, p in named_params], group, device,
+                                "the parameters' shapes")
+        # What the buffer was built for: a parameter re-typed or moved later no longer fits it.
+        self.layout = [(n, p, p.dtype, p.device) for n, p in named_params]
         self.buffer = GradBuffer(named_params, bucket_mb=config.bucket_mb,
                                  first_bucket_mb=config.first_bucket_mb, pad_to=self.world * SHARD_ALIGN)
         self.params = self.buffer.params
@@ -110,6 +124,8 @@ class GradSync:
         self.shards: list[torch.Tensor] | None = None
         self.enabled = True  # False inside no_sync()
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
+        for p in self.params:
+            p._overlapkit_grad_sync = True
         self.reset()
 
     # -- mode ------------------------------------------------------------------------------
@@ -212,7 +228,11 @@ class GradSync:
             flag_handle = comm.all_reduce(flags, self.group, kind="dp_all_reduce", name="unused-check")
         for b, h in self._handles:
             h.wait()
-            if self._staging is not None and self.shards is None:
+            if self.shards is not None:
+                # .grad on this rank's shard: the true average (elsewhere: this rank's unreduced part).
+                lo, hi = self.buffer.buckets[b].shard(self.rank, self.world)
+                self.buffer.data[lo:hi].copy_(self.shards[b])
+            elif self._staging is not None:
                 data = self.buffer.bucket_data(b)
                 data.copy_(self._staging[data.storage_offset():data.storage_offset() + data.numel()])
         self._handles = []
@@ -256,7 +276,8 @@ class DataParallel(nn.Module):
         self.config = DataParallelConfig(bucket_mb=bucket_mb, first_bucket_mb=first_bucket_mb, overlap=overlap,
                                          grad_reduce_dtype=grad_reduce_dtype, find_unused=find_unused)
         self.module = module
-        self.group = group
+        # None is the default group, as everywhere in torch.distributed (no group only without it).
+        self.group = group = resolve_group(group, "dp")
         # The TP layers compute on local shards: their DTensor parameters become the plain local
         # tensors this engine's flat buffers need (their state_dict() still gives DTensors), as
         # torch's own DDP + TP path swaps DTensors for local tensors.
@@ -271,6 +292,7 @@ class DataParallel(nn.Module):
 
     def forward(self, *args, **kwargs):
         if not self.sync._in_backward:
+            self.check_layout()
             self.sync.reset()
         with compute_span("forward"):
             out = self.module(*args, **kwargs)
@@ -282,6 +304,18 @@ class DataParallel(nn.Module):
                     # the outermost graph task, and time backward from its very first op.
                     t.register_hook(lambda _g, sync=sync: self.sync.begin_backward(sync))
         return out
+
+    def check_layout(self) -> None:
+        """Raise if a parameter was re-typed or moved since wrapping (its gradient would miss the buffer).
+
+        Runs at every forward: one dtype and device comparison per parameter.
+        """
+        for name, p, dtype, device in self.sync.layout:
+            if p.dtype != dtype or p.device != device:
+                raise ValueError(
+                    f"DataParallel: parameter {name} is now {p.dtype} on {p.device}, but the gradient buffer was "
+                    f"built for {dtype} on {device} (a .to()/.double()/.half() after wrapping); its gradient "
+                    "would no longer be reduced: build DataParallel after moving and casting the module")
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

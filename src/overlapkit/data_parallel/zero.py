@@ -18,12 +18,15 @@ would see shards, not parameters.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Iterable
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from .. import comm
+from ..groups import resolve_group
 from .agree import raise_if_any
 from .ddp import DataParallel, DataParallelConfig, GradSync
 
@@ -40,6 +43,7 @@ class ShardedOptimizer:
 
     def __init__(self, params_or_dp: DataParallel | Iterable[nn.Parameter], optimizer_cls, dp_group, *,
                  overlap_param_gather: bool = True, **opt_kwargs: Any) -> None:
+        dp_group = resolve_group(dp_group, "dp")  # None: the default group, as in torch.distributed
         if not isinstance(overlap_param_gather, bool):
             raise ValueError(f"ShardedOptimizer overlap_param_gather must be True or False, got {overlap_param_gather!r}")
         if isinstance(params_or_dp, DataParallel):
@@ -98,6 +102,37 @@ class ShardedOptimizer:
         self._start_param_gather()
         if not self.overlap_param_gather:
             self.finish_param_gather()
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Scale the reduced gradient shards so that their norm over ALL ranks is at most `max_norm`.
+
+        Returns that total norm (as `torch.nn.utils.clip_grad_norm_` does for one process).
+        Collective: every rank of the group calls it, after backward and before `step()`.
+        torch's own clip_grad_norm_ on the parameters would be wrong here: each rank's `.grad`
+        holds the averaged gradient only on its own shard.
+        """
+        if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not 0 <= max_norm < math.inf:
+            raise ValueError(f"ShardedOptimizer.clip_grad_norm_ max_norm must be a finite number >= 0, got {max_norm!r}")
+        p = float(norm_type)
+        if not p > 0:
+            raise ValueError(f"ShardedOptimizer.clip_grad_norm_ norm_type must be > 0 or inf, got {norm_type!r}")
+        shards = [g.float() for g in self._grad_shards]
+        if p == math.inf:
+            local = torch.stack([g.abs().max() for g in shards]).max()
+            op = dist.ReduceOp.MAX
+        else:
+            local = torch.stack([g.abs().pow(p).sum() for g in shards]).sum()
+            op = dist.ReduceOp.SUM
+        if self.group is not None:
+            comm.all_reduce(local, self.group, kind="dp_all_reduce", name="grad-norm", op=op, async_op=False)
+        total = local if p == math.inf else local.pow(1.0 / p)
+        coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+        buf = self.sync.buffer
+        for g, (lo, hi) in zip(self._grad_shards, self._ranges):
+            g.mul_(coef.to(g.dtype))
+            buf.data[lo:hi].copy_(g)  # keep .grad on this rank's shard the same as what step() uses
+        return total
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the gradient buffer in place (the `.grad` views stay; set_to_none is ignored on purpose)."""
