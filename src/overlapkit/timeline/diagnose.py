@@ -73,6 +73,9 @@ def _switch(phase: str, kind: str, bound: str | None) -> str:
     if phase == "pipeline bubble":
         return ("pipeline: overlap the send/recv with the other micro-batch (overlap.pp=bulk, Megatron "
                 "overlap_p2p_comm), interleaved 1F1B (vpp=2), more micro-batches per step")
+    if kind == "send_recv":
+        return ("all-to-all or point-to-point (an NCCL SendRecv kernel: embedding/expert exchange or pipeline "
+                "transfers): chunk it against independent compute (overlap.ep=pipelined; overlap.pp=bulk)")
     if kind.startswith("ep_") or kind == "all_to_all":
         return "expert parallel: chunk dispatch/combine against the expert GEMMs (overlap.ep=pipelined)"
     if kind.startswith("tp_") or (phase == "forward" and kind in ("all_reduce", "reduce_scatter")):

@@ -168,4 +168,4 @@ def print_diagnosis(analysis, diagnosis: list[dict], console=None) -> None:
         for row in rows:
             t.add_row(*row)
         console.print(t)
-    console.print(diagnosis_text(diagnosis), markup=False, highlight=False)
+    console.print(diagnosis_text(diagnosis), markup=False, highlight=False, soft_wrap=True)
