@@ -3,10 +3,10 @@
 import torch
 import torch.distributed as dist
 
-from distributed import distributed
 from overlapkit.agreement import RankMismatchError
 from overlapkit.expert_parallel import MoE, MoEConfig
 from overlapkit.timeline import record
+from worlds import world
 
 
 def _error(fn) -> str:
@@ -18,15 +18,15 @@ def _error(fn) -> str:
 
 
 def _bad_inputs() -> dict:
-    rank, world = dist.get_rank(), dist.group.WORLD
+    rank, group = dist.get_rank(), dist.group.WORLD
     out = {
-        "indivisible": _error(lambda: MoE(8, 16, 3, 1, world)),
-        "top_k": _error(lambda: MoE(8, 16, 4, 5, world)),
-        "chunks": _error(lambda: MoE(8, 16, 4, 1, world, chunks=0)),
-        "chunks_differ": _error(lambda: MoE(8, 16, 4, 1, world, chunks=1 + rank)),
-        "top_k_one_rank": _error(lambda: MoE(8, 16, 4, 9 if rank else 1, world)),
+        "indivisible": _error(lambda: MoE(8, 16, 3, 1, group)),
+        "top_k": _error(lambda: MoE(8, 16, 4, 5, group)),
+        "chunks": _error(lambda: MoE(8, 16, 4, 1, group, chunks=0)),
+        "chunks_differ": _error(lambda: MoE(8, 16, 4, 1, group, chunks=1 + rank)),
+        "top_k_one_rank": _error(lambda: MoE(8, 16, 4, 9 if rank else 1, group)),
     }
-    moe = MoE(8, 16, 4, 2, world, chunks=2)
+    moe = MoE(8, 16, 4, 2, group, chunks=2)
     out["width_differs"] = _error(lambda: moe(torch.randn(3, 8 + rank)))
     out["dtype_differs"] = _error(lambda: moe(torch.randn(3, 8, dtype=torch.float64 if rank else torch.float32)))
     out["still_works"] = tuple(moe(torch.randn(3, 8)).shape)  # the checks leave the ranks in step
@@ -46,24 +46,23 @@ def _overlaps(spans, phase: str) -> list[float]:
     return [both(combine[i], experts[i + 1]) + both(dispatch[i + 1], experts[i]) for i in range(len(combine) - 1)]
 
 
-def _overlap_from_spans() -> dict:
+def _overlap_from_spans(steps: int = 4) -> dict:
     torch.manual_seed(0)
     moe = MoE(256, 512, 4, 2, dist.group.WORLD, chunks=4)
     x = torch.randn(1024, 256, requires_grad=True)
     moe(x).sum().backward()  # warm-up: first-call agreement and allocations
     with record() as rec:
-        moe(x).sum().backward()
+        for _ in range(steps):  # several steps: one rank running ahead of the other can close a window
+            rec.next_step()
+            moe(x).sum().backward()
     kinds = sorted({s.kind for s in rec.spans if s.is_comm})
-    return dict(kinds=kinds, fwd=_overlaps(rec.spans, "fwd"), bwd=_overlaps(rec.spans, "bwd"))
-
-
-@distributed(world_size=2, timeout_s=40)
-def _world2():
-    return dict(bad=_bad_inputs(), overlap=_overlap_from_spans())
+    by_step = [[s for s in rec.spans if s.step == k] for k in range(1, steps + 1)]
+    return dict(kinds=kinds, fwd=[v for ss in by_step for v in _overlaps(ss, "fwd")],
+                bwd=[v for ss in by_step for v in _overlaps(ss, "bwd")])
 
 
 def test_bad_inputs_fail_on_every_rank_and_chunks_overlap():
-    results = _world2()
+    results = world(2)
     bad = [r["bad"] for r in results]
     for rank_bad in bad:
         assert "MoEConfig.num_experts=3 is not divisible by the expert-parallel size 2" in rank_bad["indivisible"]

@@ -2,13 +2,14 @@
 
 import pytest
 
-from overlapkit.demo import TOLERANCE, DemoConfig, run_rank
-from overlapkit.launch import spawn
+from overlapkit.demo import TOLERANCE, DemoConfig
+from worlds import world
+
+DEMO = DemoConfig(tp=1, dp=2, ep=2, steps=2, overlap="none")
 
 
 def test_demo_with_ep_from_dp_matches_one_process():
-    cfg = DemoConfig(tp=1, dp=2, ep=2, steps=2, overlap="none")
-    results = spawn(run_rank, 2, cfg, timeout_s=60)
+    results = [r["demo"] for r in world(2)]
     for r in results:
         assert all(s["rel_err"] <= TOLERANCE for s in r["steps"]), r["steps"]
         (layer, per_expert, dropped), = r["moe_loads"]

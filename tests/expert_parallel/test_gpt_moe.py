@@ -4,24 +4,16 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from distributed import distributed
 from overlapkit.agreement import RankMismatchError
 from overlapkit.expert_parallel import MoE, average_data_parallel_grads, init_full_experts
+from overlapkit.expert_parallel.gpt import solo_group
 from overlapkit.groups import ParallelGroups
 from overlapkit.models import GPT, GPTConfig, expected_local, lm_loss, parallelize
 from reference import reference_moe
 from test_moe import _rel
+from worlds import world
 
 H, F = 8, 12
-
-
-def _solo_group():
-    """A group of this rank alone: the single-process reference inside a spawned world."""
-    mine = None
-    for r in range(dist.get_world_size()):
-        g = dist.new_group([r])
-        mine = g if r == dist.get_rank() else mine
-    return mine
 
 
 def _tp_inside_experts(groups: ParallelGroups) -> dict:
@@ -96,9 +88,8 @@ def _gpt(groups: ParallelGroups, solo) -> dict:
     return errs
 
 
-@distributed(world_size=4, timeout_s=60)
-def _world4():
-    solo = _solo_group()
+def _tp_and_gpt() -> dict:
+    solo = solo_group()
     groups = ParallelGroups.build(tp=2, dp=2, ep=2)
     return dict(tp=_tp_inside_experts(groups), gpt=_gpt(groups, solo))
 
@@ -106,7 +97,7 @@ def _world4():
 # torch's parallelize_module warns that the MLP plan's fc1/fc2 are absent inside a MoE block: it is.
 @pytest.mark.filterwarnings("ignore:Parallelize plan key")
 def test_tp_inside_experts_and_gpt_with_ep_from_dp_match_one_process():
-    for r in _world4():
+    for r in world(4):
         assert max(r["tp"]["errs"].values()) <= 1e-5, r["tp"]["errs"]
         assert "needs its TP ranks to hold the same tokens" in r["tp"]["refused"], r["tp"]["refused"]
         bad = {k: v for k, v in r["gpt"].items() if v > 1e-5}

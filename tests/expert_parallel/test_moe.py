@@ -1,7 +1,7 @@
 """The EP MoE equals a plain single-process MoE: output, input grad, router grad, every expert grad.
 
-One spawned world per world size runs every case (top-1/2, uniform/skewed routing, chunks 1-4,
-ranks with few or zero tokens, a capacity factor), so the suite pays for three spawns.
+One spawned world per world size (worlds.py) runs every case (top-1/2, uniform/skewed routing,
+chunks 1-4, ranks with few or zero tokens, a capacity factor).
 """
 
 import math
@@ -10,9 +10,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from distributed import distributed
 from overlapkit.expert_parallel import MoE, init_full_experts
 from reference import reference_moe
+from worlds import world
 
 H, F, AUX = 8, 12, 0.1
 TOKENS = [6, 2, 0, 9]  # rank 1 has fewer tokens than chunks; rank 2 none at all
@@ -85,26 +85,10 @@ def _all_cases() -> dict:
     return out
 
 
-@distributed(world_size=2, timeout_s=60)
-def _world2():
-    return _all_cases()
-
-
-@distributed(world_size=3, timeout_s=60)
-def _world3():
-    return _all_cases()
-
-
-@distributed(world_size=4, timeout_s=60)
-def _world4():
-    return _all_cases()
-
-
-@pytest.mark.parametrize("world", [_world2, _world3, _world4], ids=["ep2", "ep3", "ep4"])
-def test_moe_matches_single_process(world):
-    results = world()
-    for per_rank in results:
-        for (top_k, skew, chunks, cf), r in per_rank.items():
+@pytest.mark.parametrize("size", [2, 3, 4], ids=["ep2", "ep3", "ep4"])
+def test_moe_matches_single_process(size):
+    for rank in world(size):
+        for (top_k, skew, chunks, cf), r in rank["cases"].items():
             assert r["err"] <= 1e-5, ((top_k, skew, chunks, cf), r["errs"])
             assert r["dropped"][0] == r["dropped"][1], "dropped assignments are counted, as the reference drops them"
             if skew and cf is None:  # the case tests what it says: one expert most, one none
