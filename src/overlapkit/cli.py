@@ -16,7 +16,7 @@ def _demo(args) -> int:
     try:
         cfg = DemoConfig(tp=args.tp, dp=args.dp, steps=args.steps, overlap=args.overlap,
                          device=args.device, seed=args.seed, trace_dir=args.trace, timeout_s=args.timeout, ep=args.ep,
-                         cp=args.cp)
+                         cp=args.cp, pp=args.pp)
         plot = None if args.plot == "" else check_output_path(args.plot, "--plot")
     except ValueError as e:
         print(f"overlapkit demo: {e}", file=sys.stderr)
@@ -83,6 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="expert-parallel size, 1 or dp (default 1): > 1 puts a MoE in every second block")
     demo.add_argument("--cp", type=int, default=1,
                       help="context-parallel size (default 1): > 1 splits each sequence and runs ring attention; ranks = tp*dp*cp")
+    demo.add_argument("--pp", type=int, default=1,
+                      help="pipeline-parallel size (default 1): > 1 cuts the GPT into stages run 1F1B; ranks = tp*dp*pp")
     demo.add_argument("--steps", type=int, default=3, help="training steps (default 3)")
     demo.add_argument("--overlap", default="bulk", choices=("none", "bulk", "pipelined", "auto"),
                       help="overlap mode of the TP layers (default bulk)")

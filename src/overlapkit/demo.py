@@ -56,9 +56,12 @@ class DemoConfig:
     cp: int = 1
     """Context-parallel size: ranks that split each sequence (zigzag) and run ring attention over it;
     gradients then average over dp x cp ranks."""
+    pp: int = 1
+    """Pipeline-parallel size: > 1 cuts the GPT into pp stages run 1F1B with overlap_p2p (CPU only; with
+    tp and dp inside every stage; not combined with ep or cp). See overlapkit.pipeline_parallel.demo."""
 
     def __post_init__(self) -> None:
-        for name in ("tp", "dp", "steps", "cp"):
+        for name in ("tp", "dp", "steps", "cp", "pp"):
             if getattr(self, name) < 1:
                 raise ValueError(f"DemoConfig.{name} must be >= 1, got {getattr(self, name)}")
         if self.ep != 1 and self.ep != self.dp:
@@ -66,6 +69,9 @@ class DemoConfig:
                              "of the whole data-parallel group)")
         if self.cp > 1 and self.ep > 1:
             raise ValueError(f"DemoConfig.cp={self.cp} with ep={self.ep}: the demo runs CP with dense MLPs only")
+        if self.pp > 1 and (self.ep > 1 or self.cp > 1 or self.device != "cpu"):
+            raise ValueError(f"DemoConfig.pp={self.pp} runs with tp and dp on the CPU only (got ep={self.ep}, "
+                             f"cp={self.cp}, device={self.device!r})")
         if not self.timeout_s > 0 or self.timeout_s == float("inf"):
             raise ValueError(f"DemoConfig.timeout_s must be a finite number of seconds > 0, got {self.timeout_s!r}")
         if self.device not in ("cpu", "cuda"):
@@ -88,6 +94,9 @@ def run_rank(cfg: DemoConfig) -> dict:
     from .tensor_parallel.layers import allreduce_sequence_parallel_grads
     from .timeline import record
 
+    if cfg.pp > 1:
+        from .pipeline_parallel.demo import run_rank as run_pipeline_rank
+        return run_pipeline_rank(cfg)
     groups = ParallelGroups.build(tp=cfg.tp, dp=cfg.dp, ep=cfg.ep, cp=cfg.cp)
     device = torch.device(f"cuda:{torch.cuda.current_device()}" if cfg.device == "cuda" else "cpu")
     mcfg = GPTConfig(vocab_size=16 * cfg.tp, seq_len=8 * cfg.tp * cfg.cp, hidden=16 * cfg.tp, num_heads=2 * cfg.tp,
@@ -217,10 +226,10 @@ def run(cfg: DemoConfig, plot_path: str | None = "timeline.png") -> int:
     """Run the demo (spawning ranks, or in-process under torchrun) and print the results."""
     from .launch import spawn
 
-    world = cfg.tp * cfg.dp * cfg.cp
+    world = cfg.tp * cfg.dp * cfg.cp * cfg.pp
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun: this process is a rank
         from .groups import init
-        init(tp=cfg.tp, dp=cfg.dp, cp=cfg.cp, backend="nccl" if cfg.device == "cuda" else "gloo", timeout_s=cfg.timeout_s)
+        init(tp=cfg.tp, dp=cfg.dp, cp=cfg.cp, pp=cfg.pp, backend="nccl" if cfg.device == "cuda" else "gloo", timeout_s=cfg.timeout_s)
         try:
             results = [run_rank(cfg)]
         finally:

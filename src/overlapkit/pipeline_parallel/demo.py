@@ -1,0 +1,86 @@
+"""`overlapkit demo --pp N`: the tiny GPT cut into N pipeline stages (1F1B, overlap_p2p), with TP+SP
+and DP inside every stage, checked against one process every step; each stage's bubble and exposed
+p2p printed from the timeline.
+
+Called by overlapkit.demo.run_rank when pp > 1; returns what it returns (errors and spans).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+
+from ..launch import progress
+
+
+def run_rank(cfg) -> dict:
+    """One rank of the pipeline demo (the default group is initialized)."""
+    from ..data_parallel import DataParallel
+    from ..demo import _max_errors
+    from ..groups import ParallelGroups
+    from ..models import GPT, GPTConfig, expected_local, lm_loss, parallelize
+    from ..tensor_parallel.layers import allreduce_sequence_parallel_grads
+    from ..timeline import record
+    from .engine import PipelineConfig, PipelineEngine
+    from .stages import gpt_chunks
+    from .timing import pipeline_times
+
+    groups = ParallelGroups.build(tp=cfg.tp, dp=cfg.dp, pp=cfg.pp)
+    if cfg.device != "cpu":
+        raise ValueError("overlapkit demo --pp runs on the CPU (gloo): pipeline stages need a GPU each")
+    mcfg = GPTConfig(vocab_size=16 * cfg.tp, seq_len=8 * cfg.tp, hidden=16 * cfg.tp, num_heads=2 * cfg.tp,
+                     ffn_hidden=32 * cfg.tp, num_layers=2 * cfg.pp)
+    torch.manual_seed(cfg.seed)
+    reference = GPT(mcfg)
+    model = copy.deepcopy(reference)
+    if cfg.tp > 1:
+        model = parallelize(model, groups, sequence_parallel=True, overlap=cfg.overlap)
+    chunks, layout = gpt_chunks(model, cfg.pp, groups.pp_rank)
+    if cfg.dp > 1:
+        chunks = [DataParallel(c, groups.dp, sequence_parallel_group=groups.tp if cfg.tp > 1 else None)
+                  for c in chunks]
+    m = 2 * cfg.pp
+    engine = PipelineEngine(chunks, groups.pp, PipelineConfig("1f1b", m, broadcast_loss=True), lm_loss)
+    opt = torch.optim.SGD([p for c in chunks for p in c.parameters()], lr=0.5)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.5)
+    rows = slice(groups.dp_rank * m, (groups.dp_rank + 1) * m)
+    gen = torch.Generator().manual_seed(cfg.seed + 1)
+    speaker = groups.tp_rank == 0 and groups.dp_rank == 0
+    if groups.rank == 0:
+        progress(f"model cut into pp={cfg.pp} stages (tp={cfg.tp} dp={cfg.dp} inside each), 1F1B with "
+                 f"overlap_p2p, m={m} micro-batches:\n" + layout.describe())
+    steps = []
+    with record() as rec:
+        for step in range(cfg.steps):
+            idx = torch.randint(0, mcfg.vocab_size, (m * cfg.dp, mcfg.seq_len), generator=gen)
+            tgt = torch.randint(0, mcfg.vocab_size, (m * cfg.dp, mcfg.seq_len), generator=gen)
+            opt.zero_grad(set_to_none=False)
+            loss = engine.step(idx[rows], tgt[rows])
+            if cfg.tp > 1 and cfg.dp == 1:
+                for c in chunks:
+                    allreduce_sequence_parallel_grads(c, groups.tp)
+            ref_opt.zero_grad()
+            ref_loss = lm_loss(reference(idx), tgt)
+            ref_loss.backward()
+            full_loss = loss.detach().clone()
+            dist.all_reduce(full_loss, group=groups.dp)
+            full_loss /= cfg.dp
+            pairs = [(full_loss, ref_loss)]
+            pairs += [(local, ref) for c in chunks for _, local, ref in expected_local(c, reference, "grad")]
+            errs = torch.tensor(_max_errors(pairs))
+            dist.all_reduce(errs, op=dist.ReduceOp.MAX)
+            steps.append(dict(step=step, loss=ref_loss.item(), abs_err=errs[0].item(), rel_err=errs[1].item()))
+            opt.step()
+            ref_opt.step()
+            rec.next_step()
+            if groups.rank == 0:
+                progress(f"step {step + 1}/{cfg.steps}: loss {ref_loss.item():.4f}, "
+                         f"max rel err vs one process {errs[1].item():.1e}")
+    if speaker:
+        t = pipeline_times(rec.spans, engine.timings[-1])
+        progress(f"stage {groups.pp_rank}, last step: compute {t.compute_ms:.1f} ms, bubble {t.bubble_ms:.1f} ms "
+                 f"({t.bubble_fraction:.2f} of compute; (p-1)/m = {(cfg.pp - 1) / m:.2f}), p2p {t.p2p_ms:.1f} ms of "
+                 f"which exposed {t.exposed_p2p_ms:.2f} ms (not counting the bubble)")
+    return dict(rank=groups.rank, steps=steps, spans=rec.spans, origin_unix_ms=rec.origin_unix_ms)
