@@ -246,7 +246,8 @@ def markdown(result: dict) -> str:
     p = result["preset"]
     head = (f"Ring attention, {result['device']}, world size {result['world']}, torch {result['torch']}, "
             f"{result['threads']} thread(s) a rank: batch {p['batch']}, {p['heads']} query / {p['kv_heads']} K/V heads of "
-            f"{p['head_dim']}, {p['dtype']}, causal, zigzag.\n\n")
+            f"{p['head_dim']}, {p['dtype']}, causal, zigzag. Load average when it started: "
+            f"{result.get('load_avg_before', float('nan')):.1f} on {os.cpu_count()} cores.\n\n")
     if "rows" in result:  # world size 1: fixed cost
         lines = ["| sequence | sdpa fwd ms | ring fwd ms | ratio | sdpa fwd+bwd ms | ring fwd+bwd ms | ratio | torch CP fwd+bwd ms |",
                  "|---:|---:|---:|---:|---:|---:|---:|---:|"]
@@ -282,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=1, help="torch threads a rank (default 1)")
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--recorded", type=int, default=3, help="recorded fwd+bwd calls per overlap mode")
+    ap.add_argument("--recorded", type=int, default=5, help="recorded fwd+bwd calls per overlap mode")
     ap.add_argument("--seq-per-rank", type=int, default=None, help="tokens a rank (default: the device preset's)")
     args = ap.parse_args(argv)
     world = world_size(args)
@@ -292,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.seq_per_rank:
         preset["seq_per_rank"] = args.seq_per_rank
     result = dict(device=device_label(args.device), world=world, torch=torch.__version__, preset=preset,
-                  threads=args.threads, rounds=args.rounds)
+                  threads=args.threads, rounds=args.rounds, load_avg_before=os.getloadavg()[0])
     if args.device == "cuda" and world == 1:
         result.update(spawn(_fixed_cost_body, 1, preset, args.rounds, args.warmup, backend="nccl", timeout_s=600.0)[0])
     else:
