@@ -115,3 +115,35 @@ def pipeline_case(groups: Layout, schedule: str, v: int, m: int, overlap: bool, 
                 assert local is not None, f"{name} got no gradient"
                 worst = max(worst, rel(local, full))
     return worst
+
+
+def sharded_case(groups: Layout, schedule: str, v: int, m: int, layers: int, steps: int = 3) -> float:
+    """pp x dp with a ShardedOptimizer per chunk: the loss of every step (whose forwards run while the
+    previous step's parameter gathers land) and the parameters after every step equal one process's SGD."""
+    from overlapkit.data_parallel import ShardedOptimizer
+
+    dp, pp = groups.size("dp"), groups.size("pp")
+    ref = tiny_gpt(1, layers)
+    chunks, _ = gpt_chunks(copy.deepcopy(ref), pp, groups.rank("pp"), v)
+    chunks = [DataParallel(c, groups.dp) for c in chunks]
+    opts = [ShardedOptimizer(c, torch.optim.SGD, groups.dp, lr=0.5) for c in chunks]
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    engine = PipelineEngine(chunks, groups.pp, PipelineConfig(schedule, m, v, broadcast_loss=True), loss_fn)
+    worst = 0.0
+    for step in range(steps):
+        idx, tgt = data(ref.cfg, dp, m, seed=step + 1)
+        ref_opt.zero_grad()
+        for o in opts:
+            o.zero_grad()
+        ref_loss = reference_grads(ref, idx, tgt, m)
+        loss = engine.step(idx[groups.rank("dp")], tgt[groups.rank("dp")]).clone()
+        dist.all_reduce(loss, group=groups.dp)
+        worst = max(worst, rel(loss / dp, ref_loss))
+        ref_opt.step()
+        for o in opts:
+            o.step()
+    for c, o in zip(chunks, opts):
+        o.finish_param_gather()
+        for name, local, full in expected_local(c, ref, "data"):
+            worst = max(worst, rel(local, full))
+    return worst

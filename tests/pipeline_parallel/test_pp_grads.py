@@ -1,5 +1,6 @@
 """Loss and every gradient of the pipeline equal one process on the same micro-batches: pp = 2, 3, 4,
-v = 1 and 2, m >= pp, overlap_p2p on and off, with DP=2 and TP=2 (sequence parallel) inside stages;
+v = 1 and 2, m >= pp, overlap_p2p on and off, with DP=2 (also with a ShardedOptimizer, whose
+parameter gathers land during the next step's forwards) and TP=2 (sequence parallel) inside stages;
 and bad inputs fail on every rank, naming the values, before any transfer.
 
 Everything runs in one world of 4 gloo ranks (spawning is most of the cost on a shared machine):
@@ -20,7 +21,7 @@ from overlapkit.agreement import RankMismatchError
 from overlapkit.groups import ParallelGroups
 from overlapkit.models import GPT
 from overlapkit.pipeline_parallel import PipelineConfig, PipelineEngine, gpt_chunks, sequential_chunks
-from pp_cases import Layout, data, layout_of, loss_fn, pipeline_case, tiny_gpt
+from pp_cases import Layout, data, layout_of, loss_fn, pipeline_case, sharded_case, tiny_gpt
 
 TOL = 1e-5
 
@@ -101,6 +102,8 @@ def _world4():
     grads.update(_run(layout_of(two, dp=False), PP2, "pp2"))  # two independent pp=2 pipelines
     grads["pp2 sequential, widths change"] = _widths_change_between_stages(two.pp)
     grads.update(_run(layout_of(two), PP2_DP2, "pp2 dp2"))
+    grads[("pp2 dp2 ShardedOptimizer", "1f1b")] = sharded_case(layout_of(two), "1f1b", 1, 2, 2)
+    grads[("pp2 dp2 ShardedOptimizer", "interleaved-1f1b")] = sharded_case(layout_of(two), "interleaved-1f1b", 2, 2, 4)
     grads.update(_run(layout_of(ParallelGroups.build(pp=2, tp=2)), PP2_TP2, "pp2 tp2"))
     return {"grads": grads, "bad": bad}
 
@@ -112,7 +115,7 @@ def _results():
 
 def test_every_schedule_pp_v_dp_tp_matches_one_process():
     for rank, res in enumerate(_results()):
-        assert len(res["grads"]) == (21 if rank < 3 else 17)  # rank 3 is not in the pp=3 pipeline
+        assert len(res["grads"]) == (23 if rank < 3 else 19)  # rank 3 is not in the pp=3 pipeline
         for case, err in res["grads"].items():
             assert err <= TOL, (rank, case, err)
 
