@@ -136,9 +136,11 @@ def summarize(per_rank: list[dict], pp: int, m: int) -> dict:
 def misses(rows: dict) -> list[str]:
     out = []
     ours, theirs = rows["overlapkit 1f1b v=1 overlap_p2p=True"], rows["torch Schedule1F1B"]
-    if ours["step_ms"] > theirs["step_ms"]:
-        out.append(f"overlapkit 1F1B (overlap_p2p) {ours['step_ms']:.2f} ms > torch Schedule1F1B "
-                   f"{theirs['step_ms']:.2f} ms (target: <=)")
+    # Judged on the per-round ratio (both ran back to back, under the same load); the medians are shown too.
+    if ours["vs_torch_1f1b"] > 1.0:
+        out.append(f"overlapkit 1F1B (overlap_p2p) is {ours['vs_torch_1f1b']:.3f}x torch Schedule1F1B's step time "
+                   f"(median of per-round ratios; medians {ours['step_ms']:.2f} vs {theirs['step_ms']:.2f} ms; "
+                   "target: <= 1)")
     for n, r in rows.items():
         if "overlap_p2p=True" in n and r.get("steady_exposed_pct") is not None and r["steady_exposed_pct"] > 10 \
                 and (r["forward_ms_median"] or 0) > (r["recv_ms_median"] or 0):
