@@ -165,7 +165,9 @@ def _torch_cp_call(full, dout, device, size: int, rank: int):
         except ImportError:
             pass
         mesh = init_device_mesh(device.type, (size,), mesh_dim_names=("cp",))
-        gqa = full[0].shape[1] != full[1].shape[1]
+        # Its ring handles the flash/efficient/cuDNN ops, which want equal head counts: repeat K/V heads.
+        groups = full[0].shape[1] // full[1].shape[1]
+        full = [full[0]] + [t.repeat_interleave(groups, dim=1) for t in full[1:]]
         grad = torch.randn_like(full[0])  # whole-sequence output grad: context_parallel shards it with the rest
 
         def step():
@@ -173,18 +175,18 @@ def _torch_cp_call(full, dout, device, size: int, rank: int):
             bufs = [t.clone() for t in full] + [grad.clone()]
             with context_parallel(mesh, buffers=bufs, buffer_seq_dims=[2, 2, 2, 2]):
                 ql, kl, vl = (t.detach().requires_grad_() for t in bufs[:3])
-                F.scaled_dot_product_attention(ql, kl, vl, is_causal=True, enable_gqa=gqa).backward(bufs[3])
+                F.scaled_dot_product_attention(ql, kl, vl, is_causal=True).backward(bufs[3])
         step()
         return step
     except Exception as e:  # report why, never a number for something that did not run
         return f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
 
 
-def _fixed_cost_body(p: dict, rounds: int, warmup: int) -> dict:
+def _fixed_cost_body(p: dict, rounds: int, warmup: int, seqs=CUDA_WS1_SEQS, device_type: str = "cuda") -> dict:
     """World size 1 on CUDA: the ring's fixed cost vs SDPA on the whole sequence (and torch CP at a mesh of one)."""
-    device = torch.device("cuda", 0)
+    device = torch.device(device_type, 0) if device_type == "cuda" else torch.device("cpu")
     rows = {}
-    for seq in CUDA_WS1_SEQS:
+    for seq in seqs:
         q, k, v = _inputs(p, seq, device)
         dout = torch.randn_like(q)
         gqa = p["heads"] != p["kv_heads"]
@@ -217,7 +219,8 @@ def _fixed_cost_body(p: dict, rounds: int, warmup: int) -> dict:
         rows[seq] = dict(times={n: _median(t) for n, t in times.items()},
                          torch_cp=None if callable(torch_cp) else torch_cp)
         del q, k, v, dout
-        torch.cuda.empty_cache()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
     return dict(rows=rows)
 
 
