@@ -124,6 +124,11 @@ def llama_errors(group, kernel: str = "math") -> float:
     ref_logits = ref(ids).logits
     F.cross_entropy(ref_logits.reshape(-1, 64), tgt.reshape(-1)).backward()
     local_ids, pos = shard_batch(ids, group)
+    try:
+        model(input_ids=local_ids)
+        raise AssertionError("a CP Llama ran without position_ids")
+    except ValueError as e:
+        assert "pass position_ids" in str(e), e
     logits = model(input_ids=local_ids, position_ids=pos).logits
     local_tgt = shard(tgt, 1, rank, size, "zigzag")
     # Each rank's share of the global mean; the grads of replicated parameters sum over CP ranks.

@@ -133,4 +133,13 @@ def apply_to_hf_llama(model: nn.Module, mesh_or_group, config: ContextParallelCo
         cfg = getattr(module, "config", None)
         if cfg is not None and hasattr(cfg, "_attn_implementation"):
             cfg._attn_implementation = HF_ATTENTION
+    if group_size(group) > 1:
+        model.register_forward_pre_hook(_require_position_ids, with_kwargs=True)
     return model
+
+
+def _require_position_ids(module, args, kwargs):
+    # Without them transformers numbers the local tokens 0..s_local-1: RoPE would be silently wrong.
+    if kwargs.get("position_ids") is None:
+        raise ValueError(f"{type(module).__name__} is context parallel: pass position_ids (the global positions of "
+                         "this rank's tokens), e.g. input_ids, position_ids = shard_batch(ids, group)")
