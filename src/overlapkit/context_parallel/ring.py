@@ -5,7 +5,8 @@ it on to r+1 and receives the next from r−1 (one batched `comm.exchange`, kind
 meanwhile computes its queries against the block in hand and folds the result into its
 running output with the log-sum-exp rule. Backward mirrors it: key/value blocks travel the
 same way, and beside them the dK/dV accumulator of each block, which every rank adds its part
-to before passing it on; after P hops each block's gradient is back with its owner. With
+to before passing it on; after P−1 hops each block's gradient is back with its owner, in time
+for the owner's own block, which backward computes last. With
 `overlap="none"` every transfer runs after the computation it could have hidden behind (the
 sequential reference the benchmark compares with).
 
