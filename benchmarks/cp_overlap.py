@@ -6,7 +6,8 @@ Variants take turns call by call (the order rotates every round) so that load th
 on a shared machine hits them alike; a call's time is the slowest rank's, the table gives medians.
 Exposed cp_kv comes from recorded calls made after the timed ones: the cp_kv time not covered by a
 block's attention, as a share of the transfer time (a hop timed alone — ranks lined up, the ring's
-exchange and nothing else — times the hops of the phase). The target: <= 10 % exposed where a block's attention is longer than its transfer.
+exchange and nothing else — times the hops of the phase). The target: <= 10 % exposed where a
+block's attention is longer than its transfer.
 
 At world size 1 on CUDA there is no ring to overlap: the run measures the fixed cost of the ring
 machinery (one block, the flash kernel, the log-sum-exp bookkeeping) against

@@ -49,3 +49,17 @@ def test_shapes_checked():
     q = torch.randn(1, 3, 4, 8)
     with pytest.raises(ValueError, match="not a multiple of 2 key/value heads"):
         ring_attention(q, torch.randn(1, 2, 4, 8), torch.randn(1, 2, 4, 8), None)
+
+
+def test_shard_positions_unshard_agree():
+    from overlapkit.context_parallel import chunks_of, positions, shard, unshard
+    assert chunks_of(1, 4, "zigzag") == (1, 6) and chunks_of(1, 4, "contiguous") == (1,)
+    x = torch.arange(24).view(1, 24, 1).float()
+    for layout in ("zigzag", "contiguous"):
+        for size in (1, 2, 3, 4):
+            parts = [shard(x, 1, r, size, layout) for r in range(size)]
+            for r, part in enumerate(parts):  # the positions of a rank's tokens are the tokens it got
+                assert torch.equal(positions(24, r, size, layout), part.view(-1).long())
+            assert torch.equal(unshard(parts, 1, layout), x)
+    with pytest.raises(ValueError, match="sequence length 10 does not split over cp=3 with layout='zigzag'"):
+        positions(10, 0, 3, "zigzag")
