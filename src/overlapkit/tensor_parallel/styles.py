@@ -16,32 +16,48 @@ styles distribute a module's parameters in place.
 from __future__ import annotations
 
 import functools
+import types
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.modules.module import _WrappedHook
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from .. import comm
 from ..groups import resolve_group
 from . import mappings
 from .layers import ColumnParallelLinear, RowParallelLinear, check_overlap
+from .sequence_parallel import mark_sequence_parallel
 from .vocab import VocabParallelEmbedding
 
 
-def _local(t):
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
 def _become(module: nn.Module, new: nn.Module) -> nn.Module:
-    """Make `module` (in place) the module `new` is, keeping the hooks others registered on it."""
-    kept = {k: v for k, v in module.__dict__.items() if "hook" in k}
+    """Make `module` (in place) the module `new` is, keeping the hooks others registered on it.
+
+    `new`'s own hooks (e.g. its state-dict hooks) are carried over and re-bound to `module`, so
+    that nothing keeps calling into the discarded object.
+    """
     new.train(module.training)
+    kept = {k: v for k, v in module.__dict__.items() if "hook" in k and isinstance(v, dict)}
+    state = dict(new.__dict__)
+    for key, hooks in kept.items():
+        for hid, fn in state.get(key, {}).items():
+            hooks[hid] = _rebind(fn, new, module)
+        state[key] = hooks  # the module's dict objects: handles given out for them still work
     module.__dict__.clear()
-    module.__dict__.update(new.__dict__)
-    module.__dict__.update(kept)
+    module.__dict__.update(state)
     module.__class__ = new.__class__
     return module
+
+
+def _rebind(fn, old: nn.Module, module: nn.Module):
+    if getattr(fn, "__self__", None) is old:
+        return types.MethodType(fn.__func__, module)
+    if isinstance(fn, _WrappedHook):
+        wrapped = _WrappedHook(_rebind(fn.hook, old, module), module if fn.with_module else None)
+        return wrapped
+    return fn
 
 
 def check_unsharded(module: nn.Module, device_mesh, style: str) -> None:
@@ -170,8 +186,7 @@ class GatheredInputColumnLinear(ColumnParallelLinear):
     """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        bias = _local(self.bias) if self.bias is not None else None
-        return F.linear(x, _local(self.weight), bias)
+        return F.linear(x, self.local(self.weight), self.local(self.bias))
 
 
 class VocabParallel(ParallelStyle):
@@ -190,18 +205,16 @@ class VocabParallel(ParallelStyle):
 class SequenceParallel(ParallelStyle):
     """The module (a norm) computes on this rank's slice of the sequence; its parameters are replicated.
 
-    Each rank's parameter gradient then covers its tokens only: the parameters are marked
-    `sequence_parallel`, and their gradients are summed over TP after backward
-    (`allreduce_sequence_parallel_grads`, or DataParallel's `sequence_parallel_group`).
+    Each rank's parameter gradient then covers its tokens only: `mark_sequence_parallel` makes
+    autograd sum it over TP before it is accumulated (in a way FSDP2 keeps), so `.grad` is
+    complete after backward and no call after it can be forgotten.
     """
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
         check_unsharded(module, device_mesh, "SequenceParallel")
         if not any(True for _ in module.parameters(recurse=False)):
             raise ValueError(f"SequenceParallel: {type(module).__name__} has no parameters of its own to mark")
-        for p in module.parameters(recurse=False):
-            p.sequence_parallel = True
-        return module
+        return mark_sequence_parallel(module, device_mesh, name=_name(module))
 
     def __repr__(self) -> str:
         return "SequenceParallel()"
@@ -234,14 +247,6 @@ class _InputHookStyle(ParallelStyle):
         return f"{type(self).__name__}(sequence_dim={self.sequence_dim}, kwarg={self.kwarg!r})"
 
 
-def _on_dim(op, x: torch.Tensor, dim: int, group, name: str) -> torch.Tensor:
-    """A dim-0 sequence mapping applied to dim `dim` (moved to the front and back, autograd sees it)."""
-    dim = dim % x.dim()
-    if dim == 0:
-        return op(x, group, name)
-    return op(x.movedim(dim, 0), group, name).movedim(0, dim)
-
-
 class ScatterSequence(_InputHookStyle):
     """Enter the sequence-parallel region: keep this rank's slice of `sequence_dim` (all-gather in backward)."""
 
@@ -249,7 +254,7 @@ class ScatterSequence(_InputHookStyle):
         dim = self.sequence_dim % x.dim()
         mappings.check_divisible(x.shape[dim], comm.group_size(group),
                                  f"{name}: sequence length (dim {dim})")
-        return _on_dim(mappings.scatter_to_sp, x, dim, group, name + ".enter_sp")
+        return mappings.scatter_to_sp(x, group, name + ".enter_sp", dim=dim)
 
 
 class GatherSequence(_InputHookStyle):
@@ -260,7 +265,7 @@ class GatherSequence(_InputHookStyle):
     """
 
     def _convert(self, x, group, name):
-        return _on_dim(mappings.gather_from_sp, x, self.sequence_dim, group, name + ".gather_sp")
+        return mappings.gather_from_sp(x, group, name + ".gather_sp", dim=self.sequence_dim % x.dim())
 
 
 def _name(module: nn.Module) -> str:

@@ -22,6 +22,7 @@ from .. import comm
 from ..agreement import Agreement
 from ..groups import resolve_group
 from .mappings import check_divisible, reduce_from_tp
+from .params import LocalShardParams, make_param, tp_mesh_and_group
 
 REDUCTIONS = ("mean", "sum", "none")
 """Accepted values of vocab_parallel_cross_entropy's `reduction` (as torch's cross_entropy)."""
@@ -42,22 +43,40 @@ def vocab_range(vocab_size: int, group) -> tuple[int, int]:
     return r * per, (r + 1) * per
 
 
-class VocabParallelEmbedding(nn.Module):
+class VocabParallelEmbedding(LocalShardParams, nn.Module):
     """nn.Embedding with its rows (the vocabulary) split over TP; the output is replicated.
 
     Forward: local lookup of the ids in this rank's rows, zeros elsewhere, then an all-reduce
     (Megatron's g). Backward: no communication (the output gradient is already replicated).
+    The weight is a DTensor sharded on dim 0 (Shard(0)), like a column-parallel output head's,
+    so the two can be tied.
     """
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, mesh_or_group, *, name: str = "embedding",
+    def __init__(self, num_embeddings: int, embedding_dim: int, mesh_or_group=None, *, name: str = "embedding",
                  device=None, dtype=None) -> None:
         super().__init__()
-        self.group = resolve_group(mesh_or_group, "tp")
+        from torch.distributed.tensor import Shard
+
+        self.mesh, self.group = tp_mesh_and_group(mesh_or_group)
         self.tp_size, self.tp_rank = comm.group_size(self.group), comm.group_rank(self.group)
         self.num_embeddings, self.embedding_dim, self.name = num_embeddings, embedding_dim, name
         self.vocab_start, self.vocab_end = vocab_range(num_embeddings, self.group)
-        rows = self.vocab_end - self.vocab_start
-        self.weight = nn.Parameter(torch.empty(rows, embedding_dim, device=device, dtype=dtype).normal_())
+        self._init_state_dict_hooks()
+        self._placements["weight"] = [Shard(0)]
+        local = torch.empty(self.vocab_end - self.vocab_start, embedding_dim, device=device, dtype=dtype)
+        self.weight = make_param(local, self.mesh, [Shard(0)], (num_embeddings, embedding_dim))
+        if local.device.type != "meta":
+            self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """nn.Embedding's N(0, 1) init drawn for the FULL table, this rank keeping its rows."""
+        w = self.local_data("weight")
+        full = torch.empty(self.num_embeddings, self.embedding_dim, device=w.device, dtype=w.dtype).normal_()
+        w.copy_(self.shard_of(full))
+
+    def _global_shape(self, name: str):
+        return (self.num_embeddings, self.embedding_dim)
 
     @classmethod
     def from_full(cls, embedding: nn.Embedding, mesh_or_group, **kwargs) -> "VocabParallelEmbedding":
@@ -66,10 +85,11 @@ class VocabParallelEmbedding(nn.Module):
             raise ValueError("VocabParallelEmbedding.from_full: padding_idx, max_norm and sparse embeddings are "
                              f"not supported (got padding_idx={embedding.padding_idx}, max_norm={embedding.max_norm}, "
                              f"sparse={embedding.sparse})")
-        layer = cls(embedding.num_embeddings, embedding.embedding_dim, mesh_or_group,
-                    device=embedding.weight.device, dtype=embedding.weight.dtype, **kwargs)
+        layer = cls(embedding.num_embeddings, embedding.embedding_dim, mesh_or_group, device="meta",
+                    dtype=embedding.weight.dtype, **kwargs)
+        layer.to_empty(device=embedding.weight.device)
         with torch.no_grad():
-            layer.weight.copy_(layer.shard_of(embedding.weight))
+            layer.local_data("weight").copy_(layer.shard_of(embedding.weight))
         return layer
 
     def shard_of(self, full: torch.Tensor) -> torch.Tensor:
@@ -81,7 +101,7 @@ class VocabParallelEmbedding(nn.Module):
             raise ValueError(f"{self.name}: token ids must be int32/int64, got {ids.dtype}")
         outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
         local_ids = (ids - self.vocab_start).masked_fill(outside, 0)
-        out = F.embedding(local_ids, _local(self.weight))
+        out = F.embedding(local_ids, self.local(self.weight))
         out = out.masked_fill(outside.unsqueeze(-1), 0.0)
         return reduce_from_tp(out, self.group, self.name)
 
