@@ -127,3 +127,22 @@ def test_sequential_chunks_keep_the_sequential_names():
     x = torch.randn(3, 4)
     first, _ = sequential_chunks(seq, 2, 0)
     assert torch.equal(chunks[0](first[0](x)), seq(x))
+
+
+def test_bubble_is_measured_apart_from_exposed_p2p():
+    from overlapkit.pipeline_parallel import StepTiming, pipeline_times
+    from overlapkit.timeline.report import measure
+    from overlapkit.timeline.spans import Span
+
+    spans = [Span("compute", "F0", "compute", 0, 10, step=1), Span("compute", "B0", "compute", 20, 40, step=1),
+             Span("pp_bubble", "wait", "bubble", 10, 15, step=1), Span("pp_bubble", "wait", "bubble", 8, 12, step=1),
+             Span("pp_recv", "", "comm", 14, 18, step=1), Span("pp_send", "", "comm", 30, 45, step=1)]
+    t = measure(spans)
+    assert t.bubble_ms == pytest.approx(5.0)  # [8, 15] less the compute up to 10
+    assert t.comm_ms == pytest.approx(19.0) and t.exposed_comm_ms == pytest.approx(9.0)  # bubble-time p2p counts there
+    timing = StepTiming(step=1, bubbles=[(10, 15), (8, 12)],
+                        actions=[("F", 0, 0, 0, 10), ("B", 0, 0, 20, 40)])
+    p = pipeline_times(spans, timing)
+    # p2p outside compute and bubble: [15, 18] of the receive and [40, 45] of the send.
+    assert (p.compute_ms, p.bubble_ms, p.p2p_ms, p.exposed_p2p_ms) == pytest.approx((30, 5, 19, 8))
+    assert p.bubble_fraction == pytest.approx(5 / 30)

@@ -32,7 +32,7 @@ from ..data_parallel import DataParallel
 from ..groups import group_timeout_s
 from ..timeline import recorder as _rec
 from ..timeline.recorder import compute_span
-from .p2p import TickComm, producer_key, recording, restamp_receives
+from .p2p import TickComm, producer_key, record_bubbles, recording, restamp_receives
 from .schedules import SCHEDULES, Action, check_schedule, rank_actions, timetable
 
 
@@ -284,7 +284,9 @@ class PipelineEngine:
         t0 = _rec.active()._t0
         last_end = t0 + max(a[4] for a in timing.actions) / 1e3 if timing.actions else mine[1]
         bubbles.append((last_end, max(s[1] for s in seen)))
-        timing.bubbles = [_ms(b) for b in bubbles if b[1] > b[0]]
+        bubbles = [b for b in bubbles if b[1] > b[0]]
+        record_bubbles(bubbles, timing.step)
+        timing.bubbles = [_ms(b) for b in bubbles]
         self.timings.append(timing)
 
 

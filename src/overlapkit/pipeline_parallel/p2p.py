@@ -132,6 +132,20 @@ def restamp_receives(waits, peer_send_times: dict[int, dict[int, float]]) -> lis
     return bubbles
 
 
+def record_bubbles(intervals: list[tuple[float, float]], step: int) -> None:
+    """Put the bubble on the active recorder as `pp_bubble` spans (lane "bubble"; host clock).
+
+    The recorder has hooks for compute and communication only; a bubble is neither, so its spans
+    are added as finished entries the recorder resolves like any other at close.
+    """
+    rec = _rec.active()
+    for start, end in intervals:
+        p = _rec._Pending("pp_bubble", "wait for neighbour", "bubble", start, 0, 1, step)
+        p.end = end
+        with rec._lock:
+            rec._pending.append(p)
+
+
 def recording() -> bool:
     """Whether a CPU-clock timeline recorder is active (the bubble split needs host clocks)."""
     rec = _rec.active()

@@ -16,7 +16,7 @@ from .spans import COMPUTE, Span
 
 COMPUTE_COLOR = "#4c72b0"
 EXPOSED_COLOR = "#d62728"
-OTHER_COLORS = {"memcpy": "#bbbbbb", "memset": "#dddddd"}
+OTHER_COLORS = {"memcpy": "#bbbbbb", "memset": "#dddddd", "pp_bubble": "#f0e442"}
 _COMM_PALETTE = ["#ff7f0e", "#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#17becf", "#bcbd22",
                  "#7f7f7f", "#ffbb78", "#98df8a"]
 

@@ -8,7 +8,9 @@ says the same with examples), for the spans of one rank inside a window:
 - compute_ms = |C|, comm_ms = |M|, hidden_ms = |M ∩ C|, exposed_comm_ms = |M \\ C|;
 - overlap_pct = 100 · hidden_ms / comm_ms (None without communication);
 - step_ms = last end − first start of the window's spans; idle_ms = step_ms − |any span|;
-- t_last_ms = |M after the end of the last compute span| (all of M when there is no compute).
+- t_last_ms = |M after the end of the last compute span| (all of M when there is no compute);
+- bubble_ms = |pp_bubble spans \\ C|: a pipeline stage waiting for a neighbour that has not sent yet
+  (recorded by the pipeline engine; not communication, so apart from exposed_comm_ms).
 
 When the source records no computation to judge by (`Trace.compute_known` is False: a CPU
 trace without ops), hidden, exposed, overlap and T_last are None ("unknown"), never 0 %.
@@ -36,6 +38,9 @@ class Times:
     overlap_pct: float | None
     idle_ms: float
     t_last_ms: float | None
+    bubble_ms: float = 0.0
+    """Pipeline bubble: |pp_bubble spans \\ compute|, a stage waiting for a neighbour that has not sent
+    yet. Not communication, so not in exposed_comm_ms' definition; shown beside it."""
 
 
 @dataclass(frozen=True)
@@ -138,14 +143,15 @@ def measure(spans: list[Span], compute_known: bool = True) -> Times:
     start, end = min(s.start_ms for s in spans), max(s.end_ms for s in spans)
     comm_ms, hidden = iv.length(comm), iv.length(iv.intersect(comm, compute))
     tail_from = compute[-1][1] if compute else start
+    bubble = iv.length(iv.subtract(iv.union((s.start_ms, s.end_ms) for s in spans if s.kind == "pp_bubble"), compute))
     if not compute_known:
         return Times(step_ms=end - start, compute_ms=iv.length(compute), comm_ms=comm_ms, hidden_ms=None,
                      exposed_comm_ms=None, overlap_pct=None, idle_ms=(end - start) - iv.length(busy),
-                     t_last_ms=None)
+                     t_last_ms=None, bubble_ms=bubble)
     return Times(step_ms=end - start, compute_ms=iv.length(compute), comm_ms=comm_ms, hidden_ms=hidden,
                  exposed_comm_ms=comm_ms - hidden, overlap_pct=_pct(hidden, comm_ms),
                  idle_ms=(end - start) - iv.length(busy),
-                 t_last_ms=iv.length(iv.clip(comm, tail_from, end)))
+                 t_last_ms=iv.length(iv.clip(comm, tail_from, end)), bubble_ms=bubble)
 
 
 def _kind_row(kind: str, spans: list[Span], compute: iv.Intervals | None, nbytes: int) -> KindRow:

@@ -28,8 +28,9 @@ COMM_KINDS = (
 COMPUTE = "compute"
 """The kind of every computation span."""
 
-OTHER_KINDS = ("memcpy", "memset")
-"""Spans that are neither compute nor communication (trace memcpy/memset): shown, not counted."""
+OTHER_KINDS = ("memcpy", "memset", "pp_bubble")
+"""Spans that are neither compute nor communication (trace memcpy/memset; pp_bubble, a pipeline stage
+waiting for a neighbour that has not sent yet, recorded by the pipeline engine): shown, not counted."""
 
 
 COMM_RANGE_PREFIX = "overlapkit.comm."
