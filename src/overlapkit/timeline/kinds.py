@@ -9,6 +9,7 @@ symmetric-memory kernels, NVSHMEM, and peer-to-peer copies (copy-engine pulls be
 from __future__ import annotations
 
 import re
+from functools import lru_cache
 
 _NCCL = re.compile(r"^(?:nccl|rccl)", re.IGNORECASE)
 _NCCL_COLLECTIVE = re.compile(r"^(?:nccl|rccl)(?:Dev)?Kernel_([A-Za-z]+)", re.IGNORECASE)
@@ -56,6 +57,7 @@ def nccl_kind_from_name(name: str) -> str:
     return collective_kind(m.group(1)) if m else "nccl"
 
 
+@lru_cache(maxsize=65536)
 def kernel_comm_kind(name: str) -> str | None:
     """The communication kind of a non-NCCL kernel, or None when it is compute.
 

@@ -38,8 +38,11 @@ GPU_CATEGORIES = {"kernel": "kernel", "gpu_memcpy": "memcpy", "memcpy": "memcpy"
                   "gpu_memset": "memset", "memset": "memset"}
 LAUNCH_CATEGORIES = {"cuda_runtime", "cuda_driver", "runtime", "driver"}
 CPU_OP_CATEGORIES = {"cpu_op", "operator"}
+MARKER_CATEGORIES = CPU_OP_CATEGORIES | {"user_annotation", "python_function"}
+"""Categories of the CPU ranges that can mark a phase (timeline/phases.py)."""
 UNSUPPORTED_DEVICES = {"mtia": "MTIA", "xpu": "XPU", "hpu": "HPU"}
 """Category prefixes of device activity overlapkit cannot read (its kernels are not CUDA/ROCm kernels)."""
+_DEVICE_CAT = re.compile(rb'"cat"\s*:\s*"(mtia|xpu|hpu)_', re.IGNORECASE)
 _DTYPE_BYTES = {"float": 4, "float32": 4, "half": 2, "float16": 2, "bfloat16": 2, "c10::bfloat16": 2,
                 "c10::half": 2, "double": 8, "float64": 8, "int": 4, "int32": 4, "long": 8, "int64": 8,
                 "short": 2, "int16": 2, "char": 1, "byte": 1, "int8": 1, "uint8": 1, "bool": 1}
@@ -93,6 +96,10 @@ def _load(path: Path) -> object:
             raw = gzip.decompress(raw)
         except (EOFError, gzip.BadGzipFile, zlib.error) as e:
             raise TraceError(f"{path}: truncated or corrupt gzip ({e})") from None
+    # Refuse other devices' traces before parsing them (MTIA traces run to tens of MB of JSON).
+    if (m := _DEVICE_CAT.search(raw)) is not None:
+        raise TraceError(f"{path}: unsupported device: {UNSUPPORTED_DEVICES[m.group(1).decode().lower()]} "
+                         f"(overlapkit reads CUDA/ROCm kernel traces and CPU gloo traces)")
     try:
         return json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -156,7 +163,9 @@ def read_trace(path: str | Path, rank: int | None = None, last_step: bool = Fals
         if not isinstance(e, dict) or e.get("ph") != "X" or "ts" not in e:
             continue
         cat, name, args = str(e.get("cat", "")).lower(), str(e.get("name", "")), e.get("args") or {}
-        ts, dur = _number(path, i, e, "ts"), _number(path, i, e, "dur")
+        ts, dur = e["ts"], e.get("dur", 0)
+        if type(ts) not in (int, float) or type(dur) not in (int, float):  # the rare case, checked in full
+            ts, dur = _number(path, i, e, "ts"), _number(path, i, e, "dur")
         categories.add(cat)
         tid = e.get("tid")
         if cat in GPU_CATEGORIES:
@@ -177,7 +186,7 @@ def read_trace(path: str | Path, rank: int | None = None, last_step: bool = Fals
             gloo.append((tid, ts, ts + dur, name, args))
         elif cat in CPU_OP_CATEGORIES:
             ops.append((tid, ts, ts + dur, name))
-        if (phase := marker_phase(name)) is not None:
+        if cat in MARKER_CATEGORIES and (phase := marker_phase(name)) is not None:
             markers.add(tid, ts, ts + dur, {"phase": phase})
     _unsupported(path, categories, meta)
     for r in (ranges, param_comms, markers):
