@@ -31,8 +31,8 @@ from torch import nn
 
 from .. import comm
 from ..agreement import Agreement, agree
-from ..timeline.recorder import compute_span
-from .mappings import _gather_dim0, _reduce_scatter_dim0, check_divisible, gather_from_tp, scatter_to_tp
+from . import ops
+from .mappings import check_divisible, gather_from_tp, scatter_to_tp
 from .params import LocalShardParams, make_param, tp_mesh_and_group
 from .pipelined import check_layer_options, column_parallel_linear_pipelined, row_parallel_linear_pipelined
 from .precision import autocast_dtype, autocast_off, cast
@@ -63,86 +63,11 @@ def _check_input(layer: nn.Module, x: torch.Tensor, w: torch.Tensor, in_features
         check_divisible(x.shape[0], layer.tp_size, f"{name}: sequence length (dim {layer.sequence_dim})")
 
 
-def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, name: str) -> torch.Tensor:
-    with compute_span(name):
-        return torch.nn.functional.linear(x, w, b)
-
-
-def _wgrad(dy: torch.Tensor, x: torch.Tensor, has_bias: bool, name: str):
-    with compute_span(name):
-        dy2, x2 = dy.reshape(-1, dy.shape[-1]), x.reshape(-1, x.shape[-1])
-        return dy2.t() @ x2, (dy2.sum(0) if has_bias else None)
-
-
-class _ColumnLinear(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, weight, bias, group, sp, bulk, name):
-        ctx.save_for_backward(x, weight)
-        ctx.group, ctx.sp, ctx.bulk, ctx.name, ctx.has_bias = group, sp, bulk, name, bias is not None
-        total = _gather_dim0(x, group, name + ".fwd") if sp else x
-        return _linear(total, weight, bias, name + ".fwd.gemm")
-
-    @staticmethod
-    def backward(ctx, dy):
-        x, weight = ctx.saved_tensors
-        group, name, ws = ctx.group, ctx.name, comm.group_size(ctx.group)
-        dy = dy.contiguous()
-        regather = None
-        if ctx.sp and ws > 1:
-            # Megatron keeps only the input shard; the full input for wgrad is re-gathered
-            # now, under the dgrad GEMM.
-            total = x.new_empty((ws * x.shape[0],) + tuple(x.shape[1:]))
-            regather = comm.all_gather(total, x.contiguous(), group, kind="tp_all_gather",
-                                       name=name + ".bwd", async_op=ctx.bulk)
-        else:
-            total = x
-        with compute_span(name + ".bwd.dgrad"):
-            dx_full = dy @ weight
-        if regather is not None:
-            regather.wait()
-        reduce = None
-        if ws == 1:
-            dx = dx_full
-        elif ctx.sp:
-            dx = dx_full.new_empty((dx_full.shape[0] // ws,) + tuple(dx_full.shape[1:]))
-            reduce = comm.reduce_scatter(dx, dx_full, group, kind="tp_reduce_scatter",
-                                         name=name + ".bwd", async_op=ctx.bulk)
-        else:
-            dx = dx_full
-            reduce = comm.all_reduce(dx, group, kind="tp_all_reduce", name=name + ".bwd", async_op=ctx.bulk)
-        dw, db = _wgrad(dy, total, ctx.has_bias, name + ".bwd.wgrad")
-        if reduce is not None:
-            reduce.wait()
-        return dx, dw, db, None, None, None, None
-
-
-class _RowLinear(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, weight, bias, group, sp, name):
-        ctx.save_for_backward(x, weight)
-        ctx.group, ctx.sp, ctx.name, ctx.has_bias = group, sp, name, bias is not None
-        partial = _linear(x, weight, None, name + ".fwd.gemm")
-        if comm.group_size(group) == 1:
-            y = partial
-        elif sp:
-            y = _reduce_scatter_dim0(partial, group, name + ".fwd")
-        else:
-            y = partial.contiguous()
-            comm.all_reduce(y, group, kind="tp_all_reduce", name=name + ".fwd", async_op=False)
-        return y + bias if bias is not None else y
-
-    @staticmethod
-    def backward(ctx, dy):
-        x, weight = ctx.saved_tensors
-        dy = dy.contiguous()
-        dy_full = _gather_dim0(dy, ctx.group, ctx.name + ".bwd") if ctx.sp else dy
-        # From the gathered gradient, the bias gradient covers every token: complete on every
-        # rank (and the same on each), with no sum over TP left for anyone to forget.
-        db = dy_full.reshape(-1, dy_full.shape[-1]).sum(0) if ctx.has_bias else None
-        with compute_span(ctx.name + ".bwd.dgrad"):
-            dx = dy_full @ weight
-        dw, _ = _wgrad(dy_full, x, False, ctx.name + ".bwd.wgrad")
-        return dx, dw, db, None, None, None
+def _eager_under_compile(forward):
+    """torch.compile runs around the layer, not through it: dynamo cannot trace the process
+    groups, the store-based agreement or the transports' streams inside (it raised), so the
+    layer is a graph break and runs eagerly, with its overlap intact."""
+    return torch.compiler.disable(forward, recursive=True)
 
 
 def _check_positive_int(label: str, field: str, value) -> None:
@@ -345,6 +270,7 @@ class ColumnParallelLinear(_ParallelLinear):
         """This rank's slice of a full weight [out, in] or bias [out] (rows)."""
         return full.chunk(self.tp_size, dim=0)[self.tp_rank]
 
+    @_eager_under_compile
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x, w, b, cdt, moved = self._enter(x, self.in_features, sp_split=False)
         tokens = x.numel() // x.shape[-1] * (self.tp_size if self.sequence_parallel else 1)
@@ -356,7 +282,8 @@ class ColumnParallelLinear(_ParallelLinear):
                                                      name=self.name or "column",
                                                      save_gathered_input=self.save_gathered_input)
             else:
-                y = _ColumnLinear.apply(x, w, b, self.group, self.sequence_parallel, mode == "bulk", self.name)
+                y = ops.linear("column", x, w, b, self.group, sp=self.sequence_parallel, bulk=mode == "bulk",
+                               name=self.name)
             y = self._leave(y, moved)
             return gather_from_tp(y, self.group, self.name + ".out") if self.gather_output else y
 
@@ -388,6 +315,7 @@ class RowParallelLinear(_ParallelLinear):
         """This rank's slice of a full weight [out, in] (columns); a bias is not split."""
         return full.chunk(self.tp_size, dim=-1)[self.tp_rank] if full.dim() == 2 else full
 
+    @_eager_under_compile
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         expected = self.in_per_rank if self.input_is_parallel else self.in_features
         x, w, b, cdt, moved = self._enter(x, expected, sp_split=self.sequence_parallel)
@@ -401,5 +329,5 @@ class RowParallelLinear(_ParallelLinear):
                 y = row_parallel_linear_pipelined(x, w, b, self.group, chunks=chunks, transport=self.transport,
                                                   name=self.name or "row")
             else:
-                y = _RowLinear.apply(x, w, b, self.group, self.sequence_parallel, self.name)
+                y = ops.linear("row", x, w, b, self.group, sp=self.sequence_parallel, name=self.name)
             return self._leave(y, moved)

@@ -238,82 +238,7 @@ def matmul_reduce_scatter(x: torch.Tensor, weight: torch.Tensor, group, *, scatt
     return out.view(xm.shape[0] // ws, *xm.shape[1:-1], weight.shape[0]).movedim(0, d)
 
 
-# -- autograd: the sequence-parallel linear layers ----------------------------------------
-
-class _ColumnPipelined(torch.autograd.Function):
-    """Forward: all-gather+GEMM. Backward: dgrad GEMM+reduce-scatter; wgrad under a chunked re-gather."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, group, k, transport, save_gathered, name):
-        ws = comm.group_size(group)
-        x2 = _rows(x)
-        gathered, (y,) = _ag_mm(x2, [weight], k, group, transport, need_gathered=save_gathered,
-                                name=name + ".fwd")
-        if bias is not None:
-            y.add_(bias)
-        ctx.save_for_backward(gathered if save_gathered else x2, weight)
-        ctx.group, ctx.k, ctx.transport, ctx.save_gathered, ctx.name = group, k, transport, save_gathered, name
-        ctx.x_shape = x.shape
-        return y.view(ws * x.shape[0], *x.shape[1:-1], weight.shape[0])
-
-    @staticmethod
-    def backward(ctx, dy):
-        saved, weight = ctx.saved_tensors
-        dy2 = _rows(dy)
-        dx = dw = db = None
-        if ctx.needs_input_grad[0]:
-            dx = _mm_rs(dy2, weight, ctx.k, ctx.group, ctx.transport, name=ctx.name + ".bwd.dgrad")
-            dx = dx.view(ctx.x_shape)
-        if ctx.needs_input_grad[1]:
-            if ctx.save_gathered:
-                with compute_span(ctx.name + ".bwd.wgrad.gemm"):
-                    dw = dy2.t() @ saved
-            else:
-                dw = _regather_wgrad(saved, dy2, ctx.k, ctx.group, ctx.transport, name=ctx.name + ".bwd.wgrad")
-        if ctx.needs_input_grad[2]:
-            db = dy2.sum(0)
-        return dx, dw, db, None, None, None, None, None
-
-
-class _RowPipelined(torch.autograd.Function):
-    """Forward: GEMM+reduce-scatter. Backward: all-gather of dY pipelined with dgrad; wgrad on gathered dY."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, group, k, transport, name):
-        ws = comm.group_size(group)
-        x2 = _rows(x)
-        y = _mm_rs(x2, weight.t(), k, group, transport, name=name + ".fwd")
-        if bias is not None:
-            y.add_(bias)
-        ctx.save_for_backward(x2, weight)
-        ctx.group, ctx.k, ctx.transport, ctx.name, ctx.x_shape = group, k, transport, name, x.shape
-        return y.view(x.shape[0] // ws, *x.shape[1:-1], weight.shape[0])
-
-    @staticmethod
-    def backward(ctx, dy):
-        x2, weight = ctx.saved_tensors
-        dy2 = _rows(dy)
-        need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
-        dx2 = x2.new_empty(x2.shape) if need_dx else None
-
-        def consume(rows: slice, data: torch.Tensor, lane: int) -> None:
-            if need_dx:
-                with compute_span(ctx.name + ".bwd.dgrad.gemm", stream=_lane_stream(lane)):
-                    torch.mm(data, weight, out=dx2[rows])
-
-        dw = db = None
-        if need_dx or need_dw or need_db:
-            gathered = ctx.transport.gather_and_consume(dy2, consume, ctx.k, ctx.group, name=ctx.name + ".bwd",
-                                                        need_gathered=need_dw or need_db)
-            if need_dw:
-                with compute_span(ctx.name + ".bwd.wgrad.gemm"):
-                    dw = gathered.t() @ x2
-            # As in RowParallelLinear: from the gathered gradient the bias gradient covers every
-            # token, complete and identical on every rank.
-            db = gathered.sum(0) if need_db else None
-        dx = dx2.view(ctx.x_shape) if need_dx else None
-        return dx, dw, db, None, None, None, None
-
+# -- the differentiable sequence-parallel linears (bodies and autograd in ops.py) ---------
 
 def _check_linear(x: torch.Tensor, weight: torch.Tensor, bias, what: str) -> None:
     _check_dim(x, 0, "the sequence dim")
@@ -333,8 +258,10 @@ def column_parallel_linear_pipelined(x_shard: torch.Tensor, weight: torch.Tensor
     _check_linear(x_shard, weight, bias, "column-parallel")
     ws = comm.group_size(group)
     k = _chunks_per_rank(chunks, ws, x_shard.shape[0], 0)
-    transport_ = _check_transport(transport, group, x_shard.device)
-    return _ColumnPipelined.apply(x_shard, weight, bias, group, k, transport_, bool(save_gathered_input), name)
+    _check_transport(transport, group, x_shard.device)
+    from . import ops  # ops builds on this module's pipelines
+    return ops.linear("column_pipelined", x_shard, weight, bias, group, k=k, transport=transport,
+                      save_gathered=bool(save_gathered_input), name=name)
 
 
 def row_parallel_linear_pipelined(x: torch.Tensor, weight: torch.Tensor, bias, group, *,
@@ -350,5 +277,6 @@ def row_parallel_linear_pipelined(x: torch.Tensor, weight: torch.Tensor, bias, g
     if x.shape[0] % ws != 0:
         raise ValueError(f"row-parallel: sequence length (dim 0) {x.shape[0]} is not divisible by the world size {ws}")
     k = _chunks_per_rank(chunks, ws, x.shape[0] // ws, 0)
-    transport_ = _check_transport(transport, group, x.device)
-    return _RowPipelined.apply(x, weight, bias, group, k, transport_, name)
+    _check_transport(transport, group, x.device)
+    from . import ops
+    return ops.linear("row_pipelined", x, weight, bias, group, k=k, transport=transport, name=name)

@@ -1,0 +1,274 @@
+"""The tensor-parallel linears as torch.library custom ops, so torch.compile keeps their overlap in one graph.
+
+What overlaps with what is unchanged (see layers.py and pipelined.py): "column"/"row" are the
+none and bulk paths (bulk: the column backward's re-gather under the dgrad GEMM, the dgrad
+reduce-scatter under the wgrad GEMM), "column_pipelined"/"row_pipelined" the chunked
+all-gather+GEMM and GEMM+reduce-scatter, forward and backward. Dynamo cannot trace an async
+collective, a P2POp or a CUDA event, and broke the graph at each one; an opaque custom op with a
+fake (meta) kernel for its shapes and a registered autograd formula is one node of a
+`fullgraph=True` graph, and its body — the same eager code, timeline spans included — runs at
+execution time.
+
+Two ops per kind: `overlapkit::<kind>_fwd(x, w, b, ...) -> (y, extra)` and
+`overlapkit::<kind>_bwd(dy, x, extra, w, ...) -> (dx, dw, db)`; `extra` is what backward needs
+beyond x and w (the gathered input under save_gathered_input), and absent results are empty
+tensors (custom ops return no None). The process group travels by name (`group.group_name`) and
+is resolved inside, as torch's functional collectives do.
+
+`linear(kind, ...)` is the entry point of the layers: under torch.compile it calls the ops; in
+eager it runs the same bodies through an autograd.Function, which skips the dispatcher's
+custom-op overhead (host time per call is what pipelining at TP=8 cannot spare).
+Under compile the ops compare each new (kind, shape, dtype, options) signature across the
+ranks once, as the layers do in eager, before any collective.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .. import comm
+from ..agreement import Agreement
+from ..timeline.recorder import compute_span
+from . import p2p, symm_mem
+from .mappings import _gather_dim0, _reduce_scatter_dim0
+from .pipelined import _ag_mm, _mm_rs, _regather_wgrad, _rows, _lane_stream
+
+KINDS = ("column", "row", "column_pipelined", "row_pipelined")
+"""The linears registered as ops: none/bulk column and row, and the pipelined pair."""
+
+_TRANSPORTS = {"p2p": p2p, "symm_mem": symm_mem}
+
+_ARGS = "str group, bool sp, bool bulk, int k, str transport, bool save_gathered, str name"
+"""Static arguments shared by every op (unused ones are ignored by a kind)."""
+
+
+def _group(name: str):
+    return dist.distributed_c10d._resolve_process_group(name)
+
+
+# -- the bodies (eager code: collectives, streams, events and timeline spans) ---------------
+
+def _fwd(kind, x, w, b, group, sp, bulk, k, transport, save_gathered, name):
+    """(y, extra) of one linear; extra is the gathered input when column_pipelined saves it."""
+    extra = None
+    if kind == "column":
+        total = _gather_dim0(x, group, name + ".fwd") if sp else x
+        with compute_span(name + ".fwd.gemm"):
+            y = torch.nn.functional.linear(total, w, b)
+    elif kind == "row":
+        with compute_span(name + ".fwd.gemm"):
+            partial = torch.nn.functional.linear(x, w)
+        if comm.group_size(group) == 1:
+            y = partial
+        elif sp:
+            y = _reduce_scatter_dim0(partial, group, name + ".fwd")
+        else:
+            y = partial.contiguous()
+            comm.all_reduce(y, group, kind="tp_all_reduce", name=name + ".fwd", async_op=False)
+        y = y + b if b is not None else y
+    elif kind == "column_pipelined":
+        ws = comm.group_size(group)
+        extra, (y,) = _ag_mm(_rows(x), [w], k, group, _TRANSPORTS[transport], need_gathered=save_gathered,
+                             name=name + ".fwd")
+        if b is not None:
+            y.add_(b)
+        y = y.view(ws * x.shape[0], *x.shape[1:-1], w.shape[0])
+    else:
+        ws = comm.group_size(group)
+        y = _mm_rs(_rows(x), w.t(), k, group, _TRANSPORTS[transport], name=name + ".fwd")
+        if b is not None:
+            y.add_(b)
+        y = y.view(x.shape[0] // ws, *x.shape[1:-1], w.shape[0])
+    return y, extra
+
+
+def _wgrad(dy2, x2, name):
+    with compute_span(name):
+        return dy2.t() @ x2
+
+
+def _column_bwd(dy, x, w, group, sp, bulk, name):
+    ws = comm.group_size(group)
+    regather = None
+    if sp and ws > 1:
+        # Megatron keeps only the input shard; the full input for wgrad is re-gathered now,
+        # under the dgrad GEMM (bulk: asynchronously).
+        total = x.new_empty((ws * x.shape[0],) + tuple(x.shape[1:]))
+        regather = comm.all_gather(total, x.contiguous(), group, kind="tp_all_gather", name=name + ".bwd",
+                                   async_op=bulk)
+    else:
+        total = x
+    with compute_span(name + ".bwd.dgrad"):
+        dx_full = dy @ w
+    if regather is not None:
+        regather.wait()
+    reduce = None
+    if ws == 1:
+        dx = dx_full
+    elif sp:
+        dx = dx_full.new_empty((dx_full.shape[0] // ws,) + tuple(dx_full.shape[1:]))
+        reduce = comm.reduce_scatter(dx, dx_full, group, kind="tp_reduce_scatter", name=name + ".bwd",
+                                     async_op=bulk)
+    else:
+        dx = dx_full
+        reduce = comm.all_reduce(dx, group, kind="tp_all_reduce", name=name + ".bwd", async_op=bulk)
+    dw = _wgrad(dy.reshape(-1, dy.shape[-1]), total.reshape(-1, total.shape[-1]), name + ".bwd.wgrad")
+    if reduce is not None:
+        reduce.wait()
+    return dx, dw
+
+
+def _row_bwd(dy, x, w, group, sp, name):
+    dy_full = _gather_dim0(dy, group, name + ".bwd") if sp else dy
+    with compute_span(name + ".bwd.dgrad"):
+        dx = dy_full @ w
+    dw = _wgrad(dy_full.reshape(-1, dy_full.shape[-1]), x.reshape(-1, x.shape[-1]), name + ".bwd.wgrad")
+    return dx, dw, dy_full.reshape(-1, dy_full.shape[-1])
+
+
+def _row_pipelined_bwd(dy2, x2, w, group, k, transport, need_dx, name):
+    dx2 = x2.new_empty(x2.shape) if need_dx else None
+
+    def consume(rows: slice, data: torch.Tensor, lane: int) -> None:
+        if need_dx:
+            with compute_span(name + ".bwd.dgrad.gemm", stream=_lane_stream(lane)):
+                torch.mm(data, w, out=dx2[rows])
+
+    gathered = _TRANSPORTS[transport].gather_and_consume(dy2, consume, k, group, name=name + ".bwd",
+                                                          need_gathered=True)
+    with compute_span(name + ".bwd.wgrad.gemm"):
+        dw = gathered.t() @ x2
+    return dx2, dw, gathered
+
+
+def _bwd(kind, dy, x, extra, w, has_bias, need_dx, group, sp, bulk, k, transport, save_gathered, name):
+    """(dx or None, dw, db or None). The bias gradient of a row layer comes from the gathered
+    output gradient: complete on every rank, with no sum over TP left for anyone to forget."""
+    dy = dy.contiguous()
+    if kind == "column":
+        dx, dw = _column_bwd(dy, x, w, group, sp, bulk, name)
+        flat = dy.reshape(-1, dy.shape[-1])
+    elif kind == "row":
+        dx, dw, flat = _row_bwd(dy, x, w, group, sp, name)
+    elif kind == "column_pipelined":
+        flat = _rows(dy)
+        dx = None
+        if need_dx:
+            dx = _mm_rs(flat, w, k, group, _TRANSPORTS[transport], name=name + ".bwd.dgrad").view(x.shape)
+        if save_gathered:
+            dw = _wgrad(flat, extra, name + ".bwd.wgrad.gemm")
+        else:
+            dw = _regather_wgrad(_rows(x), flat, k, group, _TRANSPORTS[transport], name=name + ".bwd.wgrad")
+    else:
+        dx2, dw, flat = _row_pipelined_bwd(_rows(dy), _rows(x), w, group, k, transport, need_dx, name)
+        dx = dx2.view(x.shape) if need_dx else None
+    return (dx if need_dx else None), dw, (flat.sum(0) if has_bias else None)
+
+
+# -- eager: one autograd.Function over the bodies ---------------------------------------------
+
+class _EagerLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, kind, x, w, b, group, sp, bulk, k, transport, save_gathered, name):
+        y, extra = _fwd(kind, x, w, b, group, sp, bulk, k, transport, save_gathered, name)
+        ctx.save_for_backward(x, w, extra)
+        ctx.args = (kind, group, sp, bulk, k, transport, save_gathered, name)
+        ctx.has_bias = b is not None
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, w, extra = ctx.saved_tensors
+        kind, group, *rest = ctx.args
+        dx, dw, db = _bwd(kind, dy, x, extra, w, ctx.has_bias, ctx.needs_input_grad[1], group, *rest)
+        return None, dx, dw, db, None, None, None, None, None, None, None
+
+
+# -- compiled: the custom ops --------------------------------------------------------------
+
+_agreements: dict[str, Agreement] = {}
+"""Per op name: the signatures already compared across ranks (a set lookup once seen)."""
+
+
+def _agree_once(kind, x, w, b, group, group_name, sp, bulk, k, transport, save_gathered, name):
+    label = f"overlapkit::{kind}({name})"
+    agreement = _agreements.setdefault(label, Agreement(label))
+    agreement.check(group, shape=tuple(x.shape), dtype=x.dtype, weight=tuple(w.shape), bias=b is not None,
+                    group=group_name, sp=sp, bulk=bulk, k=k, transport=transport, save_gathered=save_gathered)
+
+
+def _fake_fwd(kind, x, w, b, group, sp, k, save_gathered):
+    ws = dist.get_world_size(_group(group))
+    lead = x.shape[0]
+    if kind == "column_pipelined" or (kind == "column" and sp):
+        lead = ws * lead
+    elif kind == "row_pipelined" or (kind == "row" and sp):
+        lead = lead // ws
+    y = x.new_empty((lead, *x.shape[1:-1], w.shape[0]))
+    if kind == "column_pipelined" and save_gathered:
+        rows = x.numel() // x.shape[-1]
+        return y, x.new_empty((ws * rows, x.shape[-1]))
+    return y, x.new_empty(0)
+
+
+def _register(kind: str) -> None:
+    fwd_name, bwd_name = f"overlapkit::{kind}_fwd", f"overlapkit::{kind}_bwd"
+
+    def fwd(x, w, b, group, sp, bulk, k, transport, save_gathered, name):
+        pg = _group(group)
+        _agree_once(kind, x, w, b, pg, group, sp, bulk, k, transport, save_gathered, name)
+        y, extra = _fwd(kind, x, w, b, pg, sp, bulk, k, transport, save_gathered, name)
+        return y, (x.new_empty(0) if extra is None else extra)
+
+    def bwd(dy, x, extra, w, has_bias, need_dx, group, sp, bulk, k, transport, save_gathered, name):
+        dx, dw, db = _bwd(kind, dy, x, extra, w, has_bias, need_dx, _group(group), sp, bulk, k, transport,
+                          save_gathered, name)
+        return (x.new_empty(0) if dx is None else dx), dw, (w.new_empty(0) if db is None else db)
+
+    torch.library.custom_op(fwd_name, fwd, mutates_args=(),
+                            schema=f"(Tensor x, Tensor w, Tensor? b, {_ARGS}) -> (Tensor, Tensor)")
+    torch.library.custom_op(bwd_name, bwd, mutates_args=(),
+                            schema=f"(Tensor dy, Tensor x, Tensor extra, Tensor w, bool has_bias, bool need_dx, "
+                                   f"{_ARGS}) -> (Tensor, Tensor, Tensor)")
+
+    @torch.library.register_fake(fwd_name)
+    def _(x, w, b, group, sp, bulk, k, transport, save_gathered, name):
+        return _fake_fwd(kind, x, w, b, group, sp, k, save_gathered)
+
+    @torch.library.register_fake(bwd_name)
+    def _(dy, x, extra, w, has_bias, need_dx, group, sp, bulk, k, transport, save_gathered, name):
+        return (x.new_empty(x.shape) if need_dx else x.new_empty(0), w.new_empty(w.shape),
+                w.new_empty(w.shape[0]) if has_bias else w.new_empty(0))
+
+    def setup_context(ctx, inputs, output):
+        x, w, b, *static = inputs
+        ctx.save_for_backward(x, w, output[1])
+        ctx.has_bias, ctx.static = b is not None, static
+
+    def backward(ctx, dy, _dextra):
+        x, w, extra = ctx.saved_tensors
+        dx, dw, db = getattr(torch.ops.overlapkit, f"{kind}_bwd")(
+            dy, x, extra, w, ctx.has_bias, ctx.needs_input_grad[0], *ctx.static)
+        return (dx if ctx.needs_input_grad[0] else None), dw, (db if ctx.has_bias else None), *([None] * 7)
+
+    torch.library.register_autograd(fwd_name, backward, setup_context=setup_context)
+
+
+for _kind in KINDS:
+    _register(_kind)
+
+
+def linear(kind: str, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, group, *, sp: bool = False,
+           bulk: bool = False, k: int = 1, transport: str = "p2p", save_gathered: bool = False,
+           name: str = "") -> torch.Tensor:
+    """One tensor-parallel linear of `kind` (see KINDS), differentiable, compilable with fullgraph=True.
+
+    x is [rows, ..., in] with the sequence-parallel dim first; w, b this rank's shards (nn.Linear
+    layout); k the chunks per rank of a pipelined kind. The caller has checked the arguments.
+    """
+    if torch.compiler.is_compiling():
+        y, _ = getattr(torch.ops.overlapkit, f"{kind}_fwd")(x, w, b, group.group_name, sp, bulk, k, transport,
+                                                           save_gathered, name)
+        return y
+    return _EagerLinear.apply(kind, x, w, b, group, sp, bulk, k, transport, save_gathered, name)
