@@ -122,6 +122,7 @@ class PipelineEngine:
         self.n_chunks = self.pp * cfg.virtual_stages
         self.device = torch.device(device) if device is not None else _device_of(self.chunks)
         self._by_tick = {t: a for t, a in self.table.ticks[self.rank]}
+        self._sends, self._recvs = self.table.sends(self.rank), self.table.recvs(self.rank)
         self._last_backward = {}
         for _, a in self.table.ticks[self.rank]:
             if a.op == "B":
@@ -144,7 +145,8 @@ class PipelineEngine:
         in_sig = self._check_microbatches(inputs, targets)
         if in_sig not in self._shapes:
             self._shapes[in_sig] = self._infer_shapes(in_sig)
-        tc = TickComm(self.table, self.rank, self.group, self.config.overlap_p2p, self._shapes[in_sig], self.device)
+        tc = TickComm(self.table, self.rank, self.group, self.config.overlap_p2p, self._shapes[in_sig], self.device,
+                      self._sends, self._recvs)
         timing = StepTiming(step=_rec.active().step) if recording() else None
         results: dict[tuple[str, int, int], torch.Tensor] = {}
         stash: dict[tuple[int, int], tuple] = {}
@@ -163,7 +165,7 @@ class PipelineEngine:
                 if timing is not None:
                     timing.actions.append((a.op, a.mb, a.chunk, *_ms((t0, time.perf_counter()))))
             tc.post(tick, results)
-            for t in self.table.sends(self.rank).get(tick, []):
+            for t in self._sends.get(tick, []):
                 results.pop(producer_key(t), None)
         tc.finish()
         if timing is not None:

@@ -31,11 +31,13 @@ class TickComm:
     """Posts and waits the transfers of `rank` in timetable order over the pipeline group."""
 
     def __init__(self, table: Timetable, rank: int, group, overlap: bool,
-                 shapes: list[tuple[tuple[int, ...], torch.dtype]], device: torch.device) -> None:
+                 shapes: list[tuple[tuple[int, ...], torch.dtype]], device: torch.device,
+                 sends: dict[int, list[Transfer]] | None = None, recvs: dict[int, list[Transfer]] | None = None) -> None:
         self.table, self.rank, self.group, self.overlap = table, rank, group, overlap
         self.shapes, self.device = shapes, device
-        self._sends = table.sends(rank)
-        self._recvs = table.recvs(rank)
+        # The engine passes them in, computed once: they are the same every step.
+        self._sends = table.sends(rank) if sends is None else sends
+        self._recvs = table.recvs(rank) if recvs is None else recvs
         self._posted: set[int] = set()
         self._inbox: dict[Action, tuple[torch.Tensor, comm.Handle, Transfer]] = {}
         self._send_handles: list[comm.Handle] = []
