@@ -59,6 +59,9 @@ class DemoConfig:
     pp: int = 1
     """Pipeline-parallel size: > 1 cuts the GPT into pp stages run 1F1B with overlap_p2p (CPU only; with
     tp and dp inside every stage; not combined with ep or cp). See overlapkit.pipeline_parallel.demo."""
+    zero: int = 0
+    """0: gradients averaged by DataParallel; 3: ZeRO-3, the blocks sharded over dp with
+    data_parallel.fully_shard (FSDP2, prefetch="auto") on the TP layers (TP without SP); not with ep, cp, pp."""
 
     def __post_init__(self) -> None:
         for name in ("tp", "dp", "steps", "cp", "pp"):
@@ -72,6 +75,10 @@ class DemoConfig:
         if self.pp > 1 and (self.ep > 1 or self.cp > 1 or self.device != "cpu"):
             raise ValueError(f"DemoConfig.pp={self.pp} runs with tp and dp on the CPU only (got ep={self.ep}, "
                              f"cp={self.cp}, device={self.device!r})")
+        if self.zero not in (0, 3):
+            raise ValueError(f"DemoConfig.zero={self.zero!r} must be 0 (DataParallel) or 3 (fully_shard)")
+        if self.zero == 3 and (self.ep > 1 or self.cp > 1 or self.pp > 1):
+            raise ValueError(f"DemoConfig.zero=3 runs with tp and dp only (got ep={self.ep}, cp={self.cp}, pp={self.pp})")
         if not self.timeout_s > 0 or self.timeout_s == float("inf"):
             raise ValueError(f"DemoConfig.timeout_s must be a finite number of seconds > 0, got {self.timeout_s!r}")
         if self.device not in ("cpu", "cuda"):
@@ -107,12 +114,21 @@ def run_rank(cfg: DemoConfig) -> dict:
         reference, model = moe_gpts(mcfg, groups, cfg.seed, device=device, overlap=cfg.overlap)
     else:
         reference = GPT(mcfg).to(device)
-        model = parallelize(copy.deepcopy(reference), groups, sequence_parallel=True, overlap=cfg.overlap)
+        # ZeRO-3 shards the layer norms too: their sequence-parallel gradients would need a TP sum FSDP2 does not do.
+        model = parallelize(copy.deepcopy(reference), groups, sequence_parallel=cfg.zero != 3, overlap=cfg.overlap)
     replicas = groups.dp
     if cfg.cp > 1:  # ring attention over the CP ranks; parameters are replicated over dp x cp
         from .context_parallel.models import apply_to_gpt, replicas_group
         model, replicas = apply_to_gpt(model, groups.cp), replicas_group(groups)
-    if (cfg.dp > 1 or cfg.cp > 1) and cfg.ep == 1:
+    if cfg.zero == 3:
+        import logging
+
+        from .data_parallel import fully_shard
+        # The check below gathers every 2-D (dp, tp) gradient whole; DTensor warns each time that
+        # this takes two gathers. It is the check's cost, not the training's: keep the output readable.
+        logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+        model = fully_shard(model, groups, prefetch="auto")
+    elif (cfg.dp > 1 or cfg.cp > 1) and cfg.ep == 1:
         from .data_parallel import DataParallel
         # Sequence-parallel grads (layer norms, row biases) are summed over TP in backward,
         # bucket by bucket, before their data-parallel all-reduce.
@@ -125,7 +141,7 @@ def run_rank(cfg: DemoConfig) -> dict:
     steps = []
     show = groups.rank == 0
     if show:
-        progress(f"model built (tp={cfg.tp} dp={cfg.dp}{f' cp={cfg.cp}' if cfg.cp > 1 else ''}, overlap={cfg.overlap}); training {cfg.steps} steps")
+        progress(f"model built (tp={cfg.tp} dp={cfg.dp}{f' cp={cfg.cp}' if cfg.cp > 1 else ''}{' ZeRO-3' if cfg.zero == 3 else ''}, overlap={cfg.overlap}); training {cfg.steps} steps")
     with record(device=device) as rec, _profiler(cfg.trace_dir, groups.rank, device, cfg.steps) as prof:
         for step in range(cfg.steps):
             idx = torch.randint(0, mcfg.vocab_size, (batch, mcfg.seq_len), generator=gen).to(device)
@@ -141,7 +157,7 @@ def run_rank(cfg: DemoConfig) -> dict:
             if cfg.ep > 1:
                 from .expert_parallel import average_data_parallel_grads
                 average_data_parallel_grads(model, groups.dp, groups.ep)
-            elif cfg.dp == 1 and cfg.cp == 1:
+            elif cfg.dp == 1 and cfg.cp == 1 and cfg.zero != 3:
                 allreduce_sequence_parallel_grads(model, groups.tp)
 
             ref_opt.zero_grad()
@@ -160,7 +176,11 @@ def run_rank(cfg: DemoConfig) -> dict:
                 from .context_parallel import shard
                 ref_mine = shard(ref_mine, 0, groups.cp_rank, cfg.cp, "zigzag")
             pairs = [(full_loss, ref_loss), (logits, ref_mine)]
-            pairs += [(local, ref) for _, local, ref in expected_local(model, reference, "grad")]
+            if cfg.zero == 3:  # sharded over dp (and tp): compare the whole gradient
+                ref_params = dict(reference.named_parameters())
+                pairs += [(p.grad.full_tensor(), ref_params[n].grad) for n, p in model.named_parameters()]
+            else:
+                pairs += [(local, ref) for _, local, ref in expected_local(model, reference, "grad")]
             errs = torch.tensor(_max_errors(pairs), device=device)
             dist.all_reduce(errs, op=dist.ReduceOp.MAX)
             steps.append(dict(step=step, loss=ref_loss.item(), abs_err=errs[0].item(), rel_err=errs[1].item()))

@@ -124,6 +124,7 @@ def fully_shard(model: nn.Module, mesh_or_dim=None, *, dim: str = "dp", prefetch
     """
     mesh = _dp_mesh(mesh_or_dim, dim)
     group = mesh.get_group()
+    _rehome_dtensors(model, mesh_or_dim)
     problem = None
     try:
         cfg = FullyShardConfig(prefetch=prefetch, reshard_after_forward=reshard_after_forward,
@@ -163,6 +164,38 @@ def prefetch_plan(model: nn.Module) -> PrefetchPlan:
 
 def _local(p: torch.Tensor) -> torch.Tensor:
     return p.to_local() if isinstance(p, DTensor) else p
+
+
+def _rehome_dtensors(model: nn.Module, mesh_or_dim) -> None:
+    """Put DTensor parameters that live on an unnamed 1-D mesh onto the same ranks' dim of the root mesh.
+
+    FSDP2 composes with TP only when the TP DTensors' mesh is a named dim of the mesh whose
+    "dp" dim it shards over; TP layers built from a ProcessGroup get a free-standing 1-D mesh.
+    Same ranks, same local tensor, same placements: only the mesh object changes.
+    """
+    from ..groups import ParallelGroups
+
+    root = mesh_or_dim.mesh if isinstance(mesh_or_dim, ParallelGroups) else mesh_or_dim
+    names = tuple(getattr(root, "mesh_dim_names", None) or ())
+    if getattr(root, "ndim", 1) < 2 or not names:
+        return
+    by_ranks = {tuple(dist.get_process_group_ranks(root.get_group(n))): n for n in names}
+    done: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for pname, p in list(module.named_parameters(recurse=False)):
+            if id(p) in done:
+                setattr(module, pname, done[id(p)])  # a tied parameter stays tied
+                continue
+            if not isinstance(p, DTensor) or p.device_mesh.ndim != 1 or p.device_mesh.mesh_dim_names:
+                continue
+            dim_name = by_ranks.get(tuple(dist.get_process_group_ranks(p.device_mesh.get_group())))
+            if dim_name is None:
+                continue
+            new = nn.Parameter(DTensor.from_local(p.to_local(), root[dim_name], p.placements, run_check=False,
+                                                  shape=p.shape, stride=p.stride()), requires_grad=p.requires_grad)
+            new.__dict__.update(p.__dict__)  # markers such as `sequence_parallel`
+            done[id(p)] = new
+            setattr(module, pname, new)
 
 
 def _dp_mesh(mesh_or_dim, dim: str):
