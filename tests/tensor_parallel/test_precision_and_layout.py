@@ -12,6 +12,7 @@ Every overlap mode (none, bulk, pipelined, auto) on a column -> GELU -> row MLP 
   reference rounds one bf16 GEMM), bound 16u (bf16: 3.1e-2, fp16: 7.8e-3). A wrong sum (the old
   pipelined-under-autocast bug read bf16 bytes as fp32) is O(1).
 - torch.utils.checkpoint (non-reentrant) around the layers: the same gradients as without.
+- torch.compile (backend "eager") around the layers: they are graph breaks, same numbers.
 - dropout: masks inside `sharded_rng` differ across TP ranks, default-stream masks match, and
   checkpointing recomputes the same sharded masks.
 """
@@ -86,6 +87,7 @@ def _ws2():
     out["bf16 autocast + checkpoint"] = _compare("pipelined", 1, 1, autocast=torch.bfloat16, ckpt=True)
     out["partial of another dtype"] = _wrong_partial_dtype()
     out["dropout"] = _dropout_masks()
+    out["torch.compile"] = {ov: _compiled(ov) for ov in ("bulk", "pipelined")}
     dist.barrier()
     return out
 
@@ -93,6 +95,21 @@ def _ws2():
 @distributed(world_size=3, timeout_s=90)
 def _ws3():
     return _fp32_layouts()
+
+
+def _compiled(overlap: str) -> float:
+    """torch.compile around the TP layers: they are graph breaks and run eagerly, same numbers."""
+    group, ws, r = dist.group.WORLD, dist.get_world_size(), dist.get_rank()
+    ref = _mlp(8, 16)
+    tp = _tp(ref, group, overlap, 0)
+    model = torch.compile(tp, backend="eager")
+    X = torch.randn(2 * ws, 2, 8, requires_grad=True)
+    ref(X).sum().backward()
+    x = X.detach().chunk(ws, 0)[r].clone().requires_grad_(True)
+    y = model(x)
+    y.sum().backward()
+    return max(_rel(y, ref(X).detach().chunk(ws, 0)[r]), _rel(x.grad, X.grad.chunk(ws, 0)[r]),
+               _rel(tp[0].weight.grad.to_local(), tp[0].shard_of(ref[0].weight.grad)))
 
 
 def _wrong_partial_dtype():
@@ -155,7 +172,7 @@ def test_precision_layouts_checkpointing_and_dropout_tp2():
         assert out["bf16 autocast + checkpoint"] <= BF16_TOL
         for key, err in out["fp16 autocast"].items():
             assert err <= FP16_TOL, ("fp16", key, err)
-        for key, err in out["checkpoint"].items():
+        for key, err in {**out["checkpoint"], **out["torch.compile"]}.items():
             assert err <= 1e-5, ("checkpoint", key, err)
         assert "a partial product is torch.bfloat16" in out["partial of another dtype"]
         d = out["dropout"]

@@ -63,13 +63,6 @@ def _check_input(layer: nn.Module, x: torch.Tensor, w: torch.Tensor, in_features
         check_divisible(x.shape[0], layer.tp_size, f"{name}: sequence length (dim {layer.sequence_dim})")
 
 
-def _eager_under_compile(forward):
-    """torch.compile runs around the layer, not through it: dynamo cannot trace the process
-    groups, the store-based agreement or the transports' streams inside (it raised), so the
-    layer is a graph break and runs eagerly, with its overlap intact."""
-    return torch.compiler.disable(forward, recursive=True)
-
-
 def _check_positive_int(label: str, field: str, value) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{label}: {field}={value!r} must be a positive integer")
@@ -169,12 +162,14 @@ class _ParallelLinear(LocalShardParams, nn.Module):
         """(x moved to [seq, ...], local weight, local bias, autocast dtype, moved?) after every check.
 
         The first time an input shape/configuration is seen, it is compared across the ranks
-        (a store round trip); afterwards a set lookup.
+        (a store round trip); afterwards a set lookup. Under torch.compile the ops compare their
+        signatures instead, at run time (a store round trip cannot be traced; see ops.py).
         """
         cdt = autocast_dtype(x)
+        compiling = torch.compiler.is_compiling()
         key = (x.shape, x.dtype, cdt, torch.is_grad_enabled(), x.requires_grad, self.overlap, self.chunks,
                self.sequence_parallel, self.sequence_dim, self.transport)
-        if key not in self._seen_inputs:
+        if not compiling and key not in self._seen_inputs:
             self._agreement.check(self.group, shape=tuple(x.shape), dtype=x.dtype, autocast=cdt,
                                   grad_enabled=torch.is_grad_enabled(), requires_grad=x.requires_grad,
                                   overlap=self.overlap, chunks=self.chunks, sequence_parallel=self.sequence_parallel,
@@ -191,7 +186,8 @@ class _ParallelLinear(LocalShardParams, nn.Module):
             if sd != 0:
                 x, moved = x.movedim(sd, 0), True
         _check_input(self, x, w, expected_in, sp_split)
-        self._seen_inputs.add(key)
+        if not compiling:
+            self._seen_inputs.add(key)
         return x, w, b, cdt, moved
 
     def _leave(self, y: torch.Tensor, moved: bool) -> torch.Tensor:
@@ -270,7 +266,6 @@ class ColumnParallelLinear(_ParallelLinear):
         """This rank's slice of a full weight [out, in] or bias [out] (rows)."""
         return full.chunk(self.tp_size, dim=0)[self.tp_rank]
 
-    @_eager_under_compile
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x, w, b, cdt, moved = self._enter(x, self.in_features, sp_split=False)
         tokens = x.numel() // x.shape[-1] * (self.tp_size if self.sequence_parallel else 1)
@@ -315,7 +310,6 @@ class RowParallelLinear(_ParallelLinear):
         """This rank's slice of a full weight [out, in] (columns); a bias is not split."""
         return full.chunk(self.tp_size, dim=-1)[self.tp_rank] if full.dim() == 2 else full
 
-    @_eager_under_compile
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         expected = self.in_per_rank if self.input_is_parallel else self.in_features
         x, w, b, cdt, moved = self._enter(x, expected, sp_split=self.sequence_parallel)
