@@ -115,7 +115,8 @@ def run_rank(cfg: DemoConfig) -> dict:
     else:
         reference = GPT(mcfg).to(device)
         # ZeRO-3 shards the layer norms too: their sequence-parallel gradients would need a TP sum FSDP2 does not do.
-        model = parallelize(copy.deepcopy(reference), groups, sequence_parallel=cfg.zero != 3, overlap=cfg.overlap)
+        model = parallelize(copy.deepcopy(reference), groups.mesh, sequence_parallel=cfg.zero != 3,  # its 'tp' dim
+                            overlap=cfg.overlap)
     replicas = groups.dp
     if cfg.cp > 1:  # ring attention over the CP ranks; parameters are replicated over dp x cp
         from .context_parallel.models import apply_to_gpt, replicas_group
