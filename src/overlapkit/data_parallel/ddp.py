@@ -105,6 +105,7 @@ class GradSync:
                                 "the parameters' shapes")
         # What the buffer was built for: a parameter re-typed or moved later no longer fits it.
         self.layout = [(n, p, p.dtype, p.device) for n, p in named_params]
+        self.layout_key = self.layout_now()
         self.buffer = GradBuffer(named_params, bucket_mb=config.bucket_mb,
                                  first_bucket_mb=config.first_bucket_mb, pad_to=self.world * SHARD_ALIGN)
         self.params = self.buffer.params
@@ -127,6 +128,10 @@ class GradSync:
         for p in self.params:
             p._overlapkit_grad_sync = True
         self.reset()
+
+    def layout_now(self) -> list:
+        """(dtype, device index) of every parameter: cheap to compare at each forward."""
+        return [(p.dtype, p.get_device()) for _, p, _, _ in self.layout]
 
     # -- mode ------------------------------------------------------------------------------
     def shard_gradients(self) -> list[torch.Tensor]:
@@ -310,6 +315,8 @@ class DataParallel(nn.Module):
 
         Runs at every forward: one dtype and device comparison per parameter.
         """
+        if self.sync.layout_now() == self.sync.layout_key:
+            return
         for name, p, dtype, device in self.sync.layout:
             if p.dtype != dtype or p.device != device:
                 raise ValueError(
