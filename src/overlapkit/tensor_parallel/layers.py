@@ -63,6 +63,14 @@ def _check_input(layer: nn.Module, x: torch.Tensor, w: torch.Tensor, in_features
         check_divisible(x.shape[0], layer.tp_size, f"{name}: sequence length (dim {layer.sequence_dim})")
 
 
+@torch.compiler.assume_constant_result
+def _choose_tp_overlap(m: int, k: int, n: int, tp: int, elem: int, hardware: str, collective: str, transport: str):
+    """The cost model's (mode, chunks): a function of static shapes, so torch.compile runs it once
+    while tracing and keeps the answer as a constant (it reads preset files dynamo cannot trace)."""
+    from ..costmodel import choose_tp_overlap
+    return choose_tp_overlap(m, k, n, tp, elem, hardware, comm=collective, transport=transport)
+
+
 def _check_positive_int(label: str, field: str, value) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{label}: {field}={value!r} must be a positive integer")
@@ -203,10 +211,10 @@ class _ParallelLinear(LocalShardParams, nn.Module):
             return self.overlap, self.chunks
         key = (tuple(x.shape), x.dtype)
         if key not in self.auto_choices:
-            from ..costmodel import ConfigError, choose_tp_overlap
+            from ..costmodel import ConfigError
             try:
-                mode, chunks = choose_tp_overlap(m, k, n, self.tp_size, x.element_size(), self.hardware,
-                                                 comm=collective, transport=self.transport)
+                mode, chunks = _choose_tp_overlap(m, k, n, self.tp_size, x.element_size(), self.hardware,
+                                                  collective, self.transport)
             except ConfigError as e:
                 raise ValueError(f"{self.name or type(self).__name__}: overlap='auto': {e}") from None
             if mode == "pipelined" and not self.sequence_parallel:

@@ -195,7 +195,7 @@ def _agree_once(kind, x, w, b, group, group_name, sp, bulk, k, transport, save_g
     label = f"overlapkit::{kind}({name})"
     agreement = _agreements.setdefault(label, Agreement(label))
     agreement.check(group, shape=tuple(x.shape), dtype=x.dtype, weight=tuple(w.shape), bias=b is not None,
-                    group=group_name, sp=sp, bulk=bulk, k=k, transport=transport, save_gathered=save_gathered)
+                    group_name=group_name, sp=sp, bulk=bulk, k=k, transport=transport, save_gathered=save_gathered)
 
 
 def _fake_fwd(kind, x, w, b, group, sp, k, save_gathered):
