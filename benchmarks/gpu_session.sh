@@ -5,7 +5,8 @@
 #   PART cpu16: the multi-rank CPU benchmarks (4-8 gloo ranks, 2 threads each), where transfers
 #               really run beside compute (2 shared cores cannot show that)
 #   PART gpu_a: GPU tests, the TP layer benchmark (no-regression check) and host cost per call
-#   PART gpu_b: fixed costs at world size 1 (EP, CP), the LM-head probe, the demo on CUDA
+#   PART gpu_b: fixed costs at world size 1 (EP, CP), the LM-head probe, the demo on CUDA, the CPU
+#               suite under the image's torch 2.11
 # Each step has its own time limit (gpu_env.sh's `step`), so a call always reaches its end and
 # packs what it got into OUTDIR/<PART>.tgz (results/, logs/).
 set -uo pipefail
@@ -16,7 +17,8 @@ r="$out/results"
 case "$part" in
 cpu16)
   step agreement_ws8 40 python3 benchmarks/agreement_cost.py --world 8 --out "$r"
-  step pp_ws4 110 python3 benchmarks/pp_overlap.py --world 4 --threads 2 --out "$r"
+  step pp_ws4 110 python3 benchmarks/pp_overlap.py --world 4 --threads 4 --steps 30 --out "$r"
+  step pp_ws8 110 python3 benchmarks/pp_overlap.py --world 8 --threads 2 --steps 30 --out "$r"
   step ep_ws4 80 python3 benchmarks/ep_overlap.py --world 4 --threads 2 --out "$r"
   step ep_ws8 90 python3 benchmarks/ep_overlap.py --world 8 --threads 2 --tokens 4096 --out "$r"
   step cp_ws4 70 python3 benchmarks/cp_overlap.py --world 4 --threads 2 --out "$r"
@@ -37,6 +39,8 @@ gpu_b)
   step demo_cuda 60 env CUDA_DEVICE_MAX_CONNECTIONS=1 python3 -m overlapkit demo --tp 1 --dp 1 --device cuda \
       --overlap pipelined --plot "$r/demo_cuda_timeline.png"
   step reliability_cuda 60 python3 benchmarks/tp_agreement_cost.py --device cuda --out "$r"
+  # The whole CPU suite on the image's torch (2.11): the code must run on 2.11 and 2.13.
+  step pytest_cpu_torch211 240 python3 -m pytest -q -p no:cacheprovider -x tests --ignore=tests/gpu
   ;;
 *) echo "unknown part $part"; exit 2 ;;
 esac
