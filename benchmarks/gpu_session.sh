@@ -2,7 +2,7 @@
 # One session's measurements on the one-GPU machine (one H200, 16 CPU cores), in few calls
 # because device time is scarce:
 #   bash benchmarks/gpu_session.sh PART OUTDIR
-#   PART cpu16: the multi-rank CPU benchmarks (4-8 gloo ranks, 2 threads each), where transfers
+#   PART cpu16a, cpu16b: the multi-rank CPU benchmarks (4-8 gloo ranks, 2 threads each), where transfers
 #               really run beside compute (2 shared cores cannot show that)
 #   PART gpu_a: GPU tests, the TP layer benchmark (no-regression check) and host cost per call
 #   PART gpu_b: fixed costs at world size 1 (EP, CP), the LM-head probe, the demo on CUDA, the CPU
@@ -10,21 +10,23 @@
 # Each step has its own time limit (gpu_env.sh's `step`), so a call always reaches its end and
 # packs what it got into OUTDIR/<PART>.tgz (results/, logs/).
 set -uo pipefail
-part=${1:?part cpu16, gpu_a or gpu_b}; out=${2:?output folder}
+part=${1:?part cpu16a, cpu16b, gpu_a or gpu_b}; out=${2:?output folder}
 source "$(dirname "$0")/gpu_env.sh"
 mkdir -p "$out/logs" "$out/results"
 r="$out/results"
 case "$part" in
-cpu16)
-  step agreement_ws8 40 python3 benchmarks/agreement_cost.py --world 8 --out "$r"
-  step pp_ws4 110 python3 benchmarks/pp_overlap.py --world 4 --threads 4 --steps 30 --out "$r"
-  step pp_ws8 110 python3 benchmarks/pp_overlap.py --world 8 --threads 2 --steps 30 --out "$r"
+cpu16a)
+  step agreement_ws8 30 python3 benchmarks/agreement_cost.py --world 8 --out "$r"
+  step pp_ws4 100 python3 benchmarks/pp_overlap.py --world 4 --threads 4 --steps 30 --out "$r"
+  step pp_ws8 100 python3 benchmarks/pp_overlap.py --world 8 --threads 2 --steps 30 --out "$r"
   step ep_ws4 80 python3 benchmarks/ep_overlap.py --world 4 --threads 2 --out "$r"
   step ep_ws8 90 python3 benchmarks/ep_overlap.py --world 8 --threads 2 --tokens 4096 --out "$r"
+  ;;
+cpu16b)
   step cp_ws4 70 python3 benchmarks/cp_overlap.py --world 4 --threads 2 --out "$r"
   step cp_ws8 70 python3 benchmarks/cp_overlap.py --world 8 --threads 1 --out "$r"
   step tp_agreement_ws4 40 python3 benchmarks/tp_agreement_cost.py --world 4 --threads 2 --out "$r"
-  step fsdp_ws4 100 python3 benchmarks/fsdp_overlap.py --world 4 --threads 2 --out "$r"
+  step fsdp_ws4 120 python3 benchmarks/fsdp_overlap.py --world 4 --threads 2 --out "$r"
   ;;
 gpu_a)
   step doctor 30 python3 -m overlapkit doctor
