@@ -72,6 +72,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3, help="time each analysis this many times, keep the best")
     ap.add_argument("--hta-path", help="a directory holding an installed HolisticTraceAnalysis (pip --target)")
     ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--jobs", nargs="+", help="re-run only these jobs, replacing their rows in the existing results")
     args = ap.parse_args()
     corpus = Path(args.corpus)
     reference = json.loads((corpus / "hta_reference.json").read_text())["cases"]
@@ -85,7 +86,7 @@ def main() -> None:
         except ImportError as e:
             print(f"HTA not importable from {args.hta_path}: {e}", file=sys.stderr)
     rows = []
-    for folder in sorted(p for p in corpus.iterdir() if p.is_dir()):
+    for folder in sorted(p for p in corpus.iterdir() if p.is_dir() and (not args.jobs or p.name in args.jobs)):
         # The two alternate, best of --repeat each: a machine shared with other jobs slows one run, not both.
         seconds = hta_s = float("inf")
         for _ in range(args.repeat):
@@ -101,6 +102,10 @@ def main() -> None:
             row["hta_measured"], row["hta_s"] = hta_measured, hta_s
         rows.append(row)
         print(f"{folder.name}: {ours} in {seconds:.2f} s {note}", file=sys.stderr, flush=True)
+    if args.jobs:
+        previous = json.loads(Path(args.out, "analyze_corpus.json").read_text())["rows"]
+        fresh = {r["job"]: r for r in rows}
+        rows = [fresh.get(r["job"], r) for r in previous]
     write_results(dict(corpus=str(corpus), hta_timed=hta_ok, rows=rows),
                   os.path.join(args.out, "analyze_corpus"), _markdown)
 

@@ -34,7 +34,7 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--rank", type=int, help="the rank of a single trace that has no distributedInfo")
     p.add_argument("--last-step", action="store_true",
                    help="keep the last ProfilerStep (dropped by default: a profiler usually stops inside it)")
-    p.add_argument("--brief", action="store_true", help="only the per-rank and per-step tables")
+    p.add_argument("--brief", action="store_true", help="only the per-rank and per-step tables (with --diagnose: only the diagnosis)")
     p.add_argument("--hardware", help="cost-model hardware preset for link peaks (default: from the trace's GPU name)")
     p.add_argument("--peak-gbps", type=float, help="the link's peak bandwidth per GPU, GB/s (overrides the preset's)")
     p.add_argument("--config", nargs="+", metavar="KEY=VALUE",
@@ -56,7 +56,7 @@ def check_one_job(traces) -> None:
     for t in traces:
         if t.rank in seen:
             raise TraceError(f"rank {t.rank} appears twice ({seen[t.rank]} and {t.path}): the same trace given twice, "
-                             f"or traces of different jobs")
+                             f"two profiling cycles of one rank (give one cycle's files), or different jobs")
         seen[t.rank] = t.path
     for what, values in (("world sizes", {t.world_size for t in traces if t.world_size is not None}),
                          ("job ids", {t.job_id for t in traces if t.job_id is not None})):
