@@ -142,11 +142,17 @@ def _rank_body(device_type: str, preset: dict, steps: int, warmup: int, recorded
                 exposed_gather_ms=measure(gathers + compute).exposed_comm_ms,
                 exposed_reduce_ms=measure(reduces + compute).exposed_comm_ms,
                 layers=[vars(r) for r in layer_report(rec.spans)] if name != "ShardedOptimizer (ZeRO-2)" else []))
+    for _ in range(50):
+        dp.check_layout()
+    t0 = time.perf_counter()
+    for _ in range(1000):
+        dp.check_layout()  # DataParallel's per-forward check that no parameter was re-typed or moved
+    check_us = (time.perf_counter() - t0) * 1e3
     plans = {}
     for name in (*FIXED, "overlapkit prefetch=auto"):
         plan = prefetch_plan(models[name])
         plans[name] = dict(vars(plan), held_ahead_mb=plan.prefetch_bytes / MIB)
-    return dict(times=times, memory=memory, recorded=rec_rows, plans=plans,
+    return dict(times=times, memory=memory, recorded=rec_rows, plans=plans, check_layout_us=check_us,
                 params=sum(p.numel() for p in fresh().parameters()))
 
 
@@ -189,7 +195,7 @@ def summarize(per_rank: list[dict]) -> dict:
         rows[k]["predicted_blocks_ms"] = v
     ratio_best = [a / b for a, b in zip(auto, best_fixed)]
     ratio_fsdp = [a / b for a, b in zip(auto, steps["FSDP2 defaults"])]
-    return dict(rows=rows, auto=dict(
+    return dict(rows=rows, check_layout_us=_median([r["check_layout_us"] for r in per_rank]), auto=dict(
         depths=(plan["forward_depth"], plan["backward_depth"]), reason=plan["reason"], probe=probe,
         vs_best_fixed=_median(ratio_best), vs_best_fixed_iqr=_iqr(ratio_best),
         vs_fsdp2=_median(ratio_fsdp), vs_fsdp2_iqr=_iqr(ratio_fsdp), fastest_fixed=fastest_fixed,
@@ -226,6 +232,8 @@ def markdown(result: dict) -> str:
                  f"{L['backward_gather_ms']:.2f} ({L['backward_gather_exposed_ms']:.2f}) | "
                  f"{L['reduce_scatter_ms']:.2f} ({L['reduce_scatter_exposed_ms']:.2f}) | "
                  f"{fmt(None if comm == 0 else 100 * (1 - exposed / comm), '.0f')} |\n")
+    tail += (f"\nDataParallel's per-forward layout check ({result['params'] / 1e6:.1f} M-parameter GPT): "
+             f"{result['check_layout_us']:.1f} µs a call (median over ranks of 1000 calls).\n")
     return head + "\n".join(lines) + tail
 
 

@@ -14,6 +14,10 @@ The parameters become views into one buffer laid out like the gradient buffer, s
 lands in them with no copy. The optimizer steps one flat tensor per bucket shard: it must be
 elementwise (SGD, Adam, AdamW, ...); optimizers that look at whole tensors (LAMB, Adafactor)
 would see shards, not parameters.
+
+After backward a parameter's `.grad` is the true averaged gradient only on this rank's shard of
+its bucket (elsewhere it is this rank's own contribution): clip with `clip_grad_norm_` here,
+which takes the norm over all ranks, not torch's over `.grad`.
 """
 
 from __future__ import annotations
