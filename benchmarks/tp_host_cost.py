@@ -1,0 +1,225 @@
+"""Host cost of the TP layers: a whole TP+SP Llama layer, overlap none vs pipelined, eager vs CUDA-graphed vs compiled.
+
+Measures what a pipelined call costs beyond a plain one before any byte moves: on one GPU at
+world size 1 with TP=`--shape-tp` per-rank shapes (the chunk GEMMs of TP=8 are 30–160 µs, so
+Python per chunk decides whether the pipeline keeps up). Per variant and model (Llama-3 8B,
+70B), forward+backward of benchmarks/tp_overlap.py's TPLayer:
+- eager none / eager pipelined (p2p);
+- graphed none / graphed pipelined: the step captured once with torch.cuda.graph, replayed;
+- compiled: torch.compile (default mode) of the layer with overlapkit's layers (none and
+  pipelined) beside the same layer built from plain nn.Linear of the per-rank shapes.
+Each reports host time per call (CPU timer around the call, the GPU drained before) beside
+device time (CUDA events around it; on CPU the two are the same clock). The targets of issue 18
+are checked and misses stated.
+
+    python benchmarks/tp_host_cost.py --device cuda --world 1 --shape-tp 8 --out benchmarks/results
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from _common import add_common_args, backend, device_label, world_size, write_results
+from tp_overlap import CPU_SHRINK, MODELS, TPLayer, device_slug, tp_gemms
+
+from overlapkit.launch import spawn
+
+TARGETS = {
+    # (numerator, denominator, model or None for both) -> max ratio of device time (issue 18)
+    ("eager pipelined", "eager none", "llama3-70b"): 1.05,
+    ("eager pipelined", "eager none", "llama3-8b"): 1.10,
+    ("graphed pipelined", "graphed none", None): 1.02,
+    ("graphed none", "eager none", None): 1.00,
+    ("compiled ours none", "compiled nn.Linear", None): 1.02,
+}
+
+
+class PlainLayer(torch.nn.Module):
+    """TPLayer's computation from plain nn.Linear at world size 1: what the compiled ops are measured against."""
+
+    def __init__(self, model: str, shrink: int, tp: int, device, dtype) -> None:
+        super().__init__()
+        (_, _, h, qkv), _, (_, _, _, ffn2), _ = tp_gemms(model, shrink)
+        kw = dict(bias=False, device=device, dtype=dtype)
+        self.h_rank = h // tp
+        self.qkv = torch.nn.Linear(h, qkv // tp, **kw)
+        self.proj = torch.nn.Linear(h // tp, h, **kw)
+        self.fc1 = torch.nn.Linear(h, ffn2 // tp, **kw)
+        self.fc2 = torch.nn.Linear(ffn2 // 2 // tp, h, **kw)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.proj(self.qkv(x)[..., :self.h_rank].contiguous()) + x
+        gate, up = self.fc1(h).chunk(2, dim=-1)
+        return self.fc2(torch.nn.functional.silu(gate) * up) + h
+
+
+def _sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _measure(fn, device, warmup: int, reps: int) -> dict:
+    """Median host ms (the call returning) and device ms (events around it) over `reps` calls."""
+    for _ in range(warmup):
+        fn()
+    host, dev = [], []
+    start, end = ((torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                  if device.type == "cuda" else (None, None))
+    for _ in range(reps):
+        _sync(device)
+        t0 = time.perf_counter()
+        if start is not None:
+            start.record()
+        fn()
+        if end is not None:
+            end.record()
+        t1 = time.perf_counter()
+        _sync(device)
+        host.append((t1 - t0) * 1e3)
+        dev.append(start.elapsed_time(end) if start is not None else host[-1])
+    return {"host_ms": round(statistics.median(host), 4), "device_ms": round(statistics.median(dev), 4)}
+
+
+def _graphed(layer, x: torch.Tensor, device):
+    """layer(x).sum().backward() captured once; returns the replay (None on CPU: nothing to capture)."""
+    if device.type != "cuda":
+        return None
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            layer(x).sum().backward()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    layer.zero_grad(set_to_none=True)
+    x.grad = None
+    with torch.cuda.graph(graph):
+        layer(x).sum().backward()
+    return graph.replay
+
+
+def _variants(model, shrink, tp, tokens, group, device, dtype, compile_: bool) -> dict:
+    hidden = MODELS[model]["hidden"] // shrink
+    x = torch.randn(tokens, hidden, device=device, dtype=dtype)
+    out = {}
+    for mode, opts in (("none", dict(overlap="none")), ("pipelined", dict(overlap="pipelined", transport="p2p"))):
+        torch.manual_seed(0)
+        layer = TPLayer(model, shrink, tp, group, device, dtype, **opts)
+        xg = x.clone().requires_grad_(True)
+        out[f"eager {mode}"] = lambda layer=layer, xg=xg: layer(xg).sum().backward()
+        replay = _graphed(TPLayer(model, shrink, tp, group, device, dtype, **opts), x.clone().requires_grad_(True),
+                          device)
+        if replay is not None:
+            out[f"graphed {mode}"] = replay
+        if compile_:
+            compiled = torch.compile(layer)
+            out[f"compiled ours {mode}"] = lambda c=compiled, xg=xg: c(xg).sum().backward()
+    if compile_:
+        plain = torch.compile(PlainLayer(model, shrink, tp, device, dtype))
+        xg = x.clone().requires_grad_(True)
+        out["compiled nn.Linear"] = lambda c=plain, xg=xg: c(xg).sum().backward()
+    return out
+
+
+def _rank_body(args: dict) -> dict:
+    device = torch.device("cuda", dist.get_rank()) if args["device"] == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if args["threads"]:
+        torch.set_num_threads(args["threads"])
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    shrink = 1 if device.type == "cuda" else CPU_SHRINK
+    res = {}
+    for model in args["models"]:
+        v = _variants(model, shrink, args["shape_tp"], args["tokens"], dist.group.WORLD, device, dtype,
+                      args["compile"])
+        res[model] = {}
+        for name, fn in v.items():
+            try:
+                res[model][name] = _measure(fn, device, args["warmup"], args["reps"])
+            except Exception as e:  # noqa: BLE001 — a variant this torch or machine lacks is reported, not fatal
+                res[model][name] = {"error": str(e).splitlines()[0][:300]}
+    return res
+
+
+def summarize(res: dict) -> dict:
+    checks = []
+    for (num, den, model), bound in TARGETS.items():
+        for m in ([model] if model else list(res)):
+            if m not in res or num not in res[m] or den not in res[m]:
+                continue
+            a, b = res[m][num], res[m][den]
+            if "device_ms" not in a or "device_ms" not in b:
+                continue
+            ratio = a["device_ms"] / b["device_ms"]
+            checks.append(dict(model=m, variant=num, baseline=den, ratio=round(ratio, 4), target=bound,
+                               host_ratio=round(a["host_ms"] / b["host_ms"], 4), met=ratio <= bound))
+    return {"checks": checks}
+
+
+def markdown(result: dict) -> str:
+    lines = [f"# TP host cost — {result['device']}, world {result['world']}, TP={result['shape_tp']} per-rank "
+             f"shapes, {result['tokens']} tokens, {result['dtype']}, torch {result['torch']}", "",
+             "Whole TP+SP layer forward+backward; median per call. Host = CPU time until the call returns.", "",
+             "| model | variant | host ms | device ms |", "|---|---|---:|---:|"]
+    for model, variants in result["raw"].items():
+        for name, r in variants.items():
+            if "error" in r:
+                lines.append(f"| {model} | {name} | unavailable: {r['error'][:80]} | |")
+            else:
+                lines.append(f"| {model} | {name} | {r['host_ms']:.3f} | {r['device_ms']:.3f} |")
+    lines += ["", "| model | variant / baseline | device ratio | host ratio | target | met |", "|---|---|---:|---:|---:|---|"]
+    for c in result["summary"]["checks"]:
+        lines.append(f"| {c['model']} | {c['variant']} / {c['baseline']} | {c['ratio']:.3f} | {c['host_ratio']:.3f} "
+                     f"| ≤ {c['target']:.2f} | {'yes' if c['met'] else 'MISS'} |")
+    if result["dtype"] == "fp32":
+        lines += ["", "CPU: no device clock, no CUDA graphs; widths / 32. Shows the code runs, not the targets."]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_common_args(ap)
+    ap.add_argument("--shape-tp", type=int, default=8, help="TP degree of the per-rank shapes")
+    ap.add_argument("--tokens", type=int, default=None, help="tokens per step (default: 8192 on CUDA, 384 on CPU)")
+    ap.add_argument("--reps", type=int, default=None, help="timed calls per variant (default: 30 CUDA, 10 CPU)")
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--models", default=",".join(MODELS), help="comma-separated: " + ", ".join(MODELS))
+    ap.add_argument("--threads", type=int, default=None, help="CPU threads per rank")
+    ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile variants")
+    a = ap.parse_args(argv)
+    world = world_size(a)
+    if world is None:
+        return 2
+    if world != 1:
+        print("tp_host_cost measures host cost at world size 1 (nothing transferred); pass --world 1",
+              file=sys.stderr)
+        return 2
+    models = a.models.split(",")
+    for m in models:
+        if m not in MODELS:
+            print(f"--models: {m!r} is not one of {list(MODELS)}", file=sys.stderr)
+            return 2
+    args = dict(device=a.device, shape_tp=a.shape_tp, warmup=a.warmup, models=models, compile=not a.no_compile,
+                threads=a.threads,
+                tokens=a.tokens or (8192 if a.device == "cuda" else 384),
+                reps=a.reps or (30 if a.device == "cuda" else 10))
+    (raw,) = spawn(_rank_body, world, args, backend=backend(a.device), timeout_s=900.0)
+    result = dict(device=device_label(a.device), world=world, shape_tp=a.shape_tp, tokens=args["tokens"],
+                  reps=args["reps"], dtype="bf16" if a.device == "cuda" else "fp32", torch=torch.__version__,
+                  raw=raw)
+    result["summary"] = summarize(raw)
+    write_results(result, os.path.join(a.out, f"tp_host_cost_{device_slug(a.device)}_ws{world}_tp{a.shape_tp}"),
+                  markdown)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
