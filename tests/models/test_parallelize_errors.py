@@ -56,6 +56,8 @@ def _errors():
         "unknown_model": _message(lambda: parallelize(nn.Linear(2, 2), tp)),
         "plan_and_overlap": _message(lambda: parallelize(GPT(cfg), tp, overlap="bulk", plan={})),
         "mismatch": _message(mismatch),
+        "gpt_vocab": _message(lambda: parallelize(GPT(GPTConfig(vocab_size=9, seq_len=4, hidden=16, num_heads=2,
+                                                                  ffn_hidden=8)), tp)),
     }
     return out
 
@@ -72,5 +74,6 @@ def test_bad_input_fails_alike_on_every_rank_naming_values():
     assert "LlamaConfig.num_key_value_heads=1 is not divisible by the tensor-parallel size 2" in got["kv_heads"]
     assert "no built-in plan for torch.nn.modules.linear.Linear" in got["unknown_model"]
     assert "with plan= the styles carry their own options; got also {'overlap': 'bulk'}" in got["plan_and_overlap"]
+    assert got["gpt_vocab"] == "ValueError: GPTConfig.vocab_size=9 is not divisible by the tensor-parallel size 2"
     assert got["mismatch"].startswith("RankMismatchError: parallelize: ranks [0, 1] were given different "
                                       "configurations: plan differs")
