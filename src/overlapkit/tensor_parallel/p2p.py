@@ -20,6 +20,8 @@ calling thread waits on the work handle.
 
 from __future__ import annotations
 
+import functools
+import threading
 from typing import Callable
 
 import torch
@@ -32,6 +34,8 @@ Produce = Callable[[slice, "torch.Tensor | None"], torch.Tensor]
 """produce(rows of the full input, out buffer or None) -> that row chunk's partial product."""
 
 _side_streams: dict[torch.device, "torch.cuda.Stream"] = {}
+_events: dict[tuple, list] = {}
+"""(device, thread) -> events reused by every call's transfers (creating one per transfer cost host time)."""
 
 
 def side_stream(device: torch.device) -> "torch.cuda.Stream":
@@ -52,11 +56,24 @@ class _Lane:
     def __init__(self, device: torch.device, group, kind: str, name: str) -> None:
         self.stream = side_stream(device) if device.type == "cuda" else None
         self.group, self.kind, self.name = group, kind, name
+        # Every wait on one of these events is enqueued before the call returns, so the next
+        # call (on this thread) may re-record them; inside a CUDA-graph capture they become
+        # the graph's edges, the same on every replay.
+        self._pool = _events.setdefault((device, threading.get_ident()), []) if self.stream is not None else None
+        self._used = 0
+
+    def _event(self) -> "torch.cuda.Event":
+        if self._used == len(self._pool):
+            self._pool.append(torch.cuda.Event())
+        self._used += 1
+        return self._pool[self._used - 1]
 
     def after_compute(self) -> None:
         """Transfers issued from now on see everything the compute stream has produced so far."""
         if self.stream is not None:
-            self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
+            produced = self._event()
+            produced.record(torch.cuda.current_stream(self.stream.device))
+            self.stream.wait_event(produced)
 
     def exchange(self, send: tuple[torch.Tensor, int], recv: tuple[torch.Tensor, int], tag: str):
         name = f"{self.name}[{tag}]"
@@ -67,7 +84,7 @@ class _Lane:
             # The side stream (not the host) waits: later transfers, which may forward what
             # this one receives, queue behind it, and the event marks its arrival.
             h.wait()
-            arrived = torch.cuda.Event()
+            arrived = self._event()
             arrived.record(self.stream)
         return arrived
 
@@ -80,7 +97,21 @@ class _Lane:
     def finish(self) -> None:
         """The compute stream waits for every transfer, so buffers freed later are not reused early."""
         if self.stream is not None:
-            torch.cuda.current_stream(self.stream.device).wait_stream(self.stream)
+            done = self._event()
+            done.record(self.stream)
+            torch.cuda.current_stream(self.stream.device).wait_event(done)
+
+
+@functools.lru_cache(maxsize=256)
+def _gather_plan(ws: int, r: int, rows_per_rank: int, k: int) -> tuple:
+    """Per ring step, computed once per shape: (t, j, rows of chunk j of step t, rows it forwards into)."""
+    u = rows_per_rank // k
+
+    def rows(t: int, j: int) -> slice:
+        src = (r - t) % ws
+        return slice(src * rows_per_rank + j * u, src * rows_per_rank + (j + 1) * u)
+
+    return tuple((t, j, rows(t, j), rows(t + 1, j) if t + 1 < ws else None) for t in range(ws) for j in range(k))
 
 
 def gather_and_consume(x: torch.Tensor, consume: Consume, k: int, group, *, name: str,
@@ -94,28 +125,25 @@ def gather_and_consume(x: torch.Tensor, consume: Consume, k: int, group, *, name
     rows_per_rank = x.shape[0]
     u = rows_per_rank // k
     gathered = x.new_empty((ws * rows_per_rank, x.shape[1])) if (ws > 1 or need_gathered) else None
-    lane = _Lane(x.device, group, "tp_all_gather", name)
-    lane.after_compute()
+    # One rank transfers nothing: no stream hand-over either (two event round trips a call).
+    lane = _Lane(x.device, group, "tp_all_gather", name) if ws > 1 else None
+    if lane is not None:
+        lane.after_compute()
     nxt, prv = (r + 1) % ws, (r - 1) % ws
-
-    def rows(t: int, j: int) -> slice:
-        src = (r - t) % ws
-        return slice(src * rows_per_rank + j * u, src * rows_per_rank + (j + 1) * u)
-
     pending = {}
-    for t in range(ws):
-        for j in range(k):
-            if t == 0:
-                data = x[j * u:(j + 1) * u]
-            else:
-                lane.wait(pending.pop((t, j)))
-                data = gathered[rows(t, j)]
-            if t + 1 < ws:
-                pending[(t + 1, j)] = lane.exchange((data, nxt), (gathered[rows(t + 1, j)], prv), f"{t + 1}.{j}")
-            consume(rows(t, j), data, 0)
+    for t, j, here, forward_into in _gather_plan(ws, r, rows_per_rank, k):
+        if t == 0:
+            data = x[j * u:(j + 1) * u]
+        else:
+            lane.wait(pending.pop((t, j)))
+            data = gathered[here]
+        if forward_into is not None:
+            pending[(t + 1, j)] = lane.exchange((data, nxt), (gathered[forward_into], prv), f"{t + 1}.{j}")
+        consume(here, data, 0)
     if need_gathered:
         gathered[r * rows_per_rank:(r + 1) * rows_per_rank].copy_(x)
-    lane.finish()
+    if lane is not None:
+        lane.finish()
     return gathered if need_gathered else None
 
 
@@ -150,7 +178,8 @@ def produce_and_reduce_scatter(produce: Produce, total_rows: int, cols: int, k: 
         produce(slice(r * R + j * u, r * R + (j + 1) * u), arrived[0, j * u:(j + 1) * u])
     for transfer, _ in in_flight:
         lane.wait(transfer)
-    lane.finish()
+    if ws > 1:
+        lane.finish()
     # One partial needs no sum (and no fp32 round trip).
     return arrived[0] if ws == 1 else arrived.sum(0, dtype=accum_dtype(dtype)).to(dtype)
 
