@@ -23,10 +23,11 @@ cpu16a)
   step ep_ws8 90 python3 benchmarks/ep_overlap.py --world 8 --threads 2 --tokens 4096 --out "$r"
   ;;
 cpu16b)
-  step cp_ws4 70 python3 benchmarks/cp_overlap.py --world 4 --threads 2 --out "$r"
-  step cp_ws8 70 python3 benchmarks/cp_overlap.py --world 8 --threads 1 --out "$r"
+  step cp_ws4 60 python3 benchmarks/cp_overlap.py --world 4 --threads 2 --out "$r"
+  step cp_ws8 60 python3 benchmarks/cp_overlap.py --world 8 --threads 1 --out "$r"
   step tp_agreement_ws4 40 python3 benchmarks/tp_agreement_cost.py --world 4 --threads 2 --out "$r"
-  step fsdp_ws4 120 python3 benchmarks/fsdp_overlap.py --world 4 --threads 2 --out "$r"
+  step fsdp_ws4 120 python3 benchmarks/fsdp_overlap.py --world 4 --threads 4 --out "$r"
+  step fsdp_ws8 120 python3 benchmarks/fsdp_overlap.py --world 8 --threads 2 --out "$r"
   ;;
 gpu_a)
   step doctor 30 python3 -m overlapkit doctor
