@@ -41,9 +41,11 @@ gpu_b)
   step cp_cuda 90 python3 benchmarks/cp_overlap.py --device cuda --world 1 --out "$r"
   step demo_cuda 45 env CUDA_DEVICE_MAX_CONNECTIONS=1 python3 -m overlapkit demo --tp 1 --dp 1 --device cuda \
       --overlap pipelined --plot "$r/demo_cuda_timeline.png"
-  step reliability_cuda 40 python3 benchmarks/tp_agreement_cost.py --device cuda --out "$r"
+  step cuda_graphs 70 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_cuda_graphs.py
+  step tp_host_cost_70b 90 env CUDA_DEVICE_MAX_CONNECTIONS=1 python3 benchmarks/tp_host_cost.py --device cuda --world 1 \
+      --shape-tp 8 --no-compile --models llama3-70b --out "$r/host70b"
   # The whole CPU suite on the image's torch (2.11): the code must run on 2.11 and 2.13.
-  step pytest_cpu_torch211 200 python3 -m pytest -q -p no:cacheprovider tests/test_groups.py tests/test_agreement.py \
+  step pytest_cpu_torch211 150 python3 -m pytest -q -p no:cacheprovider tests/test_groups.py tests/test_agreement.py \
       tests/tensor_parallel tests/pipeline_parallel tests/data_parallel
   ;;
 *) echo "unknown part $part"; exit 2 ;;

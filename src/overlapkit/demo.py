@@ -134,7 +134,9 @@ def run_rank(cfg: DemoConfig) -> dict:
         # Sequence-parallel grads (layer norms, row biases) are summed over TP in backward,
         # bucket by bucket, before their data-parallel all-reduce.
         model = DataParallel(model, replicas, sequence_parallel_group=groups.tp)
-    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    # foreach=False: on CUDA torch's default foreach kernels refuse a list mixing DTensor (TP layers)
+    # and plain (norms, embeddings) parameters.
+    opt = torch.optim.SGD(model.parameters(), lr=0.5, foreach=False)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.5)
     batch = 2 * cfg.dp
     rows = slice(groups.dp_rank * 2, groups.dp_rank * 2 + 2)

@@ -46,8 +46,10 @@ class _MLP(nn.Module):
 
 def _graphed_vs_eager(eager: nn.Module, graphed: nn.Module, loss_fn, batches, *, optimizer_step: bool) -> float:
     """Max rel error between replays of a captured step of `graphed` and eager steps of `eager`."""
-    opt_e = torch.optim.SGD(eager.parameters(), lr=0.1)
-    opt_g = torch.optim.SGD(graphed.parameters(), lr=0.1)
+    # foreach=False: CUDA's default foreach path refuses a parameter list that mixes DTensors (the
+    # TP layers) with plain tensors (norms, embeddings): see docs/tensor_parallel.md, known limits.
+    opt_e = torch.optim.SGD(eager.parameters(), lr=0.1, foreach=False)
+    opt_g = torch.optim.SGD(graphed.parameters(), lr=0.1, foreach=False)
     static = [t.clone() for t in batches[0]]
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())

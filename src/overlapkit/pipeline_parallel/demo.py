@@ -43,7 +43,7 @@ def run_rank(cfg) -> dict:
                   for c in chunks]
     m = 2 * cfg.pp
     engine = PipelineEngine(chunks, groups.pp, PipelineConfig("1f1b", m, broadcast_loss=True), lm_loss)
-    opt = torch.optim.SGD([p for c in chunks for p in c.parameters()], lr=0.5)
+    opt = torch.optim.SGD([p for c in chunks for p in c.parameters()], lr=0.5, foreach=False)  # mixed DTensor/plain
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.5)
     rows = slice(groups.dp_rank * m, (groups.dp_rank + 1) * m)
     gen = torch.Generator().manual_seed(cfg.seed + 1)
