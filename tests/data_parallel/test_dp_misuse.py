@@ -165,3 +165,21 @@ def test_huge_bucket_names_its_field(field):
         DataParallelConfig(**{field: 1e14})
     with pytest.raises(ValueError, match=rf"{field}"):
         DataParallel(mlp(), None, **{field: 1e14})
+
+
+@distributed(world_size=2, timeout_s=30)
+def _wrap_experts():
+    from overlapkit.data_parallel import DataParallel
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    for p in model[1].parameters():
+        p.expert_parallel = True  # what the MoE experts carry: each EP rank holds other experts
+    try:
+        DataParallel(model, None)
+    except ValueError as e:
+        return str(e)
+    return "wrapped"
+
+
+def test_expert_parallel_parameters_are_refused_on_every_rank():
+    out = _wrap_experts()
+    assert len(set(out)) == 1 and "expert-parallel (e.g. 1.weight)" in out[0], out

@@ -287,6 +287,14 @@ class DataParallel(nn.Module):
         # tensors this engine's flat buffers need (their state_dict() still gives DTensors), as
         # torch's own DDP + TP path swaps DTensors for local tensors.
         localize_parameters(module)
+        experts = [n for n, p in module.named_parameters() if getattr(p, "expert_parallel", False)]
+        if experts and comm.group_size(group) > 1:
+            # Each EP rank holds other experts: averaging (and the rank-0 copy below) would mix
+            # different experts' weights into every rank's, with no error.
+            raise ValueError(
+                f"DataParallel: {len(experts)} parameter(s) are expert-parallel (e.g. {experts[0]}): each rank "
+                "holds different experts, so averaging them over the data-parallel group would mix them; use "
+                "overlapkit.expert_parallel.average_data_parallel_grads for a model with MoE layers")
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         self.sync = GradSync(named, group, self.config, sequence_parallel_group)
         # With a sequence_parallel_group the TP sum of sequence-parallel gradients happens in
