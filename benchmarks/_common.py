@@ -42,6 +42,26 @@ def line_up(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def time_variants(step: Callable[[str], None], variants: list[str], steps: int, warmup: int,
+                  device: torch.device) -> dict[str, list[float]]:
+    """ms per step of each variant, steps after `warmup`, the variants' order rotated every round
+    so that none always runs first (or right after the same neighbour) and all ranks lined up."""
+    import time
+
+    times: dict[str, list[float]] = {k: [] for k in variants}
+    for i in range(warmup + steps):
+        order = variants[i % len(variants):] + variants[:i % len(variants)]
+        for name in order:
+            line_up(device)
+            t0 = time.perf_counter()
+            step(name)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            if i >= warmup:
+                times[name].append((time.perf_counter() - t0) * 1e3)
+    return times
+
+
 def device_label(device: str) -> str:
     return torch.cuda.get_device_name(0) if device == "cuda" else f"CPU ({platform.machine()}, gloo)"
 

@@ -21,14 +21,13 @@ import argparse
 import os
 import statistics
 import sys
-import time
 from dataclasses import asdict
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from _common import add_common_args, backend, device_label, line_up, world_size, write_results
+from _common import add_common_args, backend, device_label, line_up, time_variants, world_size, write_results
 from overlapkit.data_parallel import DataParallel
 from overlapkit.launch import spawn
 from overlapkit.models.gpt import GPT, GPTConfig, lm_loss
@@ -80,17 +79,7 @@ def _rank_body(device_type: str, preset: dict, steps: int, warmup: int, recorded
         loss.backward()
         opts[name].step()
 
-    times: dict[str, list[float]] = {k: [] for k in VARIANTS}
-    for i in range(warmup + steps):
-        order = VARIANTS[i % len(VARIANTS):] + VARIANTS[:i % len(VARIANTS)]
-        for name in order:
-            line_up(device)
-            t0 = time.perf_counter()
-            step(name)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            if i >= warmup:
-                times[name].append((time.perf_counter() - t0) * 1e3)
+    times = time_variants(step, list(VARIANTS), steps, warmup, device)
 
     per_step: dict[str, list] = {k: [] for k in VARIANTS[:2]}
     with record(device=device) as rec:

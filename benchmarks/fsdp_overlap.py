@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
-from _common import add_common_args, backend, device_label, line_up, world_size, write_results
+from _common import add_common_args, backend, device_label, line_up, time_variants, world_size, write_results
 from overlapkit.costmodel.fsdp import prefetch_wall_ms
 from overlapkit.data_parallel import DataParallel, ShardedOptimizer, fully_shard, layer_report, prefetch_plan
 from overlapkit.launch import spawn
@@ -105,17 +105,7 @@ def _rank_body(device_type: str, preset: dict, steps: int, warmup: int, recorded
         loss.backward()
         opts[name].step()
 
-    times: dict[str, list[float]] = {k: [] for k in VARIANTS}
-    for i in range(warmup + steps):
-        order = VARIANTS[i % len(VARIANTS):] + VARIANTS[:i % len(VARIANTS)]
-        for name in order:
-            line_up(device)
-            t0 = time.perf_counter()
-            step(name)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            if i >= warmup:
-                times[name].append((time.perf_counter() - t0) * 1e3)
+    times = time_variants(step, list(VARIANTS), steps, warmup, device)
 
     memory = {}
     for name in VARIANTS:
