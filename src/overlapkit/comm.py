@@ -69,6 +69,12 @@ def _launch(kind: str, name: str, nbytes: int, group, issue) -> Handle:
     pending = rec.comm_issued(kind, name, nbytes, group_size(group))
     with _rec.comm_range(kind, name):
         works = [w for w in issue() if w is not None]
+    _stamp_done(rec, pending, works)
+    return Handle(works, pending, rec)
+
+
+def _stamp_done(rec, pending, works) -> None:
+    """Have the recorder stamp when `works` finish, without making the caller wait for them."""
     if rec.cuda:
         # Stamp completion on a side stream that waits for the works, so the stamp costs the
         # compute stream nothing and marks the real end of the transfer, not the wait.
@@ -81,7 +87,6 @@ def _launch(kind: str, name: str, nbytes: int, group, issue) -> Handle:
     else:
         for w in works:
             rec.comm_watch(pending, w)
-    return Handle(works, pending, rec)
 
 
 _stamp_streams: dict[torch.device, torch.cuda.Stream] = {}
@@ -195,16 +200,8 @@ def send_recv(sends: Sequence[tuple[torch.Tensor, int, int]], recvs: Sequence[tu
         split = [works] * len(parts)
     handles = []
     for p, ws in zip(pend, split):
-        if p is not None and rec.cuda:
-            side = _stamp_stream(rec.device)
-            side.wait_stream(torch.cuda.current_stream(rec.device))
-            with torch.cuda.stream(side):
-                for w in ws:
-                    w.wait()
-                rec.comm_done(p, rec._now())
-        elif p is not None:
-            for w in ws:
-                rec.comm_watch(p, w)
+        if p is not None:
+            _stamp_done(rec, p, ws)
         handles.append(Handle(ws, p, rec if p is not None else None))
     if not sends:
         handles.insert(0, Handle([]))
