@@ -102,7 +102,14 @@ def _graphed(layer, x: torch.Tensor, device):
     x.grad = None
     with torch.cuda.graph(graph):
         layer(x).sum().backward()
-    return graph.replay
+
+    # The graph reads the layer's parameters and `x` at their capture-time addresses and owns
+    # neither: the replay must keep them alive. (Returning bare `graph.replay` let both be
+    # freed, and a later capture's memory reuse them — the "illegal memory access" of the
+    # 2026-12-01 8B-then-70B run was this harness, not the layers.)
+    def replay(graph=graph, layer=layer, x=x):
+        graph.replay()
+    return replay
 
 
 def _variants(model, shrink, tp, tokens, group, device, dtype, compile_: bool) -> dict:
