@@ -19,6 +19,7 @@ _LAZY = {
     "timeline": ("overlapkit.timeline", None),
     "parallelize": ("overlapkit.models.parallelize", "parallelize"),
     "vocab_parallel_cross_entropy": ("overlapkit.tensor_parallel.vocab", "vocab_parallel_cross_entropy"),
+    "optim_param_groups": ("overlapkit.optim", "optim_param_groups"),
 }
 
 __all__ = [*_LAZY, "__version__"]
