@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from .launch import progress
+from .optim import optim_param_groups
 
 _STARTED = time.monotonic()
 """When the demo module was imported: `overlapkit demo` imports it first thing."""
@@ -134,9 +135,10 @@ def run_rank(cfg: DemoConfig) -> dict:
         # Sequence-parallel grads (layer norms, row biases) are summed over TP in backward,
         # bucket by bucket, before their data-parallel all-reduce.
         model = DataParallel(model, replicas, sequence_parallel_group=groups.tp)
-    # foreach=False: on CUDA torch's default foreach kernels refuse a list mixing DTensor (TP layers)
-    # and plain (norms, embeddings) parameters.
-    opt = torch.optim.SGD(model.parameters(), lr=0.5, foreach=False)
+    # One param group per kind (plain, DTensor on each mesh): torch's foreach kernels (CUDA's
+    # default) refuse a list mixing DTensor (TP layers) and plain (norms, embeddings) parameters.
+    # foreach=True on CPU too, so that the demo's tests run the kernels CUDA picks by default.
+    opt = torch.optim.SGD(optim_param_groups(model), lr=0.5, foreach=True)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.5)
     batch = 2 * cfg.dp
     rows = slice(groups.dp_rank * 2, groups.dp_rank * 2 + 2)
