@@ -34,13 +34,12 @@ from torch.distributed.tensor import DTensor
 
 from .. import comm
 from ..agreement import agree
+from ..timeline.fsdp2 import ROOT
 from ..timeline.recorder import compute_span
 from .agree import copy_from_first_rank
 from .fsdp_comm import Probe, RecordedAllGather, RecordedReduceScatter
 
 MIB = 1024 * 1024
-ROOT = "(root)"
-"""The name the timeline gives the parameters outside every block (embeddings, head, final norm)."""
 
 _queue_callback = torch.autograd.Variable._execution_engine.queue_callback
 

@@ -14,24 +14,24 @@ synchronous gather would hold the host, which has no side stream. A reduce-scatt
 consumed by FSDP2 right after the call (on its reduce-scatter stream), so it is waited inside
 the call, as FSDP2 would.
 
-`Probe` times one step for `prefetch="auto"`; `layer_report` turns recorded spans into how much
-of each block's gathers and reduce-scatters hid.
+`Probe` times one step for `prefetch="auto"`; `layer_report` (timeline/fsdp2.py, which also reads
+plain FSDP2's collectives from a profiler trace) turns spans into how much of each block's gathers
+and reduce-scatters hid.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 
 from .. import comm
-from ..timeline import intervals as iv
+from ..timeline.fsdp2 import GATHER_KIND, REDUCE_KIND, LayerComm, layer_report
 
-GATHER_KIND = "zero_all_gather"
-REDUCE_KIND = "zero_reduce_scatter"
+__all__ = ["GATHER_KIND", "REDUCE_KIND", "LayerComm", "Probe", "RecordedAllGather", "RecordedReduceScatter",
+           "layer_report"]
 
 
 def _phase() -> str:
@@ -180,58 +180,3 @@ class RecordedReduceScatter(ReduceScatter):
         # host waits here; on CUDA the reduce-scatter stream does, not the compute stream.
         work.wait()
         return None
-
-
-@dataclass(frozen=True)
-class LayerComm:
-    """How much of one block's ZeRO-3 communication hid behind computation, on one rank."""
-
-    name: str
-    """The block (its module name; `(root)` for the parameters outside every block)."""
-    forward_gather_ms: float
-    forward_gather_exposed_ms: float
-    backward_gather_ms: float
-    backward_gather_exposed_ms: float
-    reduce_scatter_ms: float
-    reduce_scatter_exposed_ms: float
-
-    @property
-    def comm_ms(self) -> float:
-        return self.forward_gather_ms + self.backward_gather_ms + self.reduce_scatter_ms
-
-    @property
-    def exposed_ms(self) -> float:
-        return self.forward_gather_exposed_ms + self.backward_gather_exposed_ms + self.reduce_scatter_exposed_ms
-
-    @property
-    def hidden_pct(self) -> float | None:
-        return None if self.comm_ms == 0 else 100.0 * (1 - self.exposed_ms / self.comm_ms)
-
-
-def layer_report(spans, rank: int | None = None) -> list[LayerComm]:
-    """Per block, in first-issue order: ZeRO-3 gather and reduce-scatter time, and the part of
-    it no compute span of the same rank covered (exposed). `spans` from `record()` or a trace."""
-    spans = [s for s in spans if rank is None or s.rank == rank]
-    ranks = {s.rank for s in spans}
-    if len(ranks) > 1:
-        raise ValueError(f"layer_report needs the spans of one rank; got ranks {sorted(ranks)} (pass rank=)")
-    compute = iv.union((s.start_ms, s.end_ms) for s in spans if s.is_compute)
-    rows: dict[str, dict[str, list]] = {}
-    for s in spans:
-        if s.kind == GATHER_KIND and s.name.rsplit(" ", 1)[-1] in ("forward", "backward"):
-            block, phase = s.name.rsplit(" ", 1)
-            key = f"{phase}_gather"
-        elif s.kind == REDUCE_KIND and s.name:
-            block, key = s.name, "reduce_scatter"
-        else:
-            continue
-        rows.setdefault(block, {}).setdefault(key, []).append((s.start_ms, s.end_ms))
-    out = []
-    for block, parts in rows.items():
-        vals = {}
-        for key in ("forward_gather", "backward_gather", "reduce_scatter"):
-            m = iv.union(parts.get(key, []))
-            vals[f"{key}_ms"] = iv.length(m)
-            vals[f"{key}_exposed_ms"] = iv.length(iv.subtract(m, compute))
-        out.append(LayerComm(name=block, **vals))
-    return out

@@ -102,7 +102,8 @@ def plan_from_config(pairs: list[str], hardware: str | None):
 
 def run(args) -> int:
     from .diagnose import analyze, walk
-    from .table import print_diagnosis, print_report
+    from .fsdp2 import layer_table
+    from .table import print_diagnosis, print_report, print_tables
 
     if args.plot and os.path.splitext(args.plot)[1].lstrip(".").lower() not in PLOT_FORMATS:
         return _fail(f"{args.plot}: cannot draw to this format; use one of {', '.join(PLOT_FORMATS)}")
@@ -135,6 +136,8 @@ def run(args) -> int:
             pass
         if not args.diagnose or not args.brief:
             print_report(report, console=console, detail=not args.brief)
+        if not args.brief:
+            print_tables(layer_table(traces), console=console)
         if args.diagnose:
             print_diagnosis(analysis, diagnosis, console=console)
         for t in traces:
@@ -172,6 +175,8 @@ def to_json(analysis, traces, diagnosis) -> dict:
     """The --json object: the report, the per-trace facts, and the analysis the diagnosis read."""
     from dataclasses import asdict
 
+    from .fsdp2 import layer_json
+
     doc = analysis.report.to_dict()
     for row, t in zip(doc["ranks"], traces):
         row.update(world_size=t.world_size, dropped_step=t.dropped_step, device=t.device)
@@ -182,6 +187,7 @@ def to_json(analysis, traces, diagnosis) -> dict:
     doc["stragglers"] = analysis.stragglers
     doc["slow_groups"] = analysis.slow_groups
     doc["diagnosis"] = diagnosis
+    doc["zero3_layers"] = layer_json(traces)
     return doc
 
 

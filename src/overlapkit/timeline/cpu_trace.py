@@ -9,13 +9,15 @@ the start to the end of a transfer (send/recv on the issuing thread). Computatio
 
 Either way, time a thread spent blocked in communication is not computation even inside a
 range that encloses it: an `overlapkit.wait` range (a `Handle.wait()`), a wait op, or a gloo
-transfer run on that thread. A trace that records (almost) no CPU ops beside its transfers has
+transfer run on that thread, or what torch FSDP2's hook ranges hold beyond their CPU ops
+(`timeline/fsdp2.py`). A trace that records (almost) no CPU ops beside its transfers has
 no computation to compare with: its overlap is unknown, not 0 %.
 """
 
 from __future__ import annotations
 
 from . import intervals as iv
+from .fsdp2 import blocked_in_hooks, fsdp2_comm
 from .kinds import collective_kind
 from .ranges import Ranges
 from .spans import COMPUTE, Span
@@ -50,8 +52,8 @@ def _group_size(info: dict) -> int:
     return 0
 
 
-def cpu_spans(ranges: Ranges, gloo, ops, markers: Ranges, info: dict):
-    """([(issue time, span in raw µs, True)], compute known, notes) of a CPU trace."""
+def cpu_spans(ranges: Ranges, gloo, ops, markers: Ranges, info: dict, fsdp: Ranges | None = None):
+    """([(issue time, span in raw µs, True)], compute known, notes) of a CPU trace (`fsdp`: FSDP2's ranges)."""
     from .trace import range_label
 
     comm_tids = {g[0] for g in gloo}
@@ -71,6 +73,11 @@ def cpu_spans(ranges: Ranges, gloo, ops, markers: Ranges, info: dict):
     for tid, start, end, name in ops:
         if "wait" in name.lower():
             blocked.setdefault(tid, []).append((start, end))
+    if fsdp is not None:
+        hooks = blocked_in_hooks([(t, a, b) for t, a, b, _ in fsdp.all()],
+                                 [(t, a, b) for t, a, b, name in ops if _is_compute_op(name)])
+        for tid, pairs in hooks.items():
+            blocked.setdefault(tid, []).extend(pairs)
     blocked = {tid: iv.union(pairs) for tid, pairs in blocked.items()}
 
     out, notes = [], []
@@ -85,9 +92,15 @@ def cpu_spans(ranges: Ranges, gloo, ops, markers: Ranges, info: dict):
         pieces = [(tid, a, b, "cpu ops") for tid, pairs in by_tid.items()
                   for a, b in iv.subtract(iv.union(pairs), blocked.get(tid, []))]
         # Without overlapkit's ranges, the issue points are the c10d ops (one per collective).
-        issued = [{"ts": s, "tid": tid, "kind": None, "claimed": False}
+        issued = [{"ts": s, "tid": tid, "kind": None, "claimed": False, "op": name}
                   for tid, s, _, name in ops if name.startswith("c10d::") and tid not in comm_tids
                   and "wait" not in name.lower() and "barrier" not in name.lower()]
+    if fsdp is not None:
+        for v in issued:
+            if chain := fsdp.enclosing(v["tid"], v["ts"]):
+                what = v["kind"].removeprefix("zero_") if v["kind"] else collective_kind(v.get("op", ""))
+                if (got := fsdp2_comm([r["name"] for r in chain], what)) is not None:
+                    v["kind"], v["label"] = got
     for tid, a, b, lab in pieces:
         marked = markers.find(tid, a)
         out.append((a, Span(kind=COMPUTE, name=lab, stream=f"thread {tid}", start_ms=a, end_ms=b,
@@ -124,6 +137,7 @@ def _gloo_spans(ranges, gloo, issued, markers, comm_tids, group_size):
         marked = markers.find(owner["tid"], at) if owner is not None and "tid" in owner else None
         if marked is None:
             marked = markers.find_any(at, skip=comm_tids)
+        name = owner.get("label", name) if owner is not None else name
         out.append((at, Span(kind=kind, name=name, stream=f"thread {tid}", start_ms=start, end_ms=end,
                              nbytes=_message(args), group_size=group_size,
                              phase=marked["phase"] if marked else None), True))

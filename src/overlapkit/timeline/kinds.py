@@ -23,8 +23,8 @@ _PEER_COPY = re.compile(r"\bPtoP\b")
 
 
 def collective_kind(name: str) -> str:
-    """`allreduce`, `_allgather_base`, `AllReduce`, `gloo:all_reduce` -> `all_reduce` and so on."""
-    n = name.split(":", 1)[-1]
+    """`allreduce`, `_allgather_base`, `AllReduce`, `gloo:all_reduce`, `c10d::allreduce_` -> `all_reduce` and so on."""
+    n = name.rsplit(":", 1)[-1]  # the op after its namespace (`gloo:`, `c10d::`)
     n = re.sub(r"(?<=[a-z])(?=[A-Z])", "_", n).lower().strip("_")
     for suffix in ("_coalesced", "_into_tensor", "_tensor", "_base", "_single"):
         n = n.replace(suffix, "")

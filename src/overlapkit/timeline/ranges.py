@@ -44,6 +44,18 @@ class Ranges:
             i = self._parent[tid][i]
         return rows[i][2] if i >= 0 else None
 
+    def enclosing(self, tid, ts: float) -> list[dict]:
+        """Every range holding `ts` on thread `tid`, innermost first."""
+        rows, out = self._by_tid.get(tid), []
+        if not rows:
+            return out
+        i = bisect.bisect_right(self._starts[tid], ts) - 1
+        while i >= 0:
+            if rows[i][1] >= ts:
+                out.append(rows[i][2])
+            i = self._parent[tid][i]
+        return out
+
     def find_any(self, ts: float, skip=()) -> dict | None:
         """The innermost range holding `ts` on any thread not in `skip` (the lowest thread id first)."""
         for tid in sorted(self._by_tid, key=str):

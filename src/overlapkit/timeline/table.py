@@ -107,6 +107,28 @@ def plain_text(report: Report, detail: bool = True) -> str:
     return "\n".join(parts)
 
 
+def print_tables(tables: list[tuple[str, list[str], list[list[str]]]], console=None, left: int = 2) -> None:
+    """Print (title, header, rows) tables to a rich Console (made if None), or as plain text without
+    rich; the first `left` columns align left."""
+    try:
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:
+        for title, head, rows in tables:
+            widths = [max(len(x) for x in col) for col in zip(head, *rows)]
+            print(title)
+            print("\n".join("  ".join(x.rjust(w) for x, w in zip(row, widths)) for row in [head] + rows) + "\n")
+        return
+    console = console or Console()
+    for title, head, rows in tables:
+        t = Table(title=title, title_justify="left")
+        for i, h in enumerate(head):
+            t.add_column(h, justify="left" if i < left else "right")
+        for row in rows:
+            t.add_row(*row)
+        console.print(t)
+
+
 def _gbps(x: float | None) -> str:
     return "?" if x is None else f"{x:.2f}" if x < 10 else f"{x:.1f}"
 
@@ -152,20 +174,10 @@ def print_diagnosis(analysis, diagnosis: list[dict], console=None) -> None:
     """Print the diagnosis tables (rich when installed) and the walk."""
     try:
         from rich.console import Console
-        from rich.table import Table
     except ImportError:
-        for title, head, rows in diagnosis_tables(analysis):
-            widths = [max(len(x) for x in col) for col in zip(head, *rows)]
-            print(title)
-            print("\n".join("  ".join(x.rjust(w) for x, w in zip(row, widths)) for row in [head] + rows) + "\n")
+        print_tables(diagnosis_tables(analysis), left=3)
         print(diagnosis_text(diagnosis))
         return
     console = console or Console()
-    for title, head, rows in diagnosis_tables(analysis):
-        t = Table(title=title, title_justify="left")
-        for i, h in enumerate(head):
-            t.add_column(h, justify="left" if i < 3 else "right")
-        for row in rows:
-            t.add_row(*row)
-        console.print(t)
+    print_tables(diagnosis_tables(analysis), console, left=3)
     console.print(diagnosis_text(diagnosis), markup=False, highlight=False, soft_wrap=True)

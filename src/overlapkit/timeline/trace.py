@@ -6,7 +6,9 @@ memory, NVSHMEM; a peer-to-peer copy) or when it was launched inside an overlapk
 `overlapkit.comm.<kind>` range. Collective name, message size, group size and process group
 come from the kernel's args or the matching `record_param_comms` op; the step from the
 `ProfilerStep#N` range its launch fell in (a kernel with no launch in the trace has no step);
-the phase (forward/backward/optimizer/pipeline) from `timeline/phases.py`.
+the phase (forward/backward/optimizer/pipeline) from `timeline/phases.py`. A collective torch's
+FSDP2 issued inside its `FSDP::all_gather` / `FSDP::post_backward_reduce` range is
+`zero_all_gather` / `zero_reduce_scatter`, named by module (`timeline/fsdp2.py`).
 
 A CPU-only trace (gloo) is read by `timeline/cpu_trace.py`. Traces of other devices (MTIA)
 are refused as unsupported rather than misread as CPU traces.
@@ -28,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import cpu_trace
+from .fsdp2 import fsdp2_comm, is_fsdp_range
 from .kinds import collective_kind, copy_comm_kind, is_nccl, kernel_comm_kind, nccl_kind_from_name
 from .phases import marker_phase, span_phase
 from .ranges import Ranges
@@ -158,7 +161,7 @@ def read_trace(path: str | Path, rank: int | None = None, last_step: bool = Fals
     base_us = float(meta.get("baseTimeNanoseconds", 0) or 0) / 1e3
 
     gpu, launches, steps, categories = [], {}, [], set()
-    ranges, param_comms, param_by_ext, markers = Ranges(), Ranges(), {}, Ranges()
+    ranges, param_comms, param_by_ext, markers, fsdp = Ranges(), Ranges(), {}, Ranges(), Ranges()
     gloo, ops = [], []
     for i, e in enumerate(events):
         if not isinstance(e, dict) or e.get("ph") != "X" or "ts" not in e:
@@ -179,6 +182,8 @@ def read_trace(path: str | Path, rank: int | None = None, last_step: bool = Fals
             steps.append((ts, ts + dur, int(m.group(1))))
         elif name.startswith((COMM_RANGE_PREFIX, COMPUTE_RANGE_PREFIX)) or name == WAIT_RANGE:
             ranges.add(tid, ts, ts + dur, {"name": name, "ts": ts})
+        elif is_fsdp_range(name):
+            fsdp.add(tid, ts, ts + dur, {"name": name})
         elif name == "record_param_comms":
             param_comms.add(tid, ts, ts + dur, args)
             if "External id" in args:
@@ -190,20 +195,20 @@ def read_trace(path: str | Path, rank: int | None = None, last_step: bool = Fals
         if cat in MARKER_CATEGORIES and (phase := marker_phase(name)) is not None:
             markers.add(tid, ts, ts + dur, {"phase": phase})
     _unsupported(path, categories, meta)
-    for r in (ranges, param_comms, markers):
+    for r in (ranges, param_comms, markers, fsdp):
         r.freeze()
     steps.sort()
 
     info = meta.get("distributedInfo") if isinstance(meta.get("distributedInfo"), dict) else {}
     compute_known, notes = True, []
     if gpu:
-        raw = _gpu_spans(gpu, launches, ranges, param_comms, param_by_ext, markers)
+        raw = _gpu_spans(gpu, launches, ranges, param_comms, param_by_ext, markers, fsdp)
         device = "gpu"
     elif launches:
         raise TraceError(f"{path}: {len(launches)} CUDA launches but no kernel, memcpy or memset events: "
                          f"profile with ProfilerActivity.CUDA to see the GPU")
     else:
-        raw, compute_known, notes = cpu_trace.cpu_spans(ranges, gloo, ops, markers, info)
+        raw, compute_known, notes = cpu_trace.cpu_spans(ranges, gloo, ops, markers, info, fsdp)
         device = "cpu"
     if not raw:
         raise TraceError(f"{path}: no GPU kernels, memcpy or memset, and no CPU ops, overlapkit or gloo "
@@ -261,7 +266,7 @@ def range_label(name: str) -> tuple[str, str]:
     return "compute", name[len(COMPUTE_RANGE_PREFIX):]
 
 
-def _gpu_spans(gpu, launches, ranges, param_comms, param_by_ext, markers) -> list[tuple[float, Span, bool]]:
+def _gpu_spans(gpu, launches, ranges, param_comms, param_by_ext, markers, fsdp) -> list[tuple[float, Span, bool]]:
     """(launch time, span in raw µs, has a launch) for every kernel, memcpy and memset."""
     devices = {a.get("device") for _, _, _, _, a in gpu}
     out = []
@@ -282,6 +287,11 @@ def _gpu_spans(gpu, launches, ranges, param_comms, param_by_ext, markers) -> lis
             kind = other
         elif label[0] == "compute":
             span_name = label[1]
+        if kind != COMPUTE and launch and (chain := fsdp.enclosing(*launch)):
+            # FSDP2's collective (not its copy-in/out kernels): its ZeRO-3 kind, named by module.
+            got = fsdp2_comm([r["name"] for r in chain], kind.removeprefix("zero_"))
+            if got is not None:
+                kind, span_name = got
         if label[0] == "comm":
             kind = label[1]  # our own range names the transfer, whatever ran it
         marked = markers.find(*launch) if launch else None
