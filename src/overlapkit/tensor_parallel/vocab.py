@@ -189,9 +189,16 @@ def vocab_parallel_cross_entropy(local_logits: torch.Tensor, targets: torch.Tens
         raise ValueError(f"vocab_parallel_cross_entropy: targets must be int32/int64 token ids, got {targets.dtype}")
     vocab = local_logits.shape[-1] * comm.group_size(group)
     bad = (targets != ignore_index) & ((targets < 0) | (targets >= vocab))
-    if bool(bad.any()):
-        raise ValueError(f"vocab_parallel_cross_entropy: target ids must be in [0, {vocab}) or ignore_index="
-                         f"{ignore_index}; got {targets[bad][:4].tolist()}")
+    # An id no rank's block holds would be scored as if its logit were 0: refuse it, never sum that.
+    if targets.device.type == "cpu":
+        if bool(bad.any()):
+            raise ValueError(f"vocab_parallel_cross_entropy: target ids must be in [0, {vocab}) or ignore_index="
+                             f"{ignore_index}; got {targets[bad][:4].tolist()}")
+    else:
+        # On a GPU a host check would stall the host every step and cannot be captured in a CUDA
+        # graph; a device-side assert (what torch's own cross_entropy does) needs neither.
+        torch._assert_async(~bad.any(), f"vocab_parallel_cross_entropy: a target id is outside [0, {vocab}) "
+                                        f"and is not ignore_index={ignore_index}")
     # A rank with another shape would meet the others' all-reduce with the wrong byte count.
     _CE_AGREEMENT.check(group, logits=tuple(local_logits.shape), ignore_index=ignore_index, reduction=reduction)
     loss, ignored = _VocabParallelCE.apply(local_logits, targets, group, ignore_index)
