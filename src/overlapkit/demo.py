@@ -62,7 +62,8 @@ class DemoConfig:
     tp and dp inside every stage; not combined with ep or cp). See overlapkit.pipeline_parallel.demo."""
     zero: int = 0
     """0: gradients averaged by DataParallel; 3: ZeRO-3, the blocks sharded over dp with
-    data_parallel.fully_shard (FSDP2, prefetch="auto") on the TP layers (TP without SP); not with ep, cp, pp."""
+    data_parallel.fully_shard (FSDP2, prefetch="auto") on the TP layers (TP without SP; with pp > 1
+    every pipeline chunk is sharded over its stage's dp ranks, TP with SP); not with ep or cp."""
 
     def __post_init__(self) -> None:
         for name in ("tp", "dp", "steps", "cp", "pp"):
@@ -78,8 +79,8 @@ class DemoConfig:
                              f"cp={self.cp}, device={self.device!r})")
         if self.zero not in (0, 3):
             raise ValueError(f"DemoConfig.zero={self.zero!r} must be 0 (DataParallel) or 3 (fully_shard)")
-        if self.zero == 3 and (self.ep > 1 or self.cp > 1 or self.pp > 1):
-            raise ValueError(f"DemoConfig.zero=3 runs with tp and dp only (got ep={self.ep}, cp={self.cp}, pp={self.pp})")
+        if self.zero == 3 and (self.ep > 1 or self.cp > 1):
+            raise ValueError(f"DemoConfig.zero=3 runs with tp, dp and pp only (got ep={self.ep}, cp={self.cp})")
         if not self.timeout_s > 0 or self.timeout_s == float("inf"):
             raise ValueError(f"DemoConfig.timeout_s must be a finite number of seconds > 0, got {self.timeout_s!r}")
         if self.device not in ("cpu", "cuda"):

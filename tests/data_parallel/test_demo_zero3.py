@@ -1,4 +1,5 @@
-"""`overlapkit demo --zero 3` trains with ZeRO-3 (FSDP2 + overlapkit prefetch) on TP layers and passes its per-step check."""
+"""`overlapkit demo --zero 3` trains with ZeRO-3 (FSDP2 + overlapkit prefetch) on TP layers and passes its per-step check
+(`--zero 3 --pp 2` runs inside test_zero3_compose's 4-rank world)."""
 
 import subprocess
 import sys
@@ -16,6 +17,6 @@ def test_demo_zero3_runs_and_matches_one_process():
 
 
 def test_demo_zero3_refuses_what_it_does_not_run():
-    done = subprocess.run([sys.executable, "-m", "overlapkit", "demo", "--zero", "3", "--pp", "2", "--plot", ""],
+    done = subprocess.run([sys.executable, "-m", "overlapkit", "demo", "--zero", "3", "--cp", "2", "--plot", ""],
                           capture_output=True, text=True, timeout=60)
-    assert done.returncode == 2 and "zero=3 runs with tp and dp only" in done.stderr, done.stderr
+    assert done.returncode == 2 and "zero=3 runs with tp, dp and pp only" in done.stderr, done.stderr

@@ -114,9 +114,10 @@ def fully_shard(model: nn.Module, mesh_or_dim=None, *, dim: str = "dp", prefetch
 
     mesh_or_dim: a 1-D DeviceMesh, a DeviceMesh with a `dim` dim (e.g. ("dp", "tp") with TP
     DTensor parameters on "tp"), a ParallelGroups, a ProcessGroup, or None (the world).
-    wrap: the blocks, each one FSDP2 unit: None (the entries of the model's longest ModuleList,
-    else its direct children with parameters), a module name (a ModuleList's name means its
-    entries), a list of names, or a module class (or tuple of classes).
+    wrap: the blocks, each one FSDP2 unit: None (the entries of the model's longest ModuleList or
+    ModuleDict, e.g. a pipeline chunk's blocks, else its direct children with parameters), a module
+    name (a ModuleList's or ModuleDict's name means its entries), a list of names, or a module class
+    (or tuple of classes).
     Collective: every rank calls it with the same arguments; anything that differs, or a bad
     argument, raises on every rank. Parameters and buffers start as group rank 0's.
     `prefetch_plan(model)` says what was chosen, and why.
@@ -227,10 +228,10 @@ def _resolve_wrap(model: nn.Module, wrap) -> list[tuple[str, nn.Module]]:
     """(name, module) of each block to wrap, in registration order."""
     named = dict(model.named_modules())
     if wrap is None:
-        lists = [(n, m) for n, m in named.items() if isinstance(m, nn.ModuleList) and len(m)]
+        lists = [(n, m) for n, m in named.items() if isinstance(m, (nn.ModuleList, nn.ModuleDict)) and len(m)]
         if lists:
             name, blocks = max(lists, key=lambda nm: len(nm[1]))
-            return [(f"{name}.{i}", b) for i, b in enumerate(blocks)]
+            return _entries(name, blocks)
         return [(n, m) for n, m in model.named_children() if any(True for _ in m.parameters())]
     if isinstance(wrap, type) or (isinstance(wrap, tuple) and wrap and all(isinstance(t, type) for t in wrap)):
         out: list[tuple[str, nn.Module]] = []
@@ -251,9 +252,13 @@ def _resolve_wrap(model: nn.Module, wrap) -> list[tuple[str, nn.Module]]:
     out = []
     for n in names:
         m = named[n]
-        out += ([(f"{n}.{i}", b) for i, b in enumerate(m)] if isinstance(m, (nn.ModuleList, nn.Sequential))
-                else [(n, m)])
+        out += _entries(n, m) if isinstance(m, (nn.ModuleList, nn.Sequential, nn.ModuleDict)) else [(n, m)]
     return out
+
+
+def _entries(name: str, container: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(fqn, module) of a ModuleList's, Sequential's or ModuleDict's entries, in order."""
+    return [(f"{name}.{key}" if name else key, m) for key, m in container.named_children()]
 
 
 class _ZeroThree:
@@ -301,20 +306,23 @@ class _ZeroThree:
         span.__enter__()
         self._spans[name] = span
         if self.probe.on:
-            self.probe.passes[name] = [self.probe.stamp(), None]
+            self.probe.passes[name].append([self.probe.stamp(), None])
 
     def _close(self, name: str) -> None:
         span = self._spans.pop(name, None)
         if span is not None:
             span.__exit__(None, None, None)
-        if self.probe.on and name in self.probe.passes:
-            self.probe.passes[name][1] = self.probe.stamp()
+        if self.probe.on and self.probe.passes[name] and self.probe.passes[name][-1][1] is None:
+            self.probe.passes[name][-1][1] = self.probe.stamp()
 
     def _pre_forward(self, _module, _args) -> None:
         if self._decide_next:
             self._decide_next = False
             self._decide()
-        if not self.plan.decided and self.steps == self.cfg.probe_step and torch.is_grad_enabled():
+        # `>=`: a pipeline stage runs several forwards per backward, so its count of finished
+        # backwards can step over probe_step between two forwards.
+        if not self.plan.decided and not self.probe.on and self.steps >= self.cfg.probe_step \
+                and torch.is_grad_enabled():
             self.probe.reset()
             self.probe.on = True
         self._open("forward")
@@ -349,9 +357,11 @@ class _ZeroThree:
 
         t = self.probe.times()
         n = max(1, len(self.units))
-        mine = [max(0.0, t["forward_wall_ms"] - t["forward_stall_ms"]) / n, t["forward_gather_ms"],
-                max(0.0, t["backward_wall_ms"] - t["backward_stall_ms"]) / n, t["backward_gather_ms"],
-                t["backward_reduce_ms"]]
+        # Per block and pass: the probe window holds one backward and one or more forwards.
+        mine = [max(0.0, t["forward_wall_ms"] - t["forward_stall_ms"]) / (n * max(1.0, t["forward_passes"])),
+                t["forward_gather_ms"],
+                max(0.0, t["backward_wall_ms"] - t["backward_stall_ms"]) / (n * max(1.0, t["backward_passes"])),
+                t["backward_gather_ms"], t["backward_reduce_ms"]]
         vals = torch.tensor(mine, dtype=torch.float64, device=self.device)
         # The slowest rank's times on every rank: the same inputs give the same depths everywhere.
         comm.all_reduce(vals, self.group, kind="dp_all_reduce", name="zero3-auto-probe", op=dist.ReduceOp.MAX,

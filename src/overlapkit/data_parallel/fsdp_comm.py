@@ -56,7 +56,7 @@ class Probe:
     def reset(self) -> None:
         self.comms: list[list] = []  # [kind, phase, start, end]
         self.stalls: dict[str, list[tuple]] = {"forward": [], "backward": []}
-        self.passes: dict[str, list] = {}
+        self.passes: dict[str, list[list]] = {"forward": [], "backward": []}  # [start, end] of each pass
 
     def stamp(self):
         if self.cuda:
@@ -78,7 +78,8 @@ class Probe:
         return a.elapsed_time(b) if self.cuda else (b - a) * 1e3
 
     def times(self) -> dict[str, float]:
-        """Per block and pass: gather_ms, reduce_ms, forward/backward wall and stalls, in ms."""
+        """Mean gather_ms and reduce_ms per collective; per phase the wall and stall ms summed over
+        its passes and the number of passes (a pipeline stage runs several micro-batches per probe)."""
         if self.cuda:
             torch.cuda.synchronize(self.device)
         out: dict[str, float] = {}
@@ -88,8 +89,9 @@ class Probe:
                 out[f"{phase}_{key}_ms"] = sum(ms) / len(ms) if ms else 0.0
                 out[f"{phase}_{key}_count"] = float(len(ms))
         for phase in ("forward", "backward"):
-            a, b = self.passes.get(phase, (None, None))
-            out[f"{phase}_wall_ms"] = self._ms(a, b) if a is not None and b is not None else 0.0
+            done = [(a, b) for a, b in self.passes[phase] if b is not None]
+            out[f"{phase}_wall_ms"] = sum(self._ms(a, b) for a, b in done)
+            out[f"{phase}_passes"] = float(len(done))
             out[f"{phase}_stall_ms"] = sum(self._ms(s, e) for s, e in self.stalls[phase])
         return out
 

@@ -38,7 +38,10 @@ def run_rank(cfg) -> dict:
     if cfg.tp > 1:
         model = parallelize(model, groups, sequence_parallel=True, overlap=cfg.overlap)
     chunks, layout = gpt_chunks(model, cfg.pp, groups.pp_rank)
-    if cfg.dp > 1:
+    if cfg.zero == 3:  # ZeRO-3: every chunk sharded over its stage's dp ranks (FSDP2 + overlapkit prefetch)
+        from ..data_parallel import fully_shard
+        chunks = [fully_shard(c, groups, prefetch="auto") for c in chunks]
+    elif cfg.dp > 1:
         chunks = [DataParallel(c, groups.dp, sequence_parallel_group=groups.tp if cfg.tp > 1 else None)
                   for c in chunks]
     m = 2 * cfg.pp
@@ -58,7 +61,7 @@ def run_rank(cfg) -> dict:
             tgt = torch.randint(0, mcfg.vocab_size, (m * cfg.dp, mcfg.seq_len), generator=gen)
             opt.zero_grad(set_to_none=False)
             loss = engine.step(idx[rows], tgt[rows])
-            if cfg.tp > 1 and cfg.dp == 1:
+            if cfg.tp > 1 and cfg.dp == 1 and cfg.zero != 3:
                 for c in chunks:
                     allreduce_sequence_parallel_grads(c, groups.tp)
             ref_opt.zero_grad()
@@ -68,7 +71,11 @@ def run_rank(cfg) -> dict:
             dist.all_reduce(full_loss, group=groups.dp)
             full_loss /= cfg.dp
             pairs = [(full_loss, ref_loss)]
-            pairs += [(local, ref) for c in chunks for _, local, ref in expected_local(c, reference, "grad")]
+            if cfg.zero == 3:  # sharded over dp (and tp): compare the whole gradient
+                ref_params = dict(reference.named_parameters())
+                pairs += [(p.grad.full_tensor(), ref_params[n].grad) for c in chunks for n, p in c.named_parameters()]
+            else:
+                pairs += [(local, ref) for c in chunks for _, local, ref in expected_local(c, reference, "grad")]
             errs = torch.tensor(_max_errors(pairs))
             dist.all_reduce(errs, op=dist.ReduceOp.MAX)
             steps.append(dict(step=step, loss=ref_loss.item(), abs_err=errs[0].item(), rel_err=errs[1].item()))
