@@ -22,12 +22,24 @@ _all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather
 _reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
+_sizes: dict = {}
+"""group -> (size, rank): fixed for a group's life, and `dist.get_world_size` costs ~1 µs of
+checks a call, paid several times per TP linear (the cache holds the group, so its id is never reused)."""
+
+
+def _size_rank(group: dist.ProcessGroup) -> tuple[int, int]:
+    sr = _sizes.get(group)
+    if sr is None:
+        sr = _sizes[group] = (dist.get_world_size(group), dist.get_rank(group))
+    return sr
+
+
 def group_size(group: dist.ProcessGroup | None) -> int:
-    return dist.get_world_size(group) if group is not None else 1
+    return _size_rank(group)[0] if group is not None else 1
 
 
 def group_rank(group: dist.ProcessGroup | None) -> int:
-    return dist.get_rank(group) if group is not None else 0
+    return _size_rank(group)[1] if group is not None else 0
 
 
 class Handle:

@@ -34,7 +34,7 @@ from ..agreement import Agreement, agree
 from . import ops
 from .mappings import check_divisible, gather_from_tp, scatter_to_tp
 from .params import LocalShardParams, make_param, tp_mesh_and_group
-from .pipelined import check_layer_options, column_parallel_linear_pipelined, row_parallel_linear_pipelined
+from .pipelined import _check_transport, _chunks_per_rank, check_layer_options
 from .precision import autocast_dtype, autocast_off, cast
 from .sequence_parallel import allreduce_sequence_parallel_grads, mark_sequence_parallel  # noqa: F401 (re-export)
 
@@ -48,19 +48,20 @@ def check_overlap(overlap: str, allowed=OVERLAP_MODES) -> str:
     return overlap
 
 
-def _check_input(layer: nn.Module, x: torch.Tensor, w: torch.Tensor, in_features: int, sp_split: bool) -> None:
-    """Shape, dtype and device checks, done before any collective so every rank fails alike."""
+def _check_input(layer: nn.Module, shape, x_dtype, x_device, w_dtype, w_device, in_features: int,
+                 sp_split: bool) -> None:
+    """Shape (sequence dim first), dtype and device checks, before any collective so every rank fails alike."""
     name = layer.name or type(layer).__name__
-    if x.dim() < 2:
-        raise ValueError(f"{name}: input must have at least 2 dims [tokens, hidden], got shape {tuple(x.shape)}")
-    if x.shape[-1] != in_features:
-        raise ValueError(f"{name}: input's last dim is {x.shape[-1]}, expected {in_features}")
-    if x.dtype != w.dtype:
-        raise ValueError(f"{name}: input dtype {x.dtype} differs from the weight dtype {w.dtype}")
-    if x.device != w.device:
-        raise ValueError(f"{name}: input is on {x.device}, the weight on {w.device}")
+    if len(shape) < 2:
+        raise ValueError(f"{name}: input must have at least 2 dims [tokens, hidden], got shape {tuple(shape)}")
+    if shape[-1] != in_features:
+        raise ValueError(f"{name}: input's last dim is {shape[-1]}, expected {in_features}")
+    if x_dtype != w_dtype:
+        raise ValueError(f"{name}: input dtype {x_dtype} differs from the weight dtype {w_dtype}")
+    if x_device != w_device:
+        raise ValueError(f"{name}: input is on {x_device}, the weight on {w_device}")
     if sp_split:
-        check_divisible(x.shape[0], layer.tp_size, f"{name}: sequence length (dim {layer.sequence_dim})")
+        check_divisible(shape[0], layer.tp_size, f"{name}: sequence length (dim {layer.sequence_dim})")
 
 
 @torch.compiler.assume_constant_result
@@ -119,7 +120,8 @@ class _ParallelLinear(LocalShardParams, nn.Module):
         """overlap='auto': input shape -> (mode, chunks) the cost model chose for it."""
         self.name = name
         self._agreement = Agreement(f"{type(self).__name__}({name})")
-        self._seen_inputs: set = set()
+        self._calls: dict[tuple, tuple] = {}
+        """Input signature -> what `_new_call` returned for it (every check passed, ranks agreed)."""
         self._init_state_dict_hooks()
 
     def _make_params(self, bias: bool, device, dtype) -> None:
@@ -166,47 +168,78 @@ class _ParallelLinear(LocalShardParams, nn.Module):
             full_b = torch.empty(self.out_features, device=w.device, dtype=w.dtype).uniform_(-bound, bound)
             self.local_data("bias").copy_(self.shard_of(full_b))
 
-    def _enter(self, x: torch.Tensor, expected_in: int, sp_split: bool):
-        """(x moved to [seq, ...], local weight, local bias, autocast dtype, moved?) after every check.
-
-        The first time an input shape/configuration is seen, it is compared across the ranks
-        (a store round trip); afterwards a set lookup. Under torch.compile the ops compare their
-        signatures instead, at run time (a store round trip cannot be traced; see ops.py).
-        """
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The layer on x. A new input signature runs every check and the cross-rank comparison
+        (`_new_call`); a seen one is one dict lookup, then the linear on the parameters themselves."""
         cdt = autocast_dtype(x)
-        compiling = torch.compiler.is_compiling()
-        key = (x.shape, x.dtype, cdt, torch.is_grad_enabled(), x.requires_grad, self.overlap, self.chunks,
+        w, b = self.weight, self.bias
+        if torch.compiler.is_compiling():
+            # Traced once per shape: the checks run while tracing; the ops compare signatures
+            # across ranks at run time (a store round trip cannot be traced; see ops.py).
+            sd, args = self._new_call(x, w, cdt, agree=False)
+            return self._run(x, sd, args, cdt, cast(self.local(w), cdt), cast(self.local(b), cdt), ops.compiled)
+        key = (x.shape, x.dtype, w.dtype, cdt, torch.is_grad_enabled(), x.requires_grad, self.overlap, self.chunks,
                self.sequence_parallel, self.sequence_dim, self.transport)
-        if not compiling and key not in self._seen_inputs:
+        call = self._calls.get(key)
+        if call is None:
+            call = self._new_call(x, w, cdt, agree=True)
+            self._calls[key] = call  # only once every check has passed
+        return self._run(x, *call, cdt, w, b, None)
+
+    def _run(self, x, sd: int, args: tuple, cdt, w, b, compiled) -> torch.Tensor:
+        """The linear on x: `compiled` is ops.compiled (w, b local shards) or None (eager: the parameters)."""
+        if sd:
+            x = x.movedim(sd, 0)
+        if cdt is None:
+            y = self._linear(x, w, b, args, cdt, compiled)
+        else:
+            x = cast(x, cdt)
+            with autocast_off(x, cdt):
+                y = self._linear(x, w, b, args, cdt, compiled)
+        return y.movedim(0, sd).contiguous() if sd else y
+
+    def _linear(self, x, w, b, args: tuple, cdt, compiled) -> torch.Tensor:
+        return ops.eager(x, w, b, cdt, args) if compiled is None else compiled(x, w, b, args)
+
+    def _new_call(self, x: torch.Tensor, w: torch.Tensor, cdt, *, agree: bool) -> tuple[int, tuple]:
+        """(sequence dim to move to the front or 0, the ops' static args) for a new input, after every check.
+
+        Compared across the ranks first (a store round trip), so that a mismatch fails on every rank.
+        """
+        label = self.name or type(self).__name__
+        if agree:
             self._agreement.check(self.group, shape=tuple(x.shape), dtype=x.dtype, autocast=cdt,
                                   grad_enabled=torch.is_grad_enabled(), requires_grad=x.requires_grad,
                                   overlap=self.overlap, chunks=self.chunks, sequence_parallel=self.sequence_parallel,
                                   sequence_dim=self.sequence_dim, transport=self.transport,
                                   in_features=self.in_features, out_features=self.out_features)
-        w, b = cast(self.local(self.weight), cdt), cast(self.local(self.bias), cdt)
-        x = cast(x, cdt)
-        moved = False
+        sd = 0
         if self.sequence_parallel:
             sd = self.sequence_dim + x.dim() if self.sequence_dim < 0 else self.sequence_dim
             if not 0 <= sd <= x.dim() - 2:
-                raise ValueError(f"{self.name or type(self).__name__}: sequence_dim={self.sequence_dim} is not a "
-                                 f"dim of the {x.dim()}-D input {tuple(x.shape)} other than the last (hidden)")
-            if sd != 0:
-                x, moved = x.movedim(sd, 0), True
-        _check_input(self, x, w, expected_in, sp_split)
-        if not compiling:
-            self._seen_inputs.add(key)
-        return x, w, b, cdt, moved
-
-    def _leave(self, y: torch.Tensor, moved: bool) -> torch.Tensor:
-        return y.movedim(0, self.sequence_dim).contiguous() if moved else y
-
-    def _maybe_warn(self, x: torch.Tensor, mode: str) -> None:
+                raise ValueError(f"{label}: sequence_dim={self.sequence_dim} is not a dim of the {x.dim()}-D input "
+                                 f"{tuple(x.shape)} other than the last (hidden)")
+        xm = cast(x.movedim(sd, 0) if sd else x, cdt)  # as the GEMM will see it
+        shape = xm.shape
+        _check_input(self, shape, xm.dtype, x.device, cdt or w.dtype, w.device, self._expected_in,
+                     self._scatters_sequence)
+        mode, chunks = self._mode(xm, *self._gemm(shape))
         if mode == "bulk":
             comm.warn_if_max_connections_unsuited(x.device)
+        kind = self._kind
+        k, transport, save = 1, "p2p", False
+        if mode == "pipelined":
+            rows = shape[0] // self.tp_size if self._scatters_sequence else shape[0]
+            k = _chunks_per_rank(chunks, self.tp_size, rows, 0)
+            _check_transport(self.transport, self.group, x.device)
+            kind, transport = kind + "_pipelined", self.transport
+            save = self.save_gathered_input and kind == "column_pipelined"
+        name = (self.name or self._kind) if mode == "pipelined" else self.name
+        return sd, (kind, self.group, self.sequence_parallel, mode == "bulk", k, transport, save, name)
 
     def _mode(self, x: torch.Tensor, m: int, k: int, n: int, collective: str, rows_per_rank: int):
-        """(mode, chunks) for this input: the fixed setting, or the cost model's pick under auto."""
+        """(mode, chunks) for input x (sequence dim first, in the GEMM's dtype) of an [m, k] x [k, n] GEMM:
+        the fixed setting, or the cost model's pick under auto."""
         if self.overlap != "auto":
             return self.overlap, self.chunks
         key = (tuple(x.shape), x.dtype)
@@ -255,6 +288,7 @@ class ColumnParallelLinear(_ParallelLinear):
     """
 
     _split_dim = 0
+    _kind = "column"
 
     def __init__(self, in_features: int, out_features: int, mesh_or_group=None, *, bias: bool = True,
                  gather_output: bool = False, sequence_parallel: bool = False, sequence_dim: int = 0,
@@ -268,27 +302,20 @@ class ColumnParallelLinear(_ParallelLinear):
         check_divisible(out_features, self.tp_size, "ColumnParallelLinear: out_features")
         self.gather_output = gather_output
         self.out_per_rank = out_features // self.tp_size
+        self._expected_in, self._scatters_sequence = in_features, False
         self._make_params(bias, device, dtype)
 
     def shard_of(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's slice of a full weight [out, in] or bias [out] (rows)."""
         return full.chunk(self.tp_size, dim=0)[self.tp_rank]
 
+    def _gemm(self, shape):
+        tokens = math.prod(shape[:-1]) * (self.tp_size if self.sequence_parallel else 1)
+        return tokens, self.in_features, self.out_per_rank, "all_gather", shape[0]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x, w, b, cdt, moved = self._enter(x, self.in_features, sp_split=False)
-        tokens = x.numel() // x.shape[-1] * (self.tp_size if self.sequence_parallel else 1)
-        mode, chunks = self._mode(x, tokens, self.in_features, self.out_per_rank, "all_gather", x.shape[0])
-        self._maybe_warn(x, mode)
-        with autocast_off(x, cdt):
-            if mode == "pipelined":
-                y = column_parallel_linear_pipelined(x, w, b, self.group, chunks=chunks, transport=self.transport,
-                                                     name=self.name or "column",
-                                                     save_gathered_input=self.save_gathered_input)
-            else:
-                y = ops.linear("column", x, w, b, self.group, sp=self.sequence_parallel, bulk=mode == "bulk",
-                               name=self.name)
-            y = self._leave(y, moved)
-            return gather_from_tp(y, self.group, self.name + ".out") if self.gather_output else y
+        y = super().forward(x)
+        return gather_from_tp(y, self.group, self.name + ".out") if self.gather_output else y
 
 
 class RowParallelLinear(_ParallelLinear):
@@ -300,6 +327,7 @@ class RowParallelLinear(_ParallelLinear):
     """
 
     _split_dim = 1
+    _kind = "row"
 
     def __init__(self, in_features: int, out_features: int, mesh_or_group=None, *, bias: bool = True,
                  input_is_parallel: bool = True, sequence_parallel: bool = False, sequence_dim: int = 0,
@@ -312,24 +340,18 @@ class RowParallelLinear(_ParallelLinear):
         check_divisible(in_features, self.tp_size, "RowParallelLinear: in_features")
         self.input_is_parallel = input_is_parallel
         self.in_per_rank = in_features // self.tp_size
+        self._expected_in = self.in_per_rank if input_is_parallel else in_features
+        self._scatters_sequence = sequence_parallel
         self._make_params(bias, device, dtype)
 
     def shard_of(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's slice of a full weight [out, in] (columns); a bias is not split."""
         return full.chunk(self.tp_size, dim=-1)[self.tp_rank] if full.dim() == 2 else full
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        expected = self.in_per_rank if self.input_is_parallel else self.in_features
-        x, w, b, cdt, moved = self._enter(x, expected, sp_split=self.sequence_parallel)
-        mode, chunks = self._mode(x, x.numel() // x.shape[-1], self.in_per_rank, self.out_features,
-                                  "reduce_scatter", x.shape[0] // self.tp_size)
-        self._maybe_warn(x, mode)
-        with autocast_off(x, cdt):
-            if not self.input_is_parallel:
-                x = scatter_to_tp(x, self.group, self.name + ".in")
-            if mode == "pipelined":
-                y = row_parallel_linear_pipelined(x, w, b, self.group, chunks=chunks, transport=self.transport,
-                                                  name=self.name or "row")
-            else:
-                y = ops.linear("row", x, w, b, self.group, sp=self.sequence_parallel, name=self.name)
-            return self._leave(y, moved)
+    def _gemm(self, shape):
+        return math.prod(shape[:-1]), self.in_per_rank, self.out_features, "reduce_scatter", shape[0] // self.tp_size
+
+    def _linear(self, x, w, b, args: tuple, cdt, compiled) -> torch.Tensor:
+        if not self.input_is_parallel:
+            x = scatter_to_tp(x, self.group, self.name + ".in")
+        return super()._linear(x, w, b, args, cdt, compiled)

@@ -32,6 +32,7 @@ from ..agreement import Agreement
 from ..timeline.recorder import compute_span
 from . import p2p, symm_mem
 from .mappings import _gather_dim0, _reduce_scatter_dim0
+from .params import grad_as_param, param_parts
 from .pipelined import _ag_mm, _mm_rs, _regather_wgrad, _rows, _lane_stream
 
 KINDS = ("column", "row", "column_pipelined", "row_pipelined")
@@ -168,21 +169,45 @@ def _bwd(kind, dy, x, extra, w, has_bias, need_dx, group, sp, bulk, k, transport
 
 # -- eager: one autograd.Function over the bodies ---------------------------------------------
 
+def _local(p, parts, cdt):
+    """p's local shard (parts from param_parts), in the autocast dtype when one is given."""
+    if p is None:
+        return None
+    local = parts[1]
+    return local.to(cdt) if cdt is not None and local.dtype != cdt else local
+
+
 class _EagerLinear(torch.autograd.Function):
+    """One linear on the local shards of w and b, which may be the layer's DTensor parameters.
+
+    Taking the parameters themselves (not `to_local()` views) saves two autograd Functions a
+    call, and their gradients go back as DTensors of the parameters' specs (grad_as_param).
+    `cdt` is the autocast dtype the GEMMs run in (None: the parameters' own); `args` are the
+    static arguments of the bodies: (kind, group, sp, bulk, k, transport, save_gathered, name).
+    """
+
     @staticmethod
-    def forward(ctx, kind, x, w, b, group, sp, bulk, k, transport, save_gathered, name):
-        y, extra = _fwd(kind, x, w, b, group, sp, bulk, k, transport, save_gathered, name)
-        ctx.save_for_backward(x, w, extra)
-        ctx.args = (kind, group, sp, bulk, k, transport, save_gathered, name)
-        ctx.has_bias = b is not None
+    def forward(ctx, x, w, b, cdt, args):
+        ctx.w_parts, ctx.b_parts = param_parts(w), param_parts(b)
+        wl, bl = _local(w, ctx.w_parts, cdt), _local(b, ctx.b_parts, cdt)
+        kind, *rest = args
+        y, extra = _fwd(kind, x, wl, bl, *rest)
+        ctx.save_for_backward(x, wl, extra)
+        ctx.args = args
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        x, w, extra = ctx.saved_tensors
+        x, wl, extra = ctx.saved_tensors
         kind, group, *rest = ctx.args
-        dx, dw, db = _bwd(kind, dy, x, extra, w, ctx.has_bias, ctx.needs_input_grad[1], group, *rest)
-        return None, dx, dw, db, None, None, None, None, None, None, None
+        dx, dw, db = _bwd(kind, dy, x, extra, wl, ctx.b_parts[1] is not None, ctx.needs_input_grad[0], group,
+                          *rest)
+        return dx, grad_as_param(dw, *ctx.w_parts), grad_as_param(db, *ctx.b_parts), None, None
+
+
+def eager(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, cdt, args: tuple) -> torch.Tensor:
+    """The eager linear over the layer's parameters (DTensor or plain) w, b; see _EagerLinear."""
+    return _EagerLinear.apply(x, w, b, cdt, args)
 
 
 # -- compiled: the custom ops --------------------------------------------------------------
@@ -267,8 +292,12 @@ def linear(kind: str, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, 
     x is [rows, ..., in] with the sequence-parallel dim first; w, b this rank's shards (nn.Linear
     layout); k the chunks per rank of a pipelined kind. The caller has checked the arguments.
     """
-    if torch.compiler.is_compiling():
-        y, _ = getattr(torch.ops.overlapkit, f"{kind}_fwd")(x, w, b, group.group_name, sp, bulk, k, transport,
-                                                           save_gathered, name)
-        return y
-    return _EagerLinear.apply(kind, x, w, b, group, sp, bulk, k, transport, save_gathered, name)
+    args = (kind, group, sp, bulk, k, transport, save_gathered, name)
+    return compiled(x, w, b, args) if torch.compiler.is_compiling() else eager(x, w, b, None, args)
+
+
+def compiled(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, args: tuple) -> torch.Tensor:
+    """The linear as its custom op, for torch.compile: w, b plain local shards; args as in _EagerLinear."""
+    kind, group, *rest = args
+    y, _ = getattr(torch.ops.overlapkit, f"{kind}_fwd")(x, w, b, group.group_name, *rest)
+    return y
