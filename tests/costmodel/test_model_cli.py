@@ -26,7 +26,8 @@ def test_plan_answers_for_every_preset_as_json(model, extra, capsys):
     code, out, _ = run(["plan", "--model", model, "--hardware", "h100-sxm", "--json", *extra], capsys)
     assert code == 0
     d = json.loads(out)
-    assert d["step_time_s"] > d["compute_s"] > 0 and d["comm_s"] >= d["exposed_comm_s"] >= 0
+    # exposed = (GEMM + comm) - GEMM per site under overlap none: equal to comm up to rounding
+    assert d["step_time_s"] > d["compute_s"] > 0 and d["comm_s"] * (1 + 1e-12) >= d["exposed_comm_s"] >= 0
     assert d["layer_rows"] and d["recommendations"]
     assert d["model"] == model and d["hardware"] == "h100-sxm"
 

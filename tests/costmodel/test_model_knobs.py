@@ -26,7 +26,8 @@ def test_unfused_attention_prices_the_score_gemms_and_passes_over_s_squared():
     flash = predict(GPT, ParallelConfig(tp=2, sp=False, micro_batch=4), A100)
     unfused = predict(GPT, ParallelConfig(tp=2, sp=False, micro_batch=4, attention="unfused"), A100)
     s, d, batch = 2048, 128, 4 * 16
-    gemms = batch * (A100.gemm_ms(s, d, s) + A100.gemm_ms(s, s, d))
+    a100 = A100.for_training()  # a step runs at the sustained clock
+    gemms = batch * (a100.gemm_ms(s, d, s) + a100.gemm_ms(s, s, d))
     passes = A100.memory.elementwise_ms(batch * s * s, 2, 1) * UNFUSED_SCORE_PASSES[0]
     assert row(unfused.layer_fwd, "attention fwd (unfused)")["time_ms"] == pytest.approx(gemms + passes)
     assert unfused.step_ms > flash.step_ms * 1.1
@@ -216,3 +217,33 @@ def test_model_fields_are_type_checked(kw, field):
 def test_parallel_fields_are_range_checked(kw, field):
     with pytest.raises(ConfigError, match=field):
         ParallelConfig(**kw)
+
+
+def test_sustained_clock_slows_a_training_step_but_not_a_kernel_price():
+    from dataclasses import replace
+
+    from overlapkit.costmodel.hardware import SUSTAINED_CLOCK, Hardware
+
+    assert H100.sustained_clock == SUSTAINED_CLOCK["h100-sxm"] < 1.0 and A100.sustained_clock < 1.0
+    burst = replace(H100, sustained_clock=1.0)
+    assert H100.gemm_ms(8192, 8192, 8192) == burst.gemm_ms(8192, 8192, 8192)  # kernels: the curve as measured
+    trained = H100.for_training()
+    assert trained.gemm_ms(8192, 8192, 8192) == pytest.approx(burst.gemm_ms(8192, 8192, 8192) / H100.sustained_clock,
+                                                              rel=0.01)
+    par = ParallelConfig(tp=8, micro_batch=1)
+    slow, fast = predict(L8, par, H100), predict(L8, par, burst)
+    assert slow.compute_ms > fast.compute_ms * 1.1
+    assert Hardware.from_dict(H100.to_dict()).sustained_clock == H100.sustained_clock
+    with pytest.raises(ConfigError, match="sustained_clock=1.5"):
+        replace(H100, sustained_clock=1.5)
+
+
+def test_interleaved_dp_reduction_starts_at_each_chunks_last_backward():
+    # Megatron syncs a model chunk's gradients at its own last backward: with vpp = 2 half the stage's
+    # gradients are done pp chunk-backwards before the end and reduce behind the other chunk's work.
+    kw = dict(tp=8, pp=4, dp=16, micro_batch=1, global_batch=16 * 8, zero=1, grad_bytes=4,
+              overlap=Overlap(dp="bulk"))
+    one = predict(L70, ParallelConfig(**kw), H100)
+    two = predict(L70, ParallelConfig(**kw, vpp=2), H100)
+    assert one.comm_by_kind["dp_reduce_scatter"] == pytest.approx(two.comm_by_kind["dp_reduce_scatter"], rel=0.01)
+    assert two.exposed_by_kind["dp_reduce_scatter"] < 0.7 * one.exposed_by_kind["dp_reduce_scatter"]

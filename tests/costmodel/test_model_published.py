@@ -87,3 +87,19 @@ def test_lm_head_probe_results_are_predicted_when_present(bench, tmp_path):
     gemm = bench.preset("h200-sxm").gemm_ms(8192, 4096, 128256)
     ce = 8192 * 128256 * 30 / (bench.preset("h200-sxm").memory.elementwise_gbps * 1e6)
     assert rows[0]["predicted"] == pytest.approx(gemm + ce)
+
+
+def test_published_benchmark_applies_megatron_buckets_and_interleaving_where_layers_divide():
+    spec = importlib.util.spec_from_file_location("model_vs_published", SCRIPT.parent / "model_vs_published.py")
+    mvp = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mvp)
+    model = {"hidden": 12288, "ffn_hidden": 49152, "num_layers": 96, "num_heads": 96, "seq_len": 4096,
+             "vocab_size": 131072, "gated_mlp": False, "tied_embeddings": False}
+    case = {"source": "MegatronLM-README-H100", "case": "177B", "model": model, "hardware": "h100-sxm", "tp": 8,
+            "pp": 6, "vpp": 1, "dp": 48, "micro_batch": 1, "global_batch": 1152, "recompute": "none", "sp": True,
+            "zero": 1, "overlap": {"tp": "auto", "dp": "bulk", "pp": "bulk", "zero": "pipelined"}}
+    _, par, _ = mvp.config(case)
+    assert par.vpp == 2 and par.bucket_mib == pytest.approx(48e6 * 2 / 2**20)  # 16 layers per stage divide by 2
+    odd = dict(case, model=dict(model, num_layers=92), pp=4, dp=96)  # 23 layers per stage: no interleaving
+    _, par, _ = mvp.config(odd)
+    assert par.vpp == 1 and par.bucket_mib == pytest.approx(96e6 * 2 / 2**20)

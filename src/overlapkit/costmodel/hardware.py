@@ -95,6 +95,12 @@ class Hardware:
     """Attention time of FlashAttention-2-class kernels relative to the fitted curve (cuDNN/FA3-class):
     on Hopper FA2 reaches ~35% of the matrix peak (FlashAttention-3 paper, arXiv 2407.08608) where
     our H200 fit reaches 65%; on Ampere FA2 is what the curve already is."""
+    sustained_clock: float = 1.0
+    """Share of the curves' matmul and attention rate the GPU holds through a training run.
+    The curves come from short kernel benchmarks (our H200 grid, published MAMF sweeps) that run
+    at boost clock; minutes of every SM doing tensor work drive the part to its power limit and the
+    clock settles lower. `predict` (a whole step) applies it; per-kernel prices (`gemm_ms`, the
+    planner, the Flux/async-TP checks) do not. See SUSTAINED_CLOCK for the values and their basis."""
     host_us_per_op: float = HOST_US_PER_OP
     """Host time to dispatch one framework op (PyTorch eager, autograd included), microseconds:
     the GPU waits when a layer's kernels are shorter than their dispatch."""
@@ -106,6 +112,8 @@ class Hardware:
         for f in ("bf16_tflops", "fp32_tflops", "hbm_gbps", "hbm_gib"):
             v.positive(o, f, getattr(self, f))
         v.positive(o, "host_us_per_op", self.host_us_per_op, allow_zero=True)
+        if not 0.3 <= self.sustained_clock <= 1.0:
+            raise v.ConfigError(f"{o}.sustained_clock={self.sustained_clock!r}: must be in [0.3, 1]")
         if not 1.0 <= self.flash2_slowdown <= 5.0:
             raise v.ConfigError(f"{o}.flash2_slowdown={self.flash2_slowdown!r}: must be in [1, 5]")
         v.positive(o, "fp8_tflops", self.fp8_tflops, allow_zero=True)
@@ -131,6 +139,10 @@ class Hardware:
         """Causal attention (forward, backward) milliseconds for heads on this GPU."""
         args = (batch, heads, seq, head_dim, self.peak_tflops(dtype), self.sm_count)
         return self.attention.forward_ms(*args), self.attention.backward_ms(*args)
+
+    def for_training(self) -> "Hardware":
+        """This GPU with its matmul and attention rates at the clock it sustains through a training run."""
+        return self if self.sustained_clock == 1.0 else _at_sustained_clock(self)
 
     def comm_slowdown(self, transport: str) -> float:
         """GEMM slowdown beside a transfer of this transport ('nccl', 'p2p' or 'symm_mem')."""
@@ -162,6 +174,15 @@ class Hardware:
         d["attention"] = v.from_dict(AttentionCurve, d["attention"], "hardware.attention")
         d["memory"] = v.from_dict(MemoryCurve, d["memory"], "hardware.memory")
         return v.from_dict(cls, d, "hardware")
+
+
+@lru_cache(maxsize=64)
+def _at_sustained_clock(hw: Hardware) -> Hardware:
+    """`hw` with its curves' matmul and attention shares scaled by its sustained clock (cached: the
+    planner prices the same shapes again on every prediction)."""
+    c = hw.sustained_clock
+    return replace(hw, sustained_clock=1.0, gemm=replace(hw.gemm, peak_fraction=hw.gemm.peak_fraction * c),
+                   attention=replace(hw.attention, peak_fraction=hw.attention.peak_fraction * c))
 
 
 # -- presets -----------------------------------------------------------------------------------
@@ -205,8 +226,20 @@ benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md), which are not among the p
 model is checked against (benchmarks/model_vs_published.py prints both: +5.9%, -7.7%). About a
 1.3 GHz sustained tensor clock against 1.83; a cube-root power law alone would give 0.87."""
 
+SUSTAINED_CLOCK = {"h100-sxm": 0.815, "a100-sxm-80g": 0.85}
+"""Hardware.sustained_clock of the 700 W H100 SXM (also H800, the same part) and the 400 W A100 SXM
+(also A800). A global calibration, one number per GPU: the least-squares value (log step-time
+error) over every row of that GPU among the 30 published steps (benchmarks/model_vs_published.py
+`--fit-clock` recomputes it: H100 0.8147 over 13 rows, A100 0.8494 over 13). Physically a settled
+tensor clock of ~1.49 GHz against the 1.83 GHz the dense peak is quoted at (H100), ~1.2 of 1.41 GHz
+(A100); a stably power-capped H200 NVL was seen settling at 1635 of 1980 MHz (0.83) under a
+sustained GEMM burn (reanimator/bee, benchmark-clock-calibration.md). Sanity check: Megatron's
+README reports 47% MFU for its compute-bound 96-GPU GPT-3 run, 61% without this factor, 50% with it.
+H200 keeps 1.0: its curves and every H200 row we check are short runs of our own."""
 
-def _derived(name: str, hbm_gbps: float, mamf: float, clock: float = 1.0, **published) -> Hardware:
+
+def _derived(name: str, hbm_gbps: float, mamf: float, clock: float = 1.0, sustained: float = 1.0,
+             **published) -> Hardware:
     """A GPU from published figures and its MAMF efficiency on H200's measured curve (see above)."""
     h200 = preset("h200-sxm")
     ratio = hbm_gbps / h200.hbm_gbps
@@ -218,7 +251,7 @@ def _derived(name: str, hbm_gbps: float, mamf: float, clock: float = 1.0, **publ
     hopper = published.get("fp8_tflops", 0) > 0
     slow = max(1.0, h200.attention.peak_fraction / FA2_HOPPER_FRACTION) if hopper else 1.0
     return Hardware(name=name, hbm_gbps=hbm_gbps, gemm=gemm, attention=attention, memory=memory,
-                    flash2_slowdown=slow, **published)
+                    flash2_slowdown=slow, sustained_clock=sustained, **published)
 
 
 @lru_cache(maxsize=None)
@@ -248,7 +281,8 @@ def preset(name: str) -> Hardware:
     a100 = ("A100 SXM 80GB: published figures; GEMM curve = H200's fitted roofline at A100's MAMF efficiency "
             "(267.9/312, ml-engineering) and HBM2e bandwidth, without H200's measured table")
     if name == "h100-sxm":
-        return _derived(name, 3350.0, MAMF_EFFICIENCY["h100-sxm"], intra=_NVLINK4, source=h100, **hopper)
+        return _derived(name, 3350.0, MAMF_EFFICIENCY["h100-sxm"], sustained=SUSTAINED_CLOCK["h100-sxm"],
+                        intra=_NVLINK4, source=h100, **hopper)
     if name == "h100-sxm-500w":
         # Grand Teton H100 as in torchtitan's benchmarks (benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md):
         # 96 GB HBM2e at 2.4 TB/s, the default 500 W power limit, NVLink 4, 400 Gb/s RDMA per GPU.
@@ -257,12 +291,15 @@ def preset(name: str) -> Hardware:
         return _derived(name, 2400.0, MAMF_EFFICIENCY["h100-sxm"], POWER_LIMIT_CLOCK, intra=_NVLINK4,
                         source=src, **{**hopper, "hbm_gib": 96 * 1e9 / 2**30})
     if name == "h800-sxm":
-        return _derived(name, 3350.0, MAMF_EFFICIENCY["h100-sxm"], intra=_NVLINK4_EXPORT,
+        return _derived(name, 3350.0, MAMF_EFFICIENCY["h100-sxm"], sustained=SUSTAINED_CLOCK["h100-sxm"],
+                        intra=_NVLINK4_EXPORT,
                         source=h100.replace("H100 SXM 700 W", "H800 SXM (H100 with NVLink cut)"), **hopper)
     if name == "a100-sxm-80g":
-        return _derived(name, 2039.0, MAMF_EFFICIENCY["a100-sxm-80g"], intra=_NVLINK3, source=a100, **ampere)
+        return _derived(name, 2039.0, MAMF_EFFICIENCY["a100-sxm-80g"], sustained=SUSTAINED_CLOCK["a100-sxm-80g"],
+                        intra=_NVLINK3, source=a100, **ampere)
     if name == "a800-sxm-80g":
-        return _derived(name, 2039.0, MAMF_EFFICIENCY["a100-sxm-80g"], intra=_NVLINK3_EXPORT,
+        return _derived(name, 2039.0, MAMF_EFFICIENCY["a100-sxm-80g"], sustained=SUSTAINED_CLOCK["a100-sxm-80g"],
+                        intra=_NVLINK3_EXPORT,
                         source=a100.replace("A100 SXM 80GB", "A800 SXM 80GB (A100 with NVLink cut)"), **ampere)
     raise v.ConfigError(f"hardware={name!r}: unknown preset; known: {', '.join(PRESETS)} "
                         f"(or a path to a JSON file)")

@@ -204,6 +204,7 @@ def predict(model: ModelConfig, par: ParallelConfig, hw: Hardware, coll: Collect
     from .memory import estimate
 
     validate(model, par, hw.gpus_per_node, hw.name, gpus)
+    hw = hw.for_training()
     coll = coll or Collectives(hw)
     ctx = Ctx(model, par, hw, coll)
     layer_f, layer_b = layer(ctx, Block)
@@ -313,6 +314,25 @@ def _reduction_exposed(ctx: Ctx, grad_bytes: float, hide_ms: float, notes: list 
     return total, exposed
 
 
+def _chunked_reduction_exposed(ctx: Ctx, grad_bytes: float, stage_bwd_ms: float) -> tuple[float, float]:
+    """(comm, exposed) of an interleaved stage's reduction, one model chunk at a time.
+
+    Megatron enables the gradient sync of each model chunk at its own last backward. In the
+    interleaved cool-down the last backwards run chunk by chunk, vpp-1 first and chunk 0 last,
+    each chunk's pp micro-batches apart: chunk c's gradients are complete c·pp chunk-backwards
+    before the stage's end, and its buckets reduce while the later chunks still compute. One
+    comm stream carries the chunks in that order; exposed is what runs past the stage's end."""
+    par = ctx.par
+    chunk_bwd = stage_bwd_ms / par.vpp
+    comm_total, stream_free = 0.0, -math.inf
+    for c in range(par.vpp - 1, -1, -1):
+        start = -(c * par.pp + 1) * chunk_bwd  # the chunk's last backward begins (0 = the stage's end)
+        comm, exposed = _reduction_exposed(ctx, grad_bytes / par.vpp, chunk_bwd, None)
+        comm_total += comm
+        stream_free = max(start + chunk_bwd + exposed, stream_free + comm)
+    return comm_total, max(0.0, stream_free)
+
+
 def _data_parallel(ctx: Ctx, step: Block, params: list, stages: list, slowest: int, layer_f: Block,
                    layer_b: Block, per_stage: int, notes: list) -> dict:
     """Gradient reduction, ZeRO gathers: bucketed behind backward, prefetched before forward."""
@@ -328,7 +348,10 @@ def _data_parallel(ctx: Ctx, step: Block, params: list, stages: list, slowest: i
     worst, total = 0.0, 0.0
     for i in sorted(candidates):
         bwd = stages[i][1].wall_ms
-        comm, exposed = _reduction_exposed(ctx, params[i] * par.grad_bytes, bwd, notes if i == slowest else None)
+        if par.vpp > 1 and par.overlap.dp != "none":
+            comm, exposed = _chunked_reduction_exposed(ctx, params[i] * par.grad_bytes, bwd)
+        else:
+            comm, exposed = _reduction_exposed(ctx, params[i] * par.grad_bytes, bwd, notes if i == slowest else None)
         if i == slowest:
             total = comm
         slack = sum(stages[j][1].wall_ms for j in range(i)) if par.dp_in_drain else 0.0
