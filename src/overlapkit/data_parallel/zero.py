@@ -33,9 +33,10 @@ from .. import comm
 from ..groups import resolve_group
 from .agree import raise_if_any
 from .ddp import DataParallel, DataParallelConfig, GradSync
+from .zero_checkpoint import PerParameterCheckpoint
 
 
-class ShardedOptimizer:
+class ShardedOptimizer(PerParameterCheckpoint):
     """Steps `optimizer_cls(**opt_kwargs)` on this rank's shard of the parameters of a DataParallel.
 
     Pass the DataParallel (its group must be `dp_group`) for overlap_param_gather, which hooks
@@ -72,10 +73,17 @@ class ShardedOptimizer:
                 view.copy_(p)
                 p.data = view
         self._ranges = [b.shard(self.rank, self.world) for b in buf.buckets]
+        # fp32 parameters are their own master: a write into them (a model load_state_dict, an
+        # in-place DCP load) is what the next step starts from. Other dtypes keep an fp32 copy.
+        self._own_master = buf.dtype != torch.float32
         self.master = [nn.Parameter(torch.empty(hi - lo, dtype=torch.float32, device=buf.device)
-                                    .copy_(self._param_data[lo:hi])) for lo, hi in self._ranges]
+                                    .copy_(self._param_data[lo:hi]) if self._own_master
+                                    else self._param_data[lo:hi]) for lo, hi in self._ranges]
         self.optimizer = optimizer_cls(self.master, **opt_kwargs)
-        self._gather_src = [torch.empty(hi - lo, dtype=buf.dtype, device=buf.device) for lo, hi in self._ranges]
+        # What the last gather sent; a parameter shard that differs from it was written since.
+        self._gather_src = [self._param_data[lo:hi].clone() for lo, hi in self._ranges]
+        self._module = module
+        self._checkpoint_layout: dict | None = None
         self._gathers: dict[int, comm.Handle] = {}
         self._hooks = []
         if module is not None:
@@ -100,6 +108,8 @@ class ShardedOptimizer:
     def step(self) -> None:
         """Step the master shards with the reduced gradient shards, then gather the parameters."""
         self.finish_param_gather()
+        if self._own_master:
+            self._refresh_written_masters()
         for m, g in zip(self.master, self._grad_shards):
             m.grad = g if g.dtype == torch.float32 else g.float()
         self.optimizer.step()
@@ -142,6 +152,14 @@ class ShardedOptimizer:
         """Zero the gradient buffer in place (the `.grad` views stay; set_to_none is ignored on purpose)."""
         self.sync.buffer.zero_()
 
+    @torch.no_grad()
+    def _refresh_written_masters(self) -> None:
+        # Parameters written since the last gather (a model load, an in-place DCP load) win over
+        # the fp32 master, which would otherwise put the old weights back at this step.
+        for m, src, (lo, hi) in zip(self.master, self._gather_src, self._ranges):
+            if not torch.equal(self._param_data[lo:hi], src):
+                m.copy_(self._param_data[lo:hi])
+
     def _start_param_gather(self) -> None:
         buf = self.sync.buffer
         for b in reversed(range(len(buf.buckets))):  # forward order: the first layers are needed first
@@ -166,7 +184,12 @@ class ShardedOptimizer:
 
     # -- checkpoint --------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        """This rank's shard: master values and optimizer state, with the layout they belong to."""
+        """This rank's shard: master values and optimizer state, with the layout they belong to.
+
+        For `torch.save` per rank and a reload at the same world size. Not for
+        torch.distributed.checkpoint, which would take its plain tensors for replicated ones
+        (`load_state_dict` then refuses the result on every rank): use `checkpoint_state_dict`.
+        """
         self.finish_param_gather()
         return {"world_size": self.world, "rank": self.rank,
                 "shard_numels": [hi - lo for lo, hi in self._ranges],
