@@ -46,7 +46,15 @@ def _tp_cases():
     for name, kw in (("foreach", {"foreach": True}), ("fused", {"fused": True})):
         got = _train(kw, grouped=True)
         out[name] = max((a - b).abs().max().item() for a, b in zip(got, reference))
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
     model = _tp_model()
+    opt = torch.optim.AdamW(optim_param_groups(model), lr=0.1, foreach=True)
+    model(torch.randn(2, 8)).sum().backward()
+    opt.step()
+    # the optimizer state of a TP weight is a DTensor like the weight, so DCP reshards it
+    osd = get_optimizer_state_dict(model, opt)["state"]
+    out["state kinds"] = {k: str(getattr(osd[k]["exp_avg"], "placements", "plain")) for k in ("0.weight", "1.weight")}
     groups = optim_param_groups(model, lr=0.1)
     out["group kinds"] = [(type(g["params"][0]).__name__, len(g["params"]), g["lr"]) for g in groups]
     a = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
@@ -66,6 +74,7 @@ def test_foreach_and_fused_over_a_tp_model():
         # LayerNorm (2 plain) first, then the 4 DTensors of the TP layers on one mesh
         assert r["group kinds"] == [("Parameter", 2, 0.1), ("DTensor", 4, 0.1)], r
         assert r["two meshes"] == [[0, 2], [1]], r
+        assert r["state kinds"] == {"0.weight": "plain", "1.weight": "(Shard(dim=0),)"}, r
 
 
 def test_options_and_order_are_kept():
