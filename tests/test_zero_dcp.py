@@ -1,7 +1,7 @@
 """ShardedOptimizer under torch.distributed.checkpoint: its per-parameter state saved at dp=2 loads
 bit-equal at dp=2 (and the next steps equal a never-checkpointed run), at dp=3, and into a plain
 single-process torch optimizer; a plain torch optimizer's checkpoint loads into it; with TP layers
-(dp=2 x tp=2) too. The old per-rank state_dict() through DCP fails loudly, never loads wrong."""
+(saved at dp=2 x tp=2; loaded there, at dp=4 and at tp=4) too. The old per-rank state_dict() through DCP fails loudly, never loads wrong."""
 
 import functools
 import tempfile
@@ -25,7 +25,7 @@ BUCKETS = dict(first_bucket_mb=100 / 2**20, bucket_mb=400 / 2**20)
 
 def _mlp(seed: int = 0) -> nn.Sequential:
     torch.manual_seed(seed)
-    return nn.Sequential(nn.LayerNorm(6), nn.Linear(6, 10), nn.GELU(), nn.Linear(10, 5))
+    return nn.Sequential(nn.LayerNorm(6), nn.Linear(6, 12), nn.GELU(), nn.Linear(12, 5))
 
 
 def _tp_mlp(groups, seed: int = 0) -> nn.Sequential:
@@ -138,7 +138,7 @@ def _dp3(root, group, rank):
 
 
 def _tp(root, rank):
-    """dp=2 x tp=2: TP states are DTensors on the TP mesh; reload there, then at dp=4 without TP."""
+    """dp=2 x tp=2: TP states are DTensors on the TP mesh; reload there, at dp=4 without TP, at tp=4."""
     import torch.distributed.checkpoint as dcp
 
     from overlapkit.groups import ParallelGroups
@@ -166,6 +166,11 @@ def _tp(root, rank):
     m4, opt4 = _sharded(lambda: _mlp(seed=9), dist.group.WORLD)  # dp=4, no TP
     _load(m4, opt4, f"{root}/tp", dist.group.WORLD)
     out["dp4 state"] = _full_state(opt4.checkpoint_state_dict())
+    tp4 = ParallelGroups.build(tp=4, dp=1)
+    m4 = DataParallel(_tp_mlp(tp4, 9), tp4, **BUCKETS)
+    opt4 = ShardedOptimizer(m4, torch.optim.AdamW, tp4, **KW)
+    _load(m4, opt4, f"{root}/tp")
+    out["tp4 state"] = _full_state(opt4.checkpoint_state_dict())
     return out
 
 
@@ -259,6 +264,7 @@ def test_with_tp_layers():
         assert r["placements"] == {"1.weight": "(Shard(dim=0),)", "3.weight": "(Shard(dim=1),)",
                                    "0.weight": "(Shard(dim=0),)"}, r  # 0 (LayerNorm): Shard(0) on dp
         assert _same_state(r["state"], res["tp"][0]["state"]) and _same_state(r["dp4 state"], r["state"])
+        assert _same_state(r["tp4 state"], r["state"])
     assert _same_state(res["torch state from tp"], res["tp"][0]["state"])
     for k, v in res["tp"][0]["params"].items():
         assert torch.equal(res["torch params from tp"][k], v), k
@@ -294,3 +300,11 @@ def test_world_of_one_bf16_masters_and_a_model_loaded_after_the_optimizer():
         _train(m2, opt2, range(2, 3), inputs=lambda t: t.to(dtype))
         for k, v in m2.module.state_dict().items():
             assert torch.equal(v, other[k]), (dtype, k)
+    # built from parameters, not a DataParallel: named params[i]
+    model = _mlp()
+    opt = ShardedOptimizer(model.parameters(), torch.optim.AdamW, None, overlap_param_gather=False, **KW)
+    _train(model, opt, range(1))
+    osd = opt.checkpoint_state_dict()
+    assert osd["param_groups"][0]["params"] == [f"params[{i}]" for i in range(6)]
+    assert osd["state"]["params[2]"]["exp_avg"].shape == (12, 6)
+    torch.testing.assert_close(osd["state"]["params[2]"]["exp_avg"], (1 - 0.9) * model[1].weight.grad)
