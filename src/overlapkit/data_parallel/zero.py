@@ -3,9 +3,9 @@ all-gather after the step overlaps the next forward.
 
 Backward reduce-scatters each bucket as soon as it is full (the data-parallel engine in shard
 mode), so every rank receives only its shard of each bucket, already averaged. A rank keeps
-fp32 master values and optimizer state for its shards only, and steps them. The updated
-shards are all-gathered back into the parameters bucket by bucket, launched right after
-`step()` in forward order (the first layers' bucket first); each module's forward pre-hook
+fp32 master values (fp32 parameters are their own) and optimizer state for its shards only, and
+steps them. The updated shards are all-gathered back into the parameters bucket by bucket,
+launched right after `step()` in forward order (the first layers' bucket first); each module's forward pre-hook
 waits only for the buckets that hold its own parameters, so the later layers' parameters
 arrive while the earlier layers compute (Megatron's overlap_param_gather). With
 `overlap_param_gather=False`, `step()` waits for every gather itself: the sequential reference.
@@ -44,6 +44,8 @@ class ShardedOptimizer(PerParameterCheckpoint):
     their gradients are reduce-scattered in backward the same way.
     Caveat of overlap_param_gather: a parameter must be used first by the module that owns it
     (a module that borrows another's weight before the owner runs would not wait for it).
+    Checkpoints: `state_dict()` per rank (torch.save, same world size), or
+    `checkpoint_state_dict()` per parameter for torch.distributed.checkpoint (any size).
     """
 
     def __init__(self, params_or_dp: DataParallel | Iterable[nn.Parameter], optimizer_cls, dp_group, *,
