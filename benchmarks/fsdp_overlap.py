@@ -4,8 +4,13 @@ fully_shard (FSDP2 underneath) at prefetch 0, 1, 2 and auto, overlapkit's Sharde
 forward) and PyTorch DDP, on the same GPT.
 
 Variants take turns step by step (the order rotates every round) so that load that comes and
-goes hits them alike; a step's time is the slowest rank's; the table gives medians and, for
-auto, the per-round ratio to the best fixed depth and to FSDP2's defaults (target: <= 1).
+goes hits them alike; a step's time is the slowest rank's; the table gives medians with their
+middle half (p25-p75) and, for auto, the per-round ratio to the best fixed depth and to FSDP2's
+defaults (target: <= 1). The same ratio of auto to the fixed depth it chose (an identical
+configuration) is the noise floor: a miss whose middle half reaches 1 is "within noise".
+auto first finishes its probe and trials (it steps alone after the warm-up rounds until it has
+decided), so every timed round runs its final depth. `--budget-s` bounds the timed rounds: the
+warm-up's round time sets how many of `--steps` fit.
 Exposed gather / reduce-scatter come from the timeline recorder in separate recorded steps
 (overlapkit's variants only: FSDP2 and DDP issue their collectives outside overlapkit).
 Memory: on CUDA the peak allocated during one step of each variant alone; on CPU the bytes of
@@ -14,6 +19,7 @@ gathered parameters that the prefetch depth holds ahead. The cost model's predic
 depth (`costmodel.fsdp.prefetch_wall_ms` from auto's probe) sits beside the measurement.
 
     python benchmarks/fsdp_overlap.py --world 4 --threads 2        # CPU, gloo
+    python benchmarks/fsdp_overlap.py --world 8 --threads 2 --budget-s 120 --variants fsdp2,0,1,2,auto
     python benchmarks/fsdp_overlap.py --device cuda                # NCCL, one rank per GPU (needs >= 2)
 
 Writes benchmarks/results/fsdp_overlap_<device>_ws<N>.json and .md.
@@ -47,8 +53,13 @@ PRESETS = {
                  batch=4),
 }
 FIXED = ("overlapkit prefetch=0", "overlapkit prefetch=1", "overlapkit prefetch=2")
-VARIANTS = ("FSDP2 defaults", *FIXED, "overlapkit prefetch=auto", "ShardedOptimizer (ZeRO-2)", "torch DDP")
-RECORDED = (*FIXED, "overlapkit prefetch=auto", "ShardedOptimizer (ZeRO-2)")
+AUTO = "overlapkit prefetch=auto"
+VARIANTS = ("FSDP2 defaults", *FIXED, AUTO, "ShardedOptimizer (ZeRO-2)", "torch DDP")
+RECORDED = (*FIXED, AUTO, "ShardedOptimizer (ZeRO-2)")
+SHORT = dict(zip(("fsdp2", "0", "1", "2", "auto", "zero2", "ddp"), VARIANTS))
+"""--variants names: fsdp2, 0, 1, 2, auto, zero2, ddp (auto and fsdp2 are always run: the targets compare them)."""
+MAX_DECIDE_STEPS = 30
+"""auto steps alone after the warm-up at most this often to finish its probe and trials."""
 MIB = 2**20
 
 
@@ -64,7 +75,10 @@ def _state_bytes(model, opt) -> int:
     return sum(seen.values())
 
 
-def _rank_body(device_type: str, preset: dict, steps: int, warmup: int, recorded: int, threads: int) -> dict:
+def _rank_body(device_type: str, preset: dict, steps: int, warmup: int, recorded: int, threads: int,
+               variants: tuple[str, ...], budget_s: float) -> dict:
+    from overlapkit.launch import progress
+
     torch.set_num_threads(threads)
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device(device_type, rank) if device_type == "cuda" else torch.device("cpu")
@@ -83,13 +97,17 @@ def _rank_body(device_type: str, preset: dict, steps: int, warmup: int, recorded
     for b in plain.blocks:
         torch_fully_shard(b, mesh=mesh)
     models["FSDP2 defaults"] = torch_fully_shard(plain, mesh=mesh)
-    for name, depth in zip((*FIXED, "overlapkit prefetch=auto"), (0, 1, 2, "auto")):
-        models[name] = fully_shard(fresh(), mesh, prefetch=depth)
-    dp = DataParallel(fresh(), group)
-    models["ShardedOptimizer (ZeRO-2)"] = dp
-    opts["ShardedOptimizer (ZeRO-2)"] = ShardedOptimizer(dp, torch.optim.AdamW, group, lr=1e-4)
-    models["torch DDP"] = DistributedDataParallel(fresh(), process_group=group,
-                                                  device_ids=[device.index] if device.type == "cuda" else None)
+    for name, depth in zip((*FIXED, AUTO), (0, 1, 2, "auto")):
+        if name in variants:
+            models[name] = fully_shard(fresh(), mesh, prefetch=depth)
+    dp = None
+    if "ShardedOptimizer (ZeRO-2)" in variants:
+        dp = DataParallel(fresh(), group)
+        models["ShardedOptimizer (ZeRO-2)"] = dp
+        opts["ShardedOptimizer (ZeRO-2)"] = ShardedOptimizer(dp, torch.optim.AdamW, group, lr=1e-4)
+    if "torch DDP" in variants:
+        models["torch DDP"] = DistributedDataParallel(fresh(), process_group=group,
+                                                      device_ids=[device.index] if device.type == "cuda" else None)
     for k, m in models.items():
         opts.setdefault(k, torch.optim.AdamW(m.parameters(), lr=1e-4))
     g = torch.Generator().manual_seed(1 + rank)
@@ -105,10 +123,24 @@ def _rank_body(device_type: str, preset: dict, steps: int, warmup: int, recorded
         loss.backward()
         opts[name].step()
 
-    times = time_variants(step, list(VARIANTS), steps, warmup, device)
+    t0 = time.perf_counter()
+    time_variants(step, list(variants), 0, warmup, device)
+    per_round = torch.tensor([(time.perf_counter() - t0) / warmup], dtype=torch.float64)
+    dist.all_reduce(per_round, op=dist.ReduceOp.MAX)
+    decide_steps = 0
+    while not prefetch_plan(models[AUTO]).decided:  # decisions are collective: every rank leaves together
+        if decide_steps == MAX_DECIDE_STEPS:
+            raise RuntimeError(f"auto did not decide within {MAX_DECIDE_STEPS} steps: {prefetch_plan(models[AUTO]).reason}")
+        step(AUTO)
+        decide_steps += 1
+    rounds = max(5, min(steps, int(budget_s / per_round.item())))
+    if rank == 0:
+        progress(f"warm-up {warmup} rounds at {per_round.item():.2f} s a round, auto decided after {decide_steps} "
+                 f"more steps; timing {rounds} rounds")
+    times = time_variants(step, list(variants), rounds, 0, device)
 
     memory = {}
-    for name in VARIANTS:
+    for name in variants:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
             torch.cuda.reset_peak_memory_stats(device)
@@ -117,8 +149,9 @@ def _rank_body(device_type: str, preset: dict, steps: int, warmup: int, recorded
         else:
             memory[name] = _state_bytes(models[name], opts[name]) / MIB
 
-    rec_rows: dict[str, list] = {k: [] for k in RECORDED}
-    for name in RECORDED:
+    recorded_variants = [k for k in RECORDED if k in variants]
+    rec_rows: dict[str, list] = {k: [] for k in recorded_variants}
+    for name in recorded_variants:
         for _ in range(recorded):
             line_up(device)
             with record(device=device) as rec:
@@ -132,18 +165,21 @@ def _rank_body(device_type: str, preset: dict, steps: int, warmup: int, recorded
                 exposed_gather_ms=measure(gathers + compute).exposed_comm_ms,
                 exposed_reduce_ms=measure(reduces + compute).exposed_comm_ms,
                 layers=[vars(r) for r in layer_report(rec.spans)] if name != "ShardedOptimizer (ZeRO-2)" else []))
-    for _ in range(50):
-        dp.check_layout()
-    t0 = time.perf_counter()
-    for _ in range(1000):
-        dp.check_layout()  # DataParallel's per-forward check that no parameter was re-typed or moved
-    check_us = (time.perf_counter() - t0) * 1e3
+    check_us = None
+    if dp is not None:
+        for _ in range(50):
+            dp.check_layout()
+        t0 = time.perf_counter()
+        for _ in range(1000):
+            dp.check_layout()  # DataParallel's per-forward check that no parameter was re-typed or moved
+        check_us = (time.perf_counter() - t0) * 1e3
     plans = {}
-    for name in (*FIXED, "overlapkit prefetch=auto"):
+    for name in [k for k in (*FIXED, AUTO) if k in variants]:
         plan = prefetch_plan(models[name])
         plans[name] = dict(vars(plan), held_ahead_mb=plan.prefetch_bytes / MIB)
     return dict(times=times, memory=memory, recorded=rec_rows, plans=plans, check_layout_us=check_us,
-                params=sum(p.numel() for p in fresh().parameters()))
+                params=sum(p.numel() for p in fresh().parameters()), rounds=rounds, decide_steps=decide_steps,
+                warmup_round_s=per_round.item())
 
 
 def _median(xs):
@@ -157,39 +193,57 @@ def _iqr(xs):
 
 
 def summarize(per_rank: list[dict]) -> dict:
-    n = len(per_rank[0]["times"][VARIANTS[0]])
-    steps = {k: [max(r["times"][k][i] for r in per_rank) for i in range(n)] for k in VARIANTS}
+    variants = list(per_rank[0]["times"])
+    n = len(per_rank[0]["times"][variants[0]])
+    steps = {k: [max(r["times"][k][i] for r in per_rank) for i in range(n)] for k in variants}
     rows = {}
-    for k in VARIANTS:
+    for k in variants:
         recs = [t for r in per_rank for t in r["recorded"].get(k, [])]
-        rows[k] = dict(step_ms=_median(steps[k]), vs_fsdp2=_median([a / b for a, b in zip(steps[k], steps["FSDP2 defaults"])]),
+        rows[k] = dict(step_ms=_median(steps[k]), step_iqr_ms=_iqr(steps[k]),
+                       vs_fsdp2=_median([a / b for a, b in zip(steps[k], steps["FSDP2 defaults"])]),
                        memory_mb=max(r["memory"][k] for r in per_rank),
                        held_ahead_mb=(per_rank[0]["plans"][k]["held_ahead_mb"] if k in per_rank[0]["plans"] else None),
                        **{key: _median([t[key] for t in recs]) for key in
                           ("comm_ms", "exposed_ms", "exposed_gather_ms", "exposed_reduce_ms", "overlap_pct")})
-    # The fixed depth with the best median, round by round (the per-round minimum of three noisy
-    # depths would be biased low, and make even an identical configuration look slower).
-    fastest_fixed = min(FIXED, key=lambda k: rows[k]["step_ms"])
-    best_fixed = steps[fastest_fixed]
-    auto = steps["overlapkit prefetch=auto"]
-    plan = per_rank[0]["plans"]["overlapkit prefetch=auto"]
+    plan = per_rank[0]["plans"][AUTO]
     probe, blocks = plan["probe"], len(plan["units"])
-    predicted = {}
     if probe:
         for d in (0, 1, 2):
             f = prefetch_wall_ms(probe["forward_compute_ms_per_block"], probe["forward_gather_ms"], d, num_layers=blocks)
             b = prefetch_wall_ms(probe["backward_compute_ms_per_block"], probe["backward_gather_ms"], d,
                                  num_layers=blocks, reduce_ms=probe["reduce_scatter_ms"])
-            predicted[f"overlapkit prefetch={d}"] = f + b
-    for k, v in predicted.items():
-        rows[k]["predicted_blocks_ms"] = v
-    ratio_best = [a / b for a, b in zip(auto, best_fixed)]
-    ratio_fsdp = [a / b for a, b in zip(auto, steps["FSDP2 defaults"])]
-    return dict(rows=rows, check_layout_us=_median([r["check_layout_us"] for r in per_rank]), auto=dict(
-        depths=(plan["forward_depth"], plan["backward_depth"]), reason=plan["reason"], probe=probe,
-        vs_best_fixed=_median(ratio_best), vs_best_fixed_iqr=_iqr(ratio_best),
-        vs_fsdp2=_median(ratio_fsdp), vs_fsdp2_iqr=_iqr(ratio_fsdp), fastest_fixed=fastest_fixed,
-        layers=per_rank[0]["recorded"]["overlapkit prefetch=auto"][-1]["layers"]))
+            if f"overlapkit prefetch={d}" in rows:
+                rows[f"overlapkit prefetch={d}"]["predicted_blocks_ms"] = f + b
+    auto = steps[AUTO]
+
+    def ratio(other: str | None) -> dict | None:
+        if other is None:
+            return None
+        r = [a / b for a, b in zip(auto, steps[other])]
+        return dict(to=other, median=_median(r), iqr=_iqr(r))
+
+    # The fixed depth with the best median, round by round (the per-round minimum of three noisy
+    # depths would be biased low, and make even an identical configuration look slower).
+    fixed = [k for k in FIXED if k in variants]
+    fastest_fixed = min(fixed, key=lambda k: rows[k]["step_ms"]) if fixed else None
+    depths = (plan["forward_depth"], plan["backward_depth"])
+    same = f"overlapkit prefetch={depths[0]}" if depths[0] == depths[1] and f"overlapkit prefetch={depths[0]}" in fixed \
+        else None
+    return dict(rows=rows, rounds=per_rank[0]["rounds"], decide_steps=per_rank[0]["decide_steps"],
+                warmup_round_s=per_rank[0]["warmup_round_s"],
+                check_layout_us=_median([r["check_layout_us"] for r in per_rank]), auto=dict(
+                    depths=depths, reason=plan["reason"], probe=probe, measured=plan.get("measured", {}),
+                    vs_best_fixed=ratio(fastest_fixed), vs_fsdp2=ratio("FSDP2 defaults"), vs_same_depth=ratio(same),
+                    layers=per_rank[0]["recorded"][AUTO][-1]["layers"] if per_rank[0]["recorded"].get(AUTO) else []))
+
+
+def verdict(r: dict | None) -> str:
+    """met (median <= 1), within noise (a miss whose middle half of per-round ratios reaches 1), or MISSED."""
+    if r is None or r["median"] is None:
+        return "not run"
+    if r["median"] <= 1.0:
+        return "met"
+    return "within noise" if r["iqr"][0] <= 1.0 else "MISSED"
 
 
 def markdown(result: dict) -> str:
@@ -198,23 +252,34 @@ def markdown(result: dict) -> str:
         "state MiB (params + grads + optimizer)"
     head = (f"ZeRO-3 step time, {result['device']}, world size {result['world']}, {result['threads']} threads a rank, "
             f"torch {result['torch']}: GPT {result['params'] / 1e6:.1f} M parameters, "
-            f"{result['preset']['gpt']['num_layers']} blocks. Median of {result['steps']} steps (slowest rank); "
-            "exposed communication from the recorder (overlapkit variants).\n\n")
-    lines = [f"| variant | step ms | vs FSDP2 defaults | {mem} | gathered ahead MiB | comm ms | exposed ms | exposed gather ms "
-             "| exposed RS ms | model: blocks ms |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+            f"{result['preset']['gpt']['num_layers']} blocks. Median (and middle half, p25–p75) of {result['rounds']} "
+            f"rotating rounds (slowest rank; {result['warmup_round_s']:.2f} s a warm-up round, auto decided "
+            f"{result['decide_steps']} steps after the warm-up); exposed communication from the recorder "
+            "(overlapkit variants).\n\n")
+    lines = [f"| variant | step ms | p25–p75 ms | vs FSDP2 defaults | {mem} | gathered ahead MiB | comm ms | exposed ms "
+             "| exposed gather ms | exposed RS ms | model: blocks ms |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for k, r in result["rows"].items():
-        lines.append(f"| {k} | {r['step_ms']:.1f} | {r['vs_fsdp2']:.3f} | {r['memory_mb']:.1f} | {fmt(r['held_ahead_mb'], '.1f')} | "
-                     f"{fmt(r['comm_ms'], '.1f')} | {fmt(r['exposed_ms'], '.1f')} | {fmt(r['exposed_gather_ms'], '.1f')} | "
-                     f"{fmt(r['exposed_reduce_ms'], '.1f')} | {fmt(r.get('predicted_blocks_ms'), '.1f')} |")
+        iqr = "{:.1f}–{:.1f}".format(*r["step_iqr_ms"])
+        lines.append(f"| {k} | {r['step_ms']:.1f} | {iqr} | {r['vs_fsdp2']:.3f} | {r['memory_mb']:.1f} | "
+                     f"{fmt(r['held_ahead_mb'], '.1f')} | {fmt(r['comm_ms'], '.1f')} | {fmt(r['exposed_ms'], '.1f')} | "
+                     f"{fmt(r['exposed_gather_ms'], '.1f')} | {fmt(r['exposed_reduce_ms'], '.1f')} | "
+                     f"{fmt(r.get('predicted_blocks_ms'), '.1f')} |")
     a = result["auto"]
-    iqr = lambda v: "—" if v is None else "{:.3f} – {:.3f}".format(*v)  # noqa: E731
-    verdict = lambda v: "met" if v is not None and v <= 1.0 else "MISSED"  # noqa: E731
+
+    def said(what: str, r: dict | None, target: bool = True) -> str:
+        if r is None:
+            return ""
+        line = (f"auto vs {what} ({r['to']}), per round: median {r['median']:.3f} (middle half "
+                f"{r['iqr'][0]:.3f} – {r['iqr'][1]:.3f})")
+        return line + (f" — target <= 1: {verdict(r)}.\n" if target else ": the noise floor of this run.\n")
+
     tail = (f"\n\nauto chose forward/backward depth {a['depths'][0]}/{a['depths'][1]}: {a['reason']}.\n"
-            f"auto vs the fixed depth with the best median ({a['fastest_fixed']}), per round: median {a['vs_best_fixed']:.3f} (middle half "
-            f"{iqr(a['vs_best_fixed_iqr'])}) — target <= 1: {verdict(a['vs_best_fixed'])}.\nauto vs FSDP2 defaults: median {a['vs_fsdp2']:.3f} (middle half "
-            f"{iqr(a['vs_fsdp2_iqr'])}) — target <= 1: {verdict(a['vs_fsdp2'])}.\n\n"
-            "Per block under auto (rank 0, last recorded step):\n\n| block | gather fwd ms (exposed) | "
-            "gather bwd ms (exposed) | reduce-scatter ms (exposed) | hidden % |\n|---|---:|---:|---:|---:|\n")
+            + said("the fixed depth with the best median", a["vs_best_fixed"]) + said("FSDP2 defaults", a["vs_fsdp2"])
+            + said("the same fixed depth", a["vs_same_depth"], target=False))
+    if a["layers"]:
+        tail += ("\nPer block under auto (rank 0, last recorded step):\n\n| block | gather fwd ms (exposed) | "
+                 "gather bwd ms (exposed) | reduce-scatter ms (exposed) | hidden % |\n|---|---:|---:|---:|---:|\n")
     for L in a["layers"]:
         comm = L["forward_gather_ms"] + L["backward_gather_ms"] + L["reduce_scatter_ms"]
         exposed = L["forward_gather_exposed_ms"] + L["backward_gather_exposed_ms"] + L["reduce_scatter_exposed_ms"]
@@ -222,8 +287,9 @@ def markdown(result: dict) -> str:
                  f"{L['backward_gather_ms']:.2f} ({L['backward_gather_exposed_ms']:.2f}) | "
                  f"{L['reduce_scatter_ms']:.2f} ({L['reduce_scatter_exposed_ms']:.2f}) | "
                  f"{fmt(None if comm == 0 else 100 * (1 - exposed / comm), '.0f')} |\n")
-    tail += (f"\nDataParallel's per-forward layout check ({result['params'] / 1e6:.1f} M-parameter GPT): "
-             f"{result['check_layout_us']:.1f} µs a call (median over ranks of 1000 calls).\n")
+    if result["check_layout_us"] is not None:
+        tail += (f"\nDataParallel's per-forward layout check ({result['params'] / 1e6:.1f} M-parameter GPT): "
+                 f"{result['check_layout_us']:.1f} µs a call (median over ranks of 1000 calls).\n")
     return head + "\n".join(lines) + tail
 
 
@@ -231,9 +297,13 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_common_args(ap)
     ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
-    ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--warmup", type=int, default=3, help="untimed rounds (auto decides after its second step)")
+    ap.add_argument("--steps", type=int, default=20, help="timed rounds at most (see --budget-s)")
+    ap.add_argument("--warmup", type=int, default=2, help="untimed rounds of every variant before auto finishes deciding")
     ap.add_argument("--recorded", type=int, default=2, help="extra recorded steps per overlapkit variant")
+    ap.add_argument("--budget-s", type=float, default=120.0,
+                    help="seconds the timed rounds may take (the warm-up's round time sets how many; at least 5)")
+    ap.add_argument("--variants", default=",".join(SHORT),
+                    help=f"comma-separated subset of {','.join(SHORT)} (fsdp2 and auto always run)")
     ap.add_argument("--preset", choices=sorted(PRESETS), default=None, help="model size (default: the device's)")
     args = ap.parse_args(argv)
     world = world_size(args)
@@ -242,12 +312,17 @@ def main(argv: list[str] | None = None) -> int:
     if world < 2:
         print("fsdp_overlap needs --world >= 2 (nothing is sharded or gathered on one rank)", file=sys.stderr)
         return 2
-    if args.warmup < 3:
-        print("--warmup must be >= 3: auto measures its second step and decides at the third", file=sys.stderr)
+    asked = [v.strip() for v in args.variants.split(",") if v.strip()]
+    unknown = [v for v in asked if v not in SHORT]
+    if unknown or args.warmup < 1 or not args.budget_s > 0:
+        print(f"--variants {unknown} not among {list(SHORT)}" if unknown else "--warmup must be >= 1 and --budget-s > 0",
+              file=sys.stderr)
         return 2
+    variants = tuple(v for v in VARIANTS if v in {SHORT[a] for a in asked} | {"FSDP2 defaults", AUTO})
     preset = PRESETS[args.preset or args.device]
     per_rank = spawn(_rank_body, world, args.device, preset, args.steps, args.warmup, args.recorded, args.threads,
-                     backend=backend(args.device), timeout_s=900.0)
+                     variants, args.budget_s, backend=backend(args.device), timeout_s=900.0,
+                     on_message=lambda rank, text: print(f"[rank {rank}] {text}", file=sys.stderr, flush=True))
     result = dict(device=device_label(args.device), world=world, threads=args.threads, torch=torch.__version__,
                   preset=preset, steps=args.steps, params=per_rank[0]["params"], **summarize(per_rank))
     tag = f"_{args.preset}" if args.preset and args.preset != args.device else ""

@@ -22,7 +22,7 @@ from overlapkit.data_parallel import fully_shard, layer_report, prefetch_plan
 from overlapkit.timeline import record
 
 PER_RANK = 4
-STEPS = 4  # auto: warm-up, probe, then two steps at the chosen depth
+STEPS = 9  # auto: warm-up, probe, 2 rounds of timing up to 3 depths, then a step at the chosen one
 PREFETCH = (0, 1, 2, "auto")
 
 
@@ -91,6 +91,7 @@ def _equality_cases(rank: int, world: int, mesh, model_fn, x, y, sl) -> dict:
         plan = prefetch_plan(m)
         out[f"prefetch={p} depths"] = (plan.forward_depth, plan.backward_depth, plan.decided)
         out[f"prefetch={p} reason"] = plan.reason
+        out[f"prefetch={p} measured"] = plan.measured
     return out
 
 

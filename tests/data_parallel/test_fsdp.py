@@ -27,6 +27,14 @@ def test_fixed_depths_are_set_and_auto_decides_the_same_on_every_rank(world):
         assert decided and 0 <= fd <= 4 and 0 <= bd <= 4, r["prefetch=auto reason"]
         assert "forward depth" in r["prefetch=auto reason"] and "MiB" in r["prefetch=auto reason"]
     assert len({r["prefetch=auto depths"] for r in out}) == 1  # gathers must pair across ranks
+    measured = out[0]["prefetch=auto measured"]
+    assert all(r["prefetch=auto measured"] == measured for r in out)  # the slowest rank's times, everywhere
+    if measured:  # the model's pick was timed against its neighbours: the shallowest within 1 % of the fastest
+        fd, bd, _ = out[0]["prefetch=auto depths"]
+        best = min(measured.values())
+        assert measured[f"{fd}/{bd}"] <= 1.01 * best, (measured, fd, bd)
+        assert all(ms > 1.01 * best for key, ms in measured.items() if int(key.split("/")[0]) < fd), measured
+        assert "measured step" in out[0]["prefetch=auto reason"]
 
 
 @pytest.mark.parametrize("world", WORLDS)

@@ -42,18 +42,19 @@ def _batch(cfg: GPTConfig, rows: int, step: int):
             torch.randint(0, cfg.vocab_size, (rows, cfg.seq_len), generator=g))
 
 
-def _pp_case(groups: ParallelGroups, schedule: str, v: int, m: int, layers: int, prefetch) -> dict:
-    """Worst error over STEPS SGD steps of a pp=2 x dp=2 ZeRO-3 pipeline against one process."""
+def _pp_case(groups: ParallelGroups, schedule: str, v: int, m: int, layers: int, prefetch, trials: int = 0,
+             steps: int = STEPS) -> dict:
+    """Worst error over `steps` SGD steps of a pp=2 x dp=2 ZeRO-3 pipeline against one process."""
     ref = _gpt(layers)
     chunks, _ = gpt_chunks(copy.deepcopy(ref), groups.sizes.pp, groups.pp_rank, v)
-    chunks = [fully_shard(c, groups, prefetch=prefetch) for c in chunks]
+    chunks = [fully_shard(c, groups, prefetch=prefetch, trials=trials) for c in chunks]
     engine = PipelineEngine(chunks, groups.pp, PipelineConfig(schedule, m, v, broadcast_loss=True), lm_loss)
     opt = torch.optim.SGD([p for c in chunks for p in c.parameters()], lr=LR)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=LR)
     dp, d = groups.sizes.dp, groups.dp_rank
     ref_params = dict(ref.named_parameters())
     worst = {"loss": 0.0, "grad": 0.0, "param": 0.0}
-    for step in range(STEPS):
+    for step in range(steps):
         idx, tgt = _batch(ref.cfg, dp * m, step)
         ref_opt.zero_grad()
         lm_loss(ref(idx), tgt).backward()  # the mean over every replica's micro-batches
@@ -75,14 +76,15 @@ def _pp_case(groups: ParallelGroups, schedule: str, v: int, m: int, layers: int,
     plans = [prefetch_plan(c) for c in chunks]
     worst["decided"] = all(p.decided for p in plans)
     worst["units"] = [p.units for p in plans]
+    worst["measured"] = [p.measured for p in plans]
     return worst
 
 
-def _tp_sp_case(groups: ParallelGroups, prefetch) -> dict:
+def _tp_sp_case(groups: ParallelGroups, prefetch, trials: int = 0) -> dict:
     """dp=2 x tp=2: ZeRO-3 over a TP+SP GPT against one process, STEPS SGD steps."""
     ref = _gpt(2, tp=2)
     model = parallelize(copy.deepcopy(ref), groups.mesh, sequence_parallel=True, overlap="bulk")
-    model = fully_shard(model, groups, prefetch=prefetch)
+    model = fully_shard(model, groups, prefetch=prefetch, trials=trials)
     opt = torch.optim.SGD(model.parameters(), lr=LR, foreach=False)  # DTensors on two meshes and plain
     ref_opt = torch.optim.SGD(ref.parameters(), lr=LR)
     ref_params = dict(ref.named_parameters())
@@ -113,8 +115,9 @@ def _tp_sp_case(groups: ParallelGroups, prefetch) -> dict:
 def _world4():
     out = {}
     pp_dp = ParallelGroups.build(pp=2, dp=2)
-    for prefetch in (1, "auto"):
-        out[("pp2 dp2 1f1b", prefetch)] = _pp_case(pp_dp, "1f1b", 1, 2, 4, prefetch)
+    out[("pp2 dp2 1f1b", 1)] = _pp_case(pp_dp, "1f1b", 1, 2, 4, 1)
+    # auto's trials on a stage: one window (forwards up to the next backward's end) per candidate
+    out[("pp2 dp2 1f1b", "auto")] = _pp_case(pp_dp, "1f1b", 1, 2, 4, "auto", trials=1, steps=6)
     out[("pp2 dp2 interleaved-1f1b", "auto")] = _pp_case(pp_dp, "interleaved-1f1b", 2, 2, 4, "auto")
     dp_tp = ParallelGroups.build(dp=2, tp=2)
     out[("dp2 tp2 sp", "auto")] = _tp_sp_case(dp_tp, "auto")

@@ -9,7 +9,10 @@ gather overlaps the current block's backward and its gradient reduce-scatter.
 right after it is issued, so the probe measures each block's compute and each gather and
 reduce-scatter alone; the ranks take the slowest rank's times (one tiny all-reduce) and
 `costmodel.fsdp_prefetch_choice` prices each depth on its stream simulator within the memory
-budget. Every rank therefore picks the same depths, so the gathers stay paired across ranks.
+budget. The model's pick and its neighbours that it prices within `fsdp_prefetch.TIE` are then
+timed for `trials` rounds of steps (the model cannot see, e.g., gloo running two collectives at
+once) and the fastest is kept (fsdp_prefetch.py). Every rank decides from the same all-reduced
+numbers, so the gathers stay paired across ranks.
 FSDP2's collectives go through `overlapkit.comm` (see fsdp_comm.py): the timeline recorder
 and profiler traces see them as `zero_all_gather` / `zero_reduce_scatter`, named by block.
 
@@ -32,16 +35,9 @@ from torch import nn
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor
 
-from .. import comm
 from ..agreement import agree
-from ..timeline.fsdp2 import ROOT
-from ..timeline.recorder import compute_span
 from .agree import copy_from_first_rank
-from .fsdp_comm import Probe, RecordedAllGather, RecordedReduceScatter
-
-MIB = 1024 * 1024
-
-_queue_callback = torch.autograd.Variable._execution_engine.queue_callback
+from .fsdp_prefetch import MIB, ZeroThree
 
 
 @dataclass(frozen=True)
@@ -62,6 +58,9 @@ class FullyShardConfig:
     """Deepest prefetch `auto` considers. Each level holds one more block's parameters."""
     probe_step: int = 1
     """The step `auto` measures (0-based; the steps before it warm up caches and connections)."""
+    trials: int = 2
+    """Rounds in which `auto` times the model's pick against the neighbouring depths the model
+    prices within 10 % of it, one step each, before keeping the fastest; 0 keeps the model's pick."""
 
     def __post_init__(self) -> None:
         p = self.prefetch
@@ -72,7 +71,7 @@ class FullyShardConfig:
         b = self.memory_budget_mb
         if b is not None and (isinstance(b, bool) or not isinstance(b, (int, float)) or not 0 <= b < math.inf):
             raise ValueError(f"fully_shard memory_budget_mb must be None or a finite number of MiB >= 0, got {b!r}")
-        for name, lo in (("max_depth", 1), ("probe_step", 0)):
+        for name, lo in (("max_depth", 1), ("probe_step", 0), ("trials", 0)):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
                 raise ValueError(f"fully_shard {name} must be an integer >= {lo}, got {v!r}")
@@ -96,6 +95,8 @@ class PrefetchPlan:
     memory_budget_bytes: float | None
     probe: dict = field(default_factory=dict)
     """auto's measured times (ms, slowest rank): per-block compute, gather and reduce-scatter."""
+    measured: dict = field(default_factory=dict)
+    """auto's trials: "forward/backward" depths -> median step ms (slowest rank) over the rounds."""
 
     def held_ahead_bytes(self, depth: int) -> int:
         """Most unsharded bytes held in prefetched blocks beyond the one in use at `depth`."""
@@ -109,7 +110,7 @@ class PrefetchPlan:
 
 def fully_shard(model: nn.Module, mesh_or_dim=None, *, dim: str = "dp", prefetch: int | str = "auto",
                 wrap=None, reshard_after_forward: bool = True, memory_budget_mb: float | None = None,
-                max_depth: int = 4, mp_policy=None) -> nn.Module:
+                max_depth: int = 4, trials: int = 2, mp_policy=None) -> nn.Module:
     """Shard `model` over the data-parallel mesh dim with FSDP2 and set its prefetch; returns `model`.
 
     mesh_or_dim: a 1-D DeviceMesh, a DeviceMesh with a `dim` dim (e.g. ("dp", "tp") with TP
@@ -128,7 +129,7 @@ def fully_shard(model: nn.Module, mesh_or_dim=None, *, dim: str = "dp", prefetch
     problem = None
     try:
         cfg = FullyShardConfig(prefetch=prefetch, reshard_after_forward=reshard_after_forward,
-                               memory_budget_mb=memory_budget_mb, max_depth=max_depth)
+                               memory_budget_mb=memory_budget_mb, max_depth=max_depth, trials=trials)
         units = _resolve_wrap(model, wrap)
     except (ValueError, TypeError) as e:
         problem, cfg, units = str(e), None, []
@@ -138,7 +139,7 @@ def fully_shard(model: nn.Module, mesh_or_dim=None, *, dim: str = "dp", prefetch
     layout = ";".join(f"{n}:{tuple(t.shape)}:{t.dtype}" for n, t in tensors)
     # Ranks that shard differently would pair unrelated gathers: compare before any FSDP2 state exists.
     agree(group, "fully_shard", problem=problem, prefetch=prefetch, reshard_after_forward=reshard_after_forward,
-          memory_budget_mb=memory_budget_mb, max_depth=max_depth, units=[n for n, _ in units],
+          memory_budget_mb=memory_budget_mb, max_depth=max_depth, trials=trials, units=[n for n, _ in units],
           parameters=len(tensors), layout_crc=zlib.crc32(layout.encode()))
     if problem is not None:
         raise ValueError(problem)
@@ -149,8 +150,14 @@ def fully_shard(model: nn.Module, mesh_or_dim=None, *, dim: str = "dp", prefetch
     for _, m in units:
         torch_fully_shard(m, mesh=mesh, reshard_after_forward=cfg.reshard_after_forward, **kw)
     torch_fully_shard(model, mesh=mesh, **kw)
-    model._overlapkit_zero3 = _ZeroThree(model, [m for _, m in units], [n for n, _ in units], unit_bytes,
-                                         group, mesh.device_type, cfg)
+    auto = cfg.prefetch == "auto"
+    depth = 0 if auto else cfg.prefetch
+    plan = PrefetchPlan(units=[n for n, _ in units], unit_param_bytes=unit_bytes, mode="auto" if auto else "fixed",
+                        forward_depth=depth, backward_depth=depth, decided=not auto,
+                        reason="measuring (depth 0 until the probe step)" if auto else f"asked for {depth}",
+                        memory_budget_bytes=None if cfg.memory_budget_mb is None else cfg.memory_budget_mb * MIB)
+    model._overlapkit_zero3 = ZeroThree(model, [m for _, m in units], [n for n, _ in units], plan, group,
+                                        mesh.device_type, cfg)
     return model
 
 
@@ -259,128 +266,3 @@ def _resolve_wrap(model: nn.Module, wrap) -> list[tuple[str, nn.Module]]:
 def _entries(name: str, container: nn.Module) -> list[tuple[str, nn.Module]]:
     """(fqn, module) of a ModuleList's, Sequential's or ModuleDict's entries, in order."""
     return [(f"{name}.{key}" if name else key, m) for key, m in container.named_children()]
-
-
-class _ZeroThree:
-    """The prefetch lists, the timeline's view of FSDP2's communication, and auto's probe."""
-
-    def __init__(self, root, units, names, unit_bytes, group, device_type: str, cfg: FullyShardConfig) -> None:
-        self.root, self.units, self.group, self.cfg = root, units, group, cfg
-        self.device = torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda" \
-            else torch.device(device_type)
-        self.probe = Probe(self.device)
-        for m, name in [(root, ROOT), *zip(units, names)]:
-            m.set_custom_all_gather(RecordedAllGather(name, self.probe))
-            m.set_custom_reduce_scatter(RecordedReduceScatter(name, self.probe))
-        auto = cfg.prefetch == "auto"
-        depth = 0 if auto else cfg.prefetch
-        budget = None if cfg.memory_budget_mb is None else cfg.memory_budget_mb * MIB
-        self.plan = PrefetchPlan(units=list(names), unit_param_bytes=unit_bytes, mode="auto" if auto else "fixed",
-                                 forward_depth=depth, backward_depth=depth, decided=not auto,
-                                 reason="measuring (depth 0 until the probe step)" if auto else f"asked for {depth}",
-                                 memory_budget_bytes=budget)
-        self._apply(depth, depth)
-        self.steps = 0
-        self._decide_next = False
-        self._in_backward = False
-        self._spans: dict[str, object] = {}
-        root.register_forward_pre_hook(self._pre_forward, prepend=True)  # before FSDP2's root pre-forward
-        root.register_forward_hook(self._post_forward)  # after FSDP2's post-forward
-
-    def _apply(self, forward: int, backward: int) -> None:
-        units, root = self.units, self.root
-        for i, u in enumerate(units):
-            u.set_modules_to_forward_prefetch(units[i + 1:i + 1 + forward])
-        root.set_modules_to_forward_prefetch(units[:forward])
-        rev = units[::-1]
-        # An empty backward list means FSDP2's default (prefetch one); naming the module itself
-        # is a no-op prefetch (it is already gathered when its pre-backward runs): depth 0.
-        for i, u in enumerate(rev):
-            u.set_modules_to_backward_prefetch(rev[i + 1:i + 1 + backward] or [u])
-        root.set_modules_to_backward_prefetch(rev[:backward] or [root])
-        self.plan.forward_depth, self.plan.backward_depth = forward, backward
-
-    # -- hooks ------------------------------------------------------------------------------
-    def _open(self, name: str) -> None:
-        span = compute_span(f"zero3 {name}")
-        span.__enter__()
-        self._spans[name] = span
-        if self.probe.on:
-            self.probe.passes[name].append([self.probe.stamp(), None])
-
-    def _close(self, name: str) -> None:
-        span = self._spans.pop(name, None)
-        if span is not None:
-            span.__exit__(None, None, None)
-        if self.probe.on and self.probe.passes[name] and self.probe.passes[name][-1][1] is None:
-            self.probe.passes[name][-1][1] = self.probe.stamp()
-
-    def _pre_forward(self, _module, _args) -> None:
-        if self._decide_next:
-            self._decide_next = False
-            self._decide()
-        # `>=`: a pipeline stage runs several forwards per backward, so its count of finished
-        # backwards can step over probe_step between two forwards.
-        if not self.plan.decided and not self.probe.on and self.steps >= self.cfg.probe_step \
-                and torch.is_grad_enabled():
-            self.probe.reset()
-            self.probe.on = True
-        self._open("forward")
-
-    def _post_forward(self, _module, _args, output):
-        self._close("forward")
-        if not torch.is_grad_enabled():
-            return output
-        for t in torch.utils._pytree.tree_flatten(output)[0]:
-            if isinstance(t, torch.Tensor) and t.requires_grad:
-                t.register_hook(self._begin_backward)
-        return output
-
-    def _begin_backward(self, _grad) -> None:
-        if self._in_backward:
-            return
-        self._in_backward = True
-        _queue_callback(self._end_backward)
-        self._open("backward")
-
-    def _end_backward(self) -> None:
-        self._close("backward")
-        self._in_backward = False
-        if self.probe.on:
-            self.probe.on = False
-            self._decide_next = True
-        self.steps += 1
-
-    # -- auto ------------------------------------------------------------------------------
-    def _decide(self) -> None:
-        from ..costmodel import fsdp_prefetch_choice
-
-        t = self.probe.times()
-        n = max(1, len(self.units))
-        # Per block and pass: the probe window holds one backward and one or more forwards.
-        mine = [max(0.0, t["forward_wall_ms"] - t["forward_stall_ms"]) / (n * max(1.0, t["forward_passes"])),
-                t["forward_gather_ms"],
-                max(0.0, t["backward_wall_ms"] - t["backward_stall_ms"]) / (n * max(1.0, t["backward_passes"])),
-                t["backward_gather_ms"], t["backward_reduce_ms"]]
-        vals = torch.tensor(mine, dtype=torch.float64, device=self.device)
-        # The slowest rank's times on every rank: the same inputs give the same depths everywhere.
-        comm.all_reduce(vals, self.group, kind="dp_all_reduce", name="zero3-auto-probe", op=dist.ReduceOp.MAX,
-                        async_op=False)
-        fwd_ms, gather_ms, bwd_ms, bwd_gather_ms, reduce_ms = vals.tolist()
-        layer_bytes = max(self.plan.unit_param_bytes, default=0)
-        budget = self.plan.memory_budget_bytes
-        if not self.units:
-            fd, fwhy, bd, bwhy = 0, "no blocks to prefetch", 0, "no blocks to prefetch"
-        else:
-            fd, fwhy = fsdp_prefetch_choice(fwd_ms, gather_ms, layer_bytes, budget, num_layers=len(self.units),
-                                            max_depth=self.cfg.max_depth)
-            bd, bwhy = fsdp_prefetch_choice(bwd_ms, bwd_gather_ms, layer_bytes, budget, num_layers=len(self.units),
-                                            reduce_ms=reduce_ms, max_depth=self.cfg.max_depth)
-        self._apply(fd, bd)
-        self.plan.decided = True
-        self.plan.probe = dict(zip(("forward_compute_ms_per_block", "forward_gather_ms", "backward_compute_ms_per_block",
-                                    "backward_gather_ms", "reduce_scatter_ms"), (fwd_ms, gather_ms, bwd_ms,
-                                                                                 bwd_gather_ms, reduce_ms)))
-        held = self.plan.held_ahead_bytes(max(fd, bd)) / MIB
-        self.plan.reason = (f"forward {fwhy}; backward {bwhy}; holds {held:.3g} MiB of gathered parameters ahead"
-                            + ("" if budget is None else f" (budget {budget / MIB:.3g} MiB)"))
