@@ -32,10 +32,12 @@ DOCS_BEGIN, DOCS_END = "<!-- model_vs_published:begin -->", "<!-- model_vs_publi
 # What each source used that cases.json leaves open, with the reason, in one place.
 SOURCE_SETTINGS = {
     "Narayanan21-T1": dict(
-        settings=dict(dtype="fp16", attention="unfused", pp_scatter_gather=True, grad_bytes=4),
+        settings=dict(dtype="fp16", attention="unfused", pp_scatter_gather=True, grad_bytes=2),
         why="Megatron-LM of April 2021 (examples/sc21 CONFIG.sh: --fp16): attention materialized the scores "
             "(FusedScaleMaskSoftmax + dropout; flash attention came in 2022), pipeline sends used its "
-            "scatter-gather optimization (on by default), and local DDP reduced fp32 main gradients."),
+            "scatter-gather optimization (on by default), and gradients were all-reduced in fp16: CONFIG.sh "
+            "does not pass --accumulate-allreduce-grads-in-fp32, and without it Megatron's local DDP buffers "
+            "take the parameter dtype (_get_buffer_type), as torch DDP does."),
     "MegatronLM-README-H100": dict(
         settings=dict(grad_bytes=2, dp_in_drain=True), megatron_buckets=True, interleave=2,
         why="Megatron-Core r0.8 with --overlap-grad-reduce: each stage (each model chunk, interleaved) reduces "
