@@ -159,24 +159,25 @@ def run_case(case: dict) -> dict:
             "host_s": r.host_ms * 1e-3, "fits": r.memory["fits"], "memory_gib": r.memory["total_gib"]}
 
 
-def fit_sustained_clock(cases: list[dict], gpu: str) -> float:
-    """Least-squares sustained clock (log step-time error) over every case on `gpu`: how
-    hardware.SUSTAINED_CLOCK was calibrated, one global number per GPU."""
+def clock_loss(cases: list[dict], gpu: str, clock: float) -> float:
+    """Sum of squared log step-time errors over the cases on `gpu` with its sustained clock at `clock`."""
     from overlapkit.costmodel import hardware
 
-    picked = [c for c in cases if config(c)[2] == gpu]
-    base = hardware.preset(gpu)
+    hw, loss = replace(hardware.preset(gpu), sustained_clock=clock), 0.0
+    for c in cases:
+        model, par, name = config(c)
+        if name == gpu:
+            loss += math.log(predict(model, par, hw).step_ms * 1e-3 / published_step_s(c, model, par.world)) ** 2
+    return loss
 
-    def loss(clock: float) -> float:
-        hw = replace(base, sustained_clock=clock)
-        return sum(math.log(predict(*config(c)[:2], hw).step_ms * 1e-3 / published_step_s(c, config(c)[0],
-                                                                                         config(c)[1].world)) ** 2
-                   for c in picked)
 
+def fit_sustained_clock(cases: list[dict], gpu: str) -> float:
+    """Least-squares sustained clock over every case on `gpu`: how hardware.SUSTAINED_CLOCK was
+    calibrated, one global number per GPU (golden-section search: the loss is unimodal in the clock)."""
     lo, hi = 0.5, 1.0
-    for _ in range(40):  # golden-section search: the loss is unimodal in the clock
+    for _ in range(40):
         a, b = hi - 0.618 * (hi - lo), lo + 0.618 * (hi - lo)
-        lo, hi = (lo, b) if loss(a) < loss(b) else (a, hi)
+        lo, hi = (lo, b) if clock_loss(cases, gpu, a) < clock_loss(cases, gpu, b) else (a, hi)
     return (lo + hi) / 2
 
 

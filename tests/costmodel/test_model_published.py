@@ -103,3 +103,22 @@ def test_published_benchmark_applies_megatron_buckets_and_interleaving_where_lay
     odd = dict(case, model=dict(model, num_layers=92), pp=4, dp=96)  # 23 layers per stage: no interleaving
     _, par, _ = mvp.config(odd)
     assert par.vpp == 1 and par.bucket_mib == pytest.approx(96e6 * 2 / 2**20)
+
+
+def test_sustained_clocks_are_the_least_squares_fit_they_are_documented_as():
+    """hardware.SUSTAINED_CLOCK is a global calibration over the published steps: it must still be
+    their least-squares value for the model as it is (refit with `model_vs_published.py --fit-clock`)."""
+    spec = importlib.util.spec_from_file_location("model_vs_published", SCRIPT.parent / "model_vs_published.py")
+    mvp = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mvp)
+    folder = mvp.published_dir(None)
+    if folder is None:
+        pytest.skip("shared/published_steps/cases.json absent")
+    import json
+
+    from overlapkit.costmodel.hardware import SUSTAINED_CLOCK
+
+    cases = json.loads((folder / "cases.json").read_text())["cases"]
+    for gpu, clock in SUSTAINED_CLOCK.items():  # the documented value beats its neighbours either side
+        at = mvp.clock_loss(cases, gpu, clock)
+        assert at < mvp.clock_loss(cases, gpu, clock - 0.01) and at < mvp.clock_loss(cases, gpu, clock + 0.01), gpu

@@ -232,9 +232,9 @@ SUSTAINED_CLOCK = {"h100-sxm": 0.815, "a100-sxm-80g": 0.84}
 error) over every row of that GPU among the 30 published steps (benchmarks/model_vs_published.py
 `--fit-clock` recomputes it: H100 0.8147 over 13 rows, A100 0.8413 over 13). Physically a settled
 tensor clock of ~1.49 GHz against the 1.83 GHz the dense peak is quoted at (H100), ~1.2 of 1.41 GHz
-(A100); a stably power-capped H200 NVL was seen settling at 1635 of 1980 MHz (0.83) under a
-sustained GEMM burn (reanimator/bee, benchmark-clock-calibration.md). Sanity check: Megatron's
-README reports 47% MFU for its compute-bound 96-GPU GPT-3 run, 61% without this factor, 50% with it.
+(A100). Sanity check: Megatron's README reports 47% MFU for its compute-bound 96-GPU GPT-3 run;
+the model gives 61% without this factor, 51% with it. A fit, not a measurement: no published
+sustained-clock figure for these parts under a training load was found to calibrate on instead.
 H200 keeps 1.0: its curves and every H200 row we check are short runs of our own."""
 
 
