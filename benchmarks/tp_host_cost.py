@@ -10,9 +10,18 @@ Python per chunk decides whether the pipeline keeps up). Per variant and model (
   pipelined) beside the same layer built from plain nn.Linear of the per-rank shapes.
 Each reports host time per call (CPU timer around the call, the GPU drained before) beside
 device time (CUDA events around it; on CPU the two are the same clock). The targets of issue 18
-are checked and misses stated.
+are checked and misses stated. Every eager and compiled step sets the gradients to None after
+backward, as a training step's `zero_grad()` does (accumulating into DTensor gradients would
+add a DTensor addition per parameter); a graph replay rewrites its gradient buffers, the same.
+
+`--host-only` (CPU, world 1 or 2): widths / 256 and 16 tokens, so that a step's time is almost
+all host (Python) work: plain nn.Linear (the per-rank GEMMs, no communication), then overlapkit's
+none / bulk / pipelined eager, taking turns block by block; the best block per step is reported
+(load from other processes only adds), with ratios against plain and none.
 
     python benchmarks/tp_host_cost.py --device cuda --world 1 --shape-tp 8 --out benchmarks/results
+    python benchmarks/tp_host_cost.py --device cpu --world 1 --host-only --threads 1 --out benchmarks/results
+    python benchmarks/tp_host_cost.py --device cpu --world 2 --host-only --threads 1 --out benchmarks/results
 """
 
 from __future__ import annotations
@@ -26,7 +35,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from _common import add_common_args, backend, device_label, world_size, write_results
+from _common import add_common_args, backend, device_label, time_variants, world_size, write_results
 from tp_overlap import CPU_SHRINK, MODELS, TPLayer, device_slug, tp_gemms
 
 from overlapkit.launch import spawn
@@ -39,6 +48,14 @@ TARGETS = {
     ("graphed none", "eager none", None): 1.00,
     ("compiled ours none", "compiled nn.Linear", None): 1.02,
 }
+HOST_TARGETS = {
+    # --host-only: (variant, baseline) -> max ratio of host time per step (the TP host-cost work's aims)
+    ("none", "plain"): 1.5,
+    ("bulk", "plain"): 1.5,
+    ("pipelined", "none"): 1.3,
+}
+HOST_SHRINK, HOST_TOKENS = 256, 16
+"""--host-only shapes: Llama widths / 256 and 16 tokens (gathered), so Python dominates the step."""
 
 
 class PlainLayer(torch.nn.Module):
@@ -58,6 +75,17 @@ class PlainLayer(torch.nn.Module):
         h = self.proj(self.qkv(x)[..., :self.h_rank].contiguous()) + x
         gate, up = self.fc1(h).chunk(2, dim=-1)
         return self.fc2(torch.nn.functional.silu(gate) * up) + h
+
+
+def _train_step(module, x: torch.Tensor):
+    """layer(x).sum().backward(), then every gradient set to None (a training step's zero_grad)."""
+    params = [p for p in module.parameters() if p.requires_grad] + [x]
+
+    def step():
+        module(x).sum().backward()
+        for p in params:
+            p.grad = None
+    return step
 
 
 def _sync(device) -> None:
@@ -120,18 +148,16 @@ def _variants(model, shrink, tp, tokens, group, device, dtype, compile_: bool) -
         torch.manual_seed(0)
         layer = TPLayer(model, shrink, tp, group, device, dtype, **opts)
         xg = x.clone().requires_grad_(True)
-        out[f"eager {mode}"] = lambda layer=layer, xg=xg: layer(xg).sum().backward()
+        out[f"eager {mode}"] = _train_step(layer, xg)
         replay = _graphed(TPLayer(model, shrink, tp, group, device, dtype, **opts), x.clone().requires_grad_(True),
                           device)
         if replay is not None:
             out[f"graphed {mode}"] = replay
         if compile_:
-            compiled = torch.compile(layer)
-            out[f"compiled ours {mode}"] = lambda c=compiled, xg=xg: c(xg).sum().backward()
+            out[f"compiled ours {mode}"] = _train_step(torch.compile(layer), xg)
     if compile_:
         plain = torch.compile(PlainLayer(model, shrink, tp, device, dtype))
-        xg = x.clone().requires_grad_(True)
-        out["compiled nn.Linear"] = lambda c=plain, xg=xg: c(xg).sum().backward()
+        out["compiled nn.Linear"] = _train_step(plain, x.clone().requires_grad_(True))
     return out
 
 
@@ -154,6 +180,62 @@ def _rank_body(args: dict) -> dict:
             except Exception as e:  # noqa: BLE001 — a variant this torch or machine lacks is reported, not fatal
                 res[model][name] = {"error": str(e).splitlines()[0][:300]}
     return res
+
+
+def _host_body(args: dict) -> dict:
+    """--host-only on this rank: µs per training step of plain and each overlap mode, per block of steps."""
+    torch.set_num_threads(args["threads"] or 1)
+    ws, dev, group = dist.get_world_size(), torch.device("cpu"), dist.group.WORLD
+    res = {}
+    for model in args["models"]:
+        hidden = MODELS[model]["hidden"] // HOST_SHRINK
+        x = torch.randn(HOST_TOKENS, hidden)
+        steps = {"plain": _train_step(PlainLayer(model, HOST_SHRINK, args["shape_tp"], dev, torch.float32),
+                                      x.clone().requires_grad_(True))}
+        for mode in ("none", "bulk", "pipelined"):
+            layer = TPLayer(model, HOST_SHRINK, args["shape_tp"], group, dev, torch.float32, overlap=mode)
+            steps[mode] = _train_step(layer, x[:HOST_TOKENS // ws].clone().requires_grad_(True))
+        block = args["block"]
+
+        def run(name: str) -> None:
+            for _ in range(block):
+                steps[name]()
+        times = time_variants(run, list(steps), args["reps"], args["warmup"], dev)
+        res[model] = {n: [round(t * 1e3 / block, 2) for t in ts] for n, ts in times.items()}
+    return res
+
+
+def host_summary(per_rank: list[dict]) -> dict:
+    """Per model: best and median µs per step of each variant (slowest rank per block), and the HOST_TARGETS checks."""
+    out = {}
+    for model in per_rank[0]:
+        us = {n: [max(r[model][n][i] for r in per_rank) for i in range(len(per_rank[0][model][n]))]
+              for n in per_rank[0][model]}
+        rows = {n: {"best_us": min(ts), "median_us": round(statistics.median(ts), 2)} for n, ts in us.items()}
+        checks = [dict(variant=v, baseline=b, ratio=round(rows[v]["best_us"] / rows[b]["best_us"], 3), target=t,
+                       met=rows[v]["best_us"] / rows[b]["best_us"] <= t) for (v, b), t in HOST_TARGETS.items()]
+        out[model] = {"rows": rows, "checks": checks}
+    return out
+
+
+def host_markdown(result: dict) -> str:
+    lines = [f"# TP host cost, host only — {result['device']}, world {result['world']}, TP={result['shape_tp']} "
+             f"per-rank shapes / {HOST_SHRINK}, {HOST_TOKENS} tokens, fp32, torch {result['torch']}", "",
+             f"Whole TP+SP layer forward+backward, gradients set to None each step; µs per step, best and median "
+             f"of {result['reps']} blocks of {result['block']} steps (slowest rank). plain = the per-rank GEMMs "
+             "from nn.Linear, no communication.", "",
+             "| model | variant | best µs | median µs | / plain | / none |", "|---|---|---:|---:|---:|---:|"]
+    for model, s in result["summary"].items():
+        rows = s["rows"]
+        for n, r in rows.items():
+            lines.append(f"| {model} | {n} | {r['best_us']:.0f} | {r['median_us']:.0f} | "
+                         f"{r['best_us'] / rows['plain']['best_us']:.2f} | {r['best_us'] / rows['none']['best_us']:.2f} |")
+    lines += ["", "| model | variant / baseline | ratio (best) | target | met |", "|---|---|---:|---:|---|"]
+    for model, s in result["summary"].items():
+        for c in s["checks"]:
+            lines.append(f"| {model} | {c['variant']} / {c['baseline']} | {c['ratio']:.2f} | ≤ {c['target']:.2f} | "
+                         f"{'yes' if c['met'] else 'MISS'} |")
+    return "\n".join(lines) + "\n"
 
 
 def summarize(res: dict) -> dict:
@@ -201,19 +283,36 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--models", default=",".join(MODELS), help="comma-separated: " + ", ".join(MODELS))
     ap.add_argument("--threads", type=int, default=None, help="CPU threads per rank")
     ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile variants")
+    ap.add_argument("--host-only", action="store_true",
+                    help="CPU, world 1 or 2: tiny shapes, plain vs none/bulk/pipelined eager host time per step")
+    ap.add_argument("--block", type=int, default=20, help="--host-only: steps per timed block")
+    ap.add_argument("--tag", default="", help="suffix of the result files' name (e.g. 'before')")
     a = ap.parse_args(argv)
     world = world_size(a)
     if world is None:
-        return 2
-    if world != 1:
-        print("tp_host_cost measures host cost at world size 1 (nothing transferred); pass --world 1",
-              file=sys.stderr)
         return 2
     models = a.models.split(",")
     for m in models:
         if m not in MODELS:
             print(f"--models: {m!r} is not one of {list(MODELS)}", file=sys.stderr)
             return 2
+    tag = f"_{a.tag}" if a.tag else ""
+    if a.host_only:
+        if a.device != "cpu" or world not in (1, 2):
+            print("--host-only runs on CPU at world 1 or 2 (pass --device cpu --world 1|2)", file=sys.stderr)
+            return 2
+        args = dict(models=models, shape_tp=a.shape_tp, threads=a.threads, block=a.block, warmup=a.warmup,
+                    reps=a.reps or 15)
+        per_rank = spawn(_host_body, world, args, backend="gloo", timeout_s=900.0)
+        result = dict(device=device_label("cpu"), world=world, shape_tp=a.shape_tp, reps=args["reps"],
+                      block=a.block, torch=torch.__version__, raw=per_rank, summary=host_summary(per_rank))
+        write_results(result, os.path.join(a.out, f"tp_host_cost_cpu_host_ws{world}_tp{a.shape_tp}{tag}"),
+                      host_markdown)
+        return 0
+    if world != 1:
+        print("tp_host_cost measures host cost at world size 1 (nothing transferred); pass --world 1, or "
+              "--host-only for CPU world 2", file=sys.stderr)
+        return 2
     args = dict(device=a.device, shape_tp=a.shape_tp, warmup=a.warmup, models=models, compile=not a.no_compile,
                 threads=a.threads,
                 tokens=a.tokens or (8192 if a.device == "cuda" else 384),
@@ -223,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
                   reps=args["reps"], dtype="bf16" if a.device == "cuda" else "fp32", torch=torch.__version__,
                   raw=raw)
     result["summary"] = summarize(raw)
-    write_results(result, os.path.join(a.out, f"tp_host_cost_{device_slug(a.device)}_ws{world}_tp{a.shape_tp}"),
+    write_results(result, os.path.join(a.out, f"tp_host_cost_{device_slug(a.device)}_ws{world}_tp{a.shape_tp}{tag}"),
                   markdown)
     return 0
 

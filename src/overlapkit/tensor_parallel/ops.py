@@ -29,11 +29,10 @@ import torch.distributed as dist
 
 from .. import comm
 from ..agreement import Agreement
-from ..timeline.recorder import compute_span
 from . import p2p, symm_mem
 from .mappings import _gather_dim0, _reduce_scatter_dim0
 from .params import grad_as_param, param_parts
-from .pipelined import _ag_mm, _mm_rs, _regather_wgrad, _rows, _lane_stream
+from .pipelined import _ag_mm, _lane_stream, _mm_rs, _regather_wgrad, _rows, _single, span
 
 KINDS = ("column", "row", "column_pipelined", "row_pipelined")
 """The linears registered as ops: none/bulk column and row, and the pipelined pair."""
@@ -55,10 +54,10 @@ def _fwd(kind, x, w, b, group, sp, bulk, k, transport, save_gathered, name):
     extra = None
     if kind == "column":
         total = _gather_dim0(x, group, name + ".fwd") if sp else x
-        with compute_span(name + ".fwd.gemm"):
+        with span(name + ".fwd.gemm"):
             y = torch.nn.functional.linear(total, w, b)
     elif kind == "row":
-        with compute_span(name + ".fwd.gemm"):
+        with span(name + ".fwd.gemm"):
             partial = torch.nn.functional.linear(x, w)
         if comm.group_size(group) == 1:
             y = partial
@@ -85,11 +84,16 @@ def _fwd(kind, x, w, b, group, sp, bulk, k, transport, save_gathered, name):
 
 
 def _wgrad(dy2, x2, name):
-    with compute_span(name):
+    with span(name):
         return dy2.t() @ x2
 
 
-def _column_bwd(dy, x, w, group, sp, bulk, name):
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    """[rows, features] view of a [*lead, features] tensor (itself when already 2-D)."""
+    return t if t.dim() == 2 else t.reshape(-1, t.shape[-1])
+
+
+def _column_bwd(dy, x, w, group, sp, bulk, need_dx, name):
     ws = comm.group_size(group)
     regather = None
     if sp and ws > 1:
@@ -100,12 +104,14 @@ def _column_bwd(dy, x, w, group, sp, bulk, name):
                                    async_op=bulk)
     else:
         total = x
-    with compute_span(name + ".bwd.dgrad"):
-        dx_full = dy @ w
+    dx_full = None
+    if need_dx:  # the same on every rank (requires_grad is part of the agreed signature)
+        with span(name + ".bwd.dgrad"):
+            dx_full = dy @ w
     if regather is not None:
         regather.wait()
     reduce = None
-    if ws == 1:
+    if ws == 1 or dx_full is None:
         dx = dx_full
     elif sp:
         dx = dx_full.new_empty((dx_full.shape[0] // ws,) + tuple(dx_full.shape[1:]))
@@ -114,31 +120,39 @@ def _column_bwd(dy, x, w, group, sp, bulk, name):
     else:
         dx = dx_full
         reduce = comm.all_reduce(dx, group, kind="tp_all_reduce", name=name + ".bwd", async_op=bulk)
-    dw = _wgrad(dy.reshape(-1, dy.shape[-1]), total.reshape(-1, total.shape[-1]), name + ".bwd.wgrad")
+    dw = _wgrad(_flat(dy), _flat(total), name + ".bwd.wgrad")
     if reduce is not None:
         reduce.wait()
     return dx, dw
 
 
-def _row_bwd(dy, x, w, group, sp, name):
+def _row_bwd(dy, x, w, group, sp, need_dx, name):
     dy_full = _gather_dim0(dy, group, name + ".bwd") if sp else dy
-    with compute_span(name + ".bwd.dgrad"):
-        dx = dy_full @ w
-    dw = _wgrad(dy_full.reshape(-1, dy_full.shape[-1]), x.reshape(-1, x.shape[-1]), name + ".bwd.wgrad")
-    return dx, dw, dy_full.reshape(-1, dy_full.shape[-1])
+    dx = None
+    if need_dx:
+        with span(name + ".bwd.dgrad"):
+            dx = dy_full @ w
+    flat = _flat(dy_full)
+    return dx, _wgrad(flat, _flat(x), name + ".bwd.wgrad"), flat
 
 
 def _row_pipelined_bwd(dy2, x2, w, group, k, transport, need_dx, name):
+    if _single(k, group):  # one rank, one chunk: the gather is dy2 itself
+        dx2 = None
+        if need_dx:
+            with span(name + ".bwd.dgrad.gemm"):
+                dx2 = dy2 @ w
+        return dx2, _wgrad(dy2, x2, name + ".bwd.wgrad.gemm"), dy2
     dx2 = x2.new_empty(x2.shape) if need_dx else None
 
     def consume(rows: slice, data: torch.Tensor, lane: int) -> None:
         if need_dx:
-            with compute_span(name + ".bwd.dgrad.gemm", stream=_lane_stream(lane)):
+            with span(name + ".bwd.dgrad.gemm", stream=_lane_stream(lane)):
                 torch.mm(data, w, out=dx2[rows])
 
     gathered = _TRANSPORTS[transport].gather_and_consume(dy2, consume, k, group, name=name + ".bwd",
                                                           need_gathered=True)
-    with compute_span(name + ".bwd.wgrad.gemm"):
+    with span(name + ".bwd.wgrad.gemm"):
         dw = gathered.t() @ x2
     return dx2, dw, gathered
 
@@ -148,10 +162,10 @@ def _bwd(kind, dy, x, extra, w, has_bias, need_dx, group, sp, bulk, k, transport
     output gradient: complete on every rank, with no sum over TP left for anyone to forget."""
     dy = dy.contiguous()
     if kind == "column":
-        dx, dw = _column_bwd(dy, x, w, group, sp, bulk, name)
-        flat = dy.reshape(-1, dy.shape[-1])
+        dx, dw = _column_bwd(dy, x, w, group, sp, bulk, need_dx, name)
+        flat = _flat(dy)
     elif kind == "row":
-        dx, dw, flat = _row_bwd(dy, x, w, group, sp, name)
+        dx, dw, flat = _row_bwd(dy, x, w, group, sp, need_dx, name)
     elif kind == "column_pipelined":
         flat = _rows(dy)
         dx = None

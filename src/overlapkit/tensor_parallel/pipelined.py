@@ -26,12 +26,13 @@ activation ([tokens, hidden] or [seq, batch, hidden]).
 
 from __future__ import annotations
 
+import contextlib
 from typing import Sequence
 
 import torch
 
 from .. import comm
-from ..timeline.recorder import compute_span
+from ..timeline import recorder as _recorder
 from . import p2p, symm_mem
 from .p2p import accum_dtype
 from .precision import autocast_dtype, autocast_off, cast
@@ -130,14 +131,34 @@ def _check_no_grad(*tensors: torch.Tensor) -> None:
 
 # -- the two pipelines on 2-D row matrices ------------------------------------------------
 
+_NO_SPAN = contextlib.nullcontext()
+
+
+def span(name: str, stream: str = "compute"):
+    """recorder.compute_span, or one shared no-op context when neither a recorder nor a profiler
+    runs: entering the generator context costs ~2 µs, paid by every GEMM of every linear."""
+    if _recorder.active() is None and not _recorder._profiling():
+        return _NO_SPAN
+    return _recorder.compute_span(name, stream)
+
+
+def _single(k: int, group) -> bool:
+    """One rank, one chunk: nothing to move and nothing to pipeline, so the pipelines are one GEMM
+    (no receive buffer, no chunk loop); the same products, and the same spans."""
+    return k == 1 and comm.group_size(group) == 1
+
+
 def _ag_mm(x2: torch.Tensor, weights: Sequence[torch.Tensor], k: int, group, transport, *,
            need_gathered: bool, name: str):
     """(gathered or None, [gather(x2) @ wᵀ for w in weights]) with the GEMMs pipelined per chunk."""
+    if _single(k, group):
+        with span(f"{name}.gemm"):
+            return (x2 if need_gathered else None), [torch.mm(x2, w.t()) for w in weights]
     ws = comm.group_size(group)
     outs = [x2.new_empty((ws * x2.shape[0], w.shape[0])) for w in weights]
 
     def consume(rows: slice, data: torch.Tensor, lane: int) -> None:
-        with compute_span(f"{name}.gemm", stream=_lane_stream(lane)):
+        with span(f"{name}.gemm", stream=_lane_stream(lane)):
             for w, out in zip(weights, outs):
                 torch.mm(data, w.t(), out=out[rows])
 
@@ -147,9 +168,12 @@ def _ag_mm(x2: torch.Tensor, weights: Sequence[torch.Tensor], k: int, group, tra
 
 def _mm_rs(x2: torch.Tensor, w_t: torch.Tensor, k: int, group, transport, *, name: str) -> torch.Tensor:
     """reduce_scatter(x2 @ w_t) over row blocks, the GEMM chunk by chunk under the transfers."""
+    if _single(k, group):
+        with span(f"{name}.gemm"):
+            return torch.mm(x2, w_t)
 
     def produce(rows: slice, out):
-        with compute_span(f"{name}.gemm"):
+        with span(f"{name}.gemm"):
             return torch.mm(x2[rows], w_t, out=out)
 
     return transport.produce_and_reduce_scatter(produce, x2.shape[0], w_t.shape[1], k, group,
@@ -158,12 +182,15 @@ def _mm_rs(x2: torch.Tensor, w_t: torch.Tensor, k: int, group, transport, *, nam
 
 def _regather_wgrad(x2: torch.Tensor, dy2: torch.Tensor, k: int, group, transport, *, name: str) -> torch.Tensor:
     """Σ_i dY_iᵀ·X_i over the chunks X_i of gather(x2), each GEMM under the next chunk's transfer."""
+    if _single(k, group):
+        with span(f"{name}.gemm"):
+            return dy2.t() @ x2  # one product: nothing to accumulate over
     # One accumulator per stream lane: symm_mem consumes on two streams at once.
     lanes = 2 if transport is symm_mem else 1
     acc = [dy2.new_zeros((dy2.shape[1], x2.shape[1]), dtype=accum_dtype(dy2.dtype)) for _ in range(lanes)]
 
     def consume(rows: slice, data: torch.Tensor, lane: int) -> None:
-        with compute_span(f"{name}.gemm", stream=_lane_stream(lane)):
+        with span(f"{name}.gemm", stream=_lane_stream(lane)):
             if acc[lane].dtype == data.dtype:
                 acc[lane].addmm_(dy2[rows].t(), data)
             else:
