@@ -48,6 +48,18 @@ gpu_b)
   step pytest_cpu_torch211 150 python3 -m pytest -q -p no:cacheprovider tests/test_groups.py tests/test_agreement.py \
       tests/tensor_parallel tests/pipeline_parallel tests/data_parallel
   ;;
+gpu_c)
+  # After the host-cost work: GPU tests (a captured demo step with the real loss), the optimizer
+  # checkpoint and param-group tests under torch 2.11, the no-regression layer rows, host cost
+  # of 8B then 70B in one process (the capture fault), the demo on CUDA with foreach kernels.
+  step pytest_gpu 150 python3 -m pytest -q -p no:cacheprovider tests/gpu tests/test_zero_dcp.py tests/test_optim.py
+  step tp_overlap_layers 150 env CUDA_DEVICE_MAX_CONNECTIONS=1 python3 benchmarks/tp_overlap.py --device cuda \
+      --shape-tp 8 --layers-only --out "$r"
+  step tp_host_cost 200 env CUDA_DEVICE_MAX_CONNECTIONS=1 python3 benchmarks/tp_host_cost.py --device cuda --world 1 \
+      --shape-tp 8 --no-compile --out "$r"
+  step demo_cuda 45 env CUDA_DEVICE_MAX_CONNECTIONS=1 python3 -m overlapkit demo --tp 1 --dp 1 --device cuda \
+      --overlap bulk --steps 3
+  ;;
 *) echo "unknown part $part"; exit 2 ;;
 esac
 tar czf "$out/$part.tgz" -C "$out" results logs && rm -rf "$out/results" "$out/logs"
