@@ -3,12 +3,16 @@
 import json
 import statistics
 
+import pytest
 import torch
 
 from overlapkit.costmodel import ParallelConfig, load_hardware, plan
 from overlapkit.costmodel.bench_gemm import hardware_from_grid, measure
 from overlapkit.costmodel.calibration import split_gemm
 from overlapkit.costmodel.hardware import preset
+
+# The folder's conftest skips collection without CUDA, but not a file named on the command line.
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 
 def test_bench_gemm_writes_a_hardware_file_the_planner_reads(tmp_path):

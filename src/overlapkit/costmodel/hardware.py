@@ -224,7 +224,7 @@ once, by least squares, on the two vanilla-TP bf16 runs of torchtitan's async-TP
 hardware (Llama 3.1 70B on 256 GPUs, 597.3 tokens/s per GPU; 8B on 64, 4378: its
 benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md), which are not among the published steps the
 model is checked against (benchmarks/model_vs_published.py prints both: +5.9%, -7.7%). About a
-1.3 GHz sustained tensor clock against 1.83; a cube-root power law alone would give 0.87."""
+1.3 GHz sustained tensor clock against 1.83; a cube-root power law alone, (500/700)^(1/3), would give 0.89."""
 
 SUSTAINED_CLOCK = {"h100-sxm": 0.815, "a100-sxm-80g": 0.84}
 """Hardware.sustained_clock of the 700 W H100 SXM (also H800, the same part) and the 400 W A100 SXM
