@@ -152,7 +152,9 @@ def run_rank(cfg: DemoConfig) -> dict:
         for step in range(cfg.steps):
             idx = torch.randint(0, mcfg.vocab_size, (batch, mcfg.seq_len), generator=gen).to(device)
             tgt = torch.randint(0, mcfg.vocab_size, (batch, mcfg.seq_len), generator=gen).to(device)
-            opt.zero_grad(set_to_none=False)
+            # Module-wise: the optimizer's zero_grad(set_to_none=False) with foreach zeroes all its
+            # groups' grads in one foreach call per device and dtype, mixing DTensor and plain again.
+            model.zero_grad(set_to_none=False)
             mine, my_tgt = idx[rows], tgt[rows]
             if cfg.cp > 1:  # this CP rank's slice of every sequence (its positions follow inside the model)
                 from .context_parallel.models import shard_batch

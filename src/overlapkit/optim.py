@@ -30,7 +30,9 @@ def optim_param_groups(params: nn.Module | Iterable[torch.Tensor] | Iterable[dic
     and their own options). `group_options` (lr, weight_decay, ...) go into every group; a
     param group's own options win over them. Order is kept: the groups of one input group come
     in the order their first parameter appears. Use it as
-    `torch.optim.AdamW(optim_param_groups(model), lr=1e-3, foreach=True)`.
+    `torch.optim.AdamW(optim_param_groups(model), lr=1e-3, foreach=True)`. The optimizer's
+    `zero_grad(set_to_none=False)` still mixes the kinds (one foreach call over all groups):
+    keep its default (set to None) or call `model.zero_grad(set_to_none=False)`.
     """
     if isinstance(params, nn.Module):
         params = params.parameters()

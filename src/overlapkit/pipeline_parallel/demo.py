@@ -46,7 +46,9 @@ def run_rank(cfg) -> dict:
                   for c in chunks]
     m = 2 * cfg.pp
     engine = PipelineEngine(chunks, groups.pp, PipelineConfig("1f1b", m, broadcast_loss=True), lm_loss)
-    opt = torch.optim.SGD([p for c in chunks for p in c.parameters()], lr=0.5, foreach=False)  # mixed DTensor/plain
+    from ..optim import optim_param_groups
+    # One group per kind (plain, DTensor per mesh): foreach kernels refuse lists mixing the two.
+    opt = torch.optim.SGD(optim_param_groups([p for c in chunks for p in c.parameters()]), lr=0.5, foreach=True)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.5)
     rows = slice(groups.dp_rank * m, (groups.dp_rank + 1) * m)
     gen = torch.Generator().manual_seed(cfg.seed + 1)
@@ -59,7 +61,8 @@ def run_rank(cfg) -> dict:
         for step in range(cfg.steps):
             idx = torch.randint(0, mcfg.vocab_size, (m * cfg.dp, mcfg.seq_len), generator=gen)
             tgt = torch.randint(0, mcfg.vocab_size, (m * cfg.dp, mcfg.seq_len), generator=gen)
-            opt.zero_grad(set_to_none=False)
+            for c in chunks:  # module-wise: the optimizer's foreach zero_grad would mix DTensor and plain
+                c.zero_grad(set_to_none=False)
             loss = engine.step(idx[rows], tgt[rows])
             if cfg.tp > 1 and cfg.dp == 1 and cfg.zero != 3:
                 for c in chunks:
