@@ -60,6 +60,18 @@ gpu_c)
   step demo_cuda 45 env CUDA_DEVICE_MAX_CONNECTIONS=1 python3 -m overlapkit demo --tp 1 --dp 1 --device cuda \
       --overlap bulk --steps 3
   ;;
+gpu_d)
+  # ZeRO-3 on 8 gloo ranks (auto's trials), then the layer rows A/B on one machine: the src in
+  # OLD_SRC (the commit before DTensor parameters) and this checkout's, alternated twice, so the
+  # no-regression check compares like with like rather than runs on different days and hosts.
+  step fsdp_ws8 260 python3 benchmarks/fsdp_overlap.py --world 8 --threads 2 --budget-s 100 --out "$r"
+  for i in 1 2; do
+    step layers_old$i 90 env PYTHONPATH="${OLD_SRC:?OLD_SRC: the old src folder}" CUDA_DEVICE_MAX_CONNECTIONS=1 \
+        python3 benchmarks/tp_overlap.py --device cuda --shape-tp 8 --layers-only --out "$r/old$i"
+    step layers_new$i 90 env CUDA_DEVICE_MAX_CONNECTIONS=1 python3 benchmarks/tp_overlap.py --device cuda \
+        --shape-tp 8 --layers-only --out "$r/new$i"
+  done
+  ;;
 *) echo "unknown part $part"; exit 2 ;;
 esac
 tar czf "$out/$part.tgz" -C "$out" results logs && rm -rf "$out/results" "$out/logs"
