@@ -86,6 +86,8 @@ class _ParallelLinear(LocalShardParams, nn.Module):
     """What the column and row layers share: sizes, mesh and group, overlap mode, parameters, checks."""
 
     _split_dim: int
+    _direct = True
+    """False where `_linear` does more than the linear (a row layer scattering a replicated input)."""
     """Dim of the [out, in] weight split over TP (0: column, 1: row)."""
 
     def __init__(self, in_features: int, out_features: int, mesh_or_group, *, bias: bool,
@@ -184,7 +186,10 @@ class _ParallelLinear(LocalShardParams, nn.Module):
         if call is None:
             call = self._new_call(x, w, cdt, agree=True)
             self._calls[key] = call  # only once every check has passed
-        return self._run(x, *call, cdt, w, b, None)
+        sd, args = call
+        if sd or cdt is not None or not self._direct:
+            return self._run(x, sd, args, cdt, w, b, None)
+        return ops.eager(x, w, b, None, args)  # the common case, without _run's steps
 
     def _run(self, x, sd: int, args: tuple, cdt, w, b, compiled) -> torch.Tensor:
         """The linear on x: `compiled` is ops.compiled (w, b local shards) or None (eager: the parameters)."""
@@ -341,6 +346,7 @@ class RowParallelLinear(_ParallelLinear):
         self.input_is_parallel = input_is_parallel
         self.in_per_rank = in_features // self.tp_size
         self._expected_in = self.in_per_rank if input_is_parallel else in_features
+        self._direct = input_is_parallel
         self._scatters_sequence = sequence_parallel
         self._make_params(bias, device, dtype)
 
