@@ -89,10 +89,27 @@ def test_lm_head_probe_results_are_predicted_when_present(bench, tmp_path):
     assert rows[0]["predicted"] == pytest.approx(gemm + ce)
 
 
-def test_published_benchmark_applies_megatron_buckets_and_interleaving_where_layers_divide():
+@pytest.fixture(scope="module")
+def mvp():
+    """benchmarks/model_vs_published.py as a module."""
     spec = importlib.util.spec_from_file_location("model_vs_published", SCRIPT.parent / "model_vs_published.py")
-    mvp = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mvp)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def published_cases(mvp):
+    """The 30 cases of shared/published_steps/cases.json; skips where the folder is absent."""
+    import json
+
+    folder = mvp.published_dir(None)
+    if folder is None:
+        pytest.skip("shared/published_steps/cases.json absent")
+    return json.loads((folder / "cases.json").read_text())["cases"]
+
+
+def test_published_benchmark_applies_megatron_buckets_and_interleaving_where_layers_divide(mvp):
     model = {"hidden": 12288, "ffn_hidden": 49152, "num_layers": 96, "num_heads": 96, "seq_len": 4096,
              "vocab_size": 131072, "gated_mlp": False, "tied_embeddings": False}
     case = {"source": "MegatronLM-README-H100", "case": "177B", "model": model, "hardware": "h100-sxm", "tp": 8,
@@ -105,20 +122,35 @@ def test_published_benchmark_applies_megatron_buckets_and_interleaving_where_lay
     assert par.vpp == 1 and par.bucket_mib == pytest.approx(96e6 * 2 / 2**20)
 
 
-def test_sustained_clocks_are_the_least_squares_fit_they_are_documented_as():
+def test_sustained_clocks_are_the_least_squares_fit_they_are_documented_as(mvp, published_cases):
     """hardware.SUSTAINED_CLOCK is a global calibration over the published steps: it must still be
     their least-squares value for the model as it is (refit with `model_vs_published.py --fit-clock`)."""
-    spec = importlib.util.spec_from_file_location("model_vs_published", SCRIPT.parent / "model_vs_published.py")
-    mvp = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mvp)
-    folder = mvp.published_dir(None)
-    if folder is None:
-        pytest.skip("shared/published_steps/cases.json absent")
-    import json
-
     from overlapkit.costmodel.hardware import SUSTAINED_CLOCK
 
-    cases = json.loads((folder / "cases.json").read_text())["cases"]
+    cases = published_cases
     for gpu, clock in SUSTAINED_CLOCK.items():  # the documented value beats its neighbours either side
         at = mvp.clock_loss(cases, gpu, clock)
         assert at < mvp.clock_loss(cases, gpu, clock - 0.01) and at < mvp.clock_loss(cases, gpu, clock + 0.01), gpu
+
+
+def test_leave_one_source_out_fits_the_clock_without_the_held_out_source(mvp, published_cases):
+    """A held-out source is predicted with the clock fitted on its GPU's other sources only."""
+    cases = published_cases
+    nar = [c for c in cases if c["source"] == "Narayanan21-T1"][-3:]  # small subset: three fits stay fast
+    mt = [c for c in cases if c["source"] == "MT-NLG-530B"][:1]
+    loso = mvp.leave_one_source_out(nar + mt)
+    assert set(loso) == {"Narayanan21-T1", "MT-NLG-530B"}  # one A100 source held out at a time
+    alone = mvp.fit_sustained_clock(nar, "a100-sxm-80g")
+    assert loso["MT-NLG-530B"]["clock"] == pytest.approx(alone, abs=1e-9)
+    assert abs(mvp.fit_sustained_clock(nar + mt, "a100-sxm-80g") - alone) > 0.01  # holding out changes the fit
+    assert loso["MT-NLG-530B"]["errors"] == [pytest.approx(mvp.run_case(mt[0], alone)["error_pct"])]
+    t = mvp.loso_summary([mvp.run_case(c) for c in nar + mt], loso)
+    assert t["cases"] == 4 and t["max_abs_pct"] == pytest.approx(max(
+        loso["MT-NLG-530B"]["max_abs_pct"], loso["Narayanan21-T1"]["max_abs_pct"]))
+
+
+def test_mt_nlg_under_deepspeeds_schedule_costs_what_1f1b_does(mvp, published_cases):
+    """The docs' claim that DeepSpeed's TrainSchedule is not MT-NLG's miss, kept true."""
+    rows = mvp.deepspeed_schedule_rows([c for c in published_cases if c["source"] == "MT-NLG-530B"][:1])
+    assert len(rows) == 1 and rows[0]["deepspeed_s"] == pytest.approx(rows[0]["model_1f1b_s"], rel=0.01)
+    assert rows[0]["deepspeed_s"] > rows[0]["model_1f1b_s"]  # its unbatched sends cost a little more
