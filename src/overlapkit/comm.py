@@ -157,13 +157,30 @@ def all_reduce_coalesced(tensors: Sequence[torch.Tensor], group, *, kind: str, n
 def exchange(sends: Sequence[tuple[torch.Tensor, int]], recvs: Sequence[tuple[torch.Tensor, int]],
              group, *, kind: str = "tp_all_gather", name: str = "", async_op: bool = True) -> Handle:
     """Batched point-to-point: send each (tensor, group_peer) and receive each (tensor, group_peer)."""
-    ops = [dist.P2POp(dist.isend, t, dist.get_global_rank(group, p), group) for t, p in sends]
-    ops += [dist.P2POp(dist.irecv, t, dist.get_global_rank(group, p), group) for t, p in recvs]
-    nbytes = sum(t.numel() * t.element_size() for t, _ in sends)
-    if not ops:
+    if not sends and not recvs:
         return Handle([])
-    h = _launch(kind, name, nbytes, group, lambda: dist.batch_isend_irecv(ops))
-    return _finish(h, async_op)
+    nbytes = sum(t.numel() * t.element_size() for t, _ in sends)
+    if group is not None and _is_gloo(group):
+        # gloo does not coalesce: batch_isend_irecv would issue these one by one, in this order, with
+        # tag 0; issuing them on the group (peers are group ranks) skips ~30 µs of P2POp checks.
+        def issue():
+            return [group.send([t], p, 0) for t, p in sends] + [group.recv([t], p, 0) for t, p in recvs]
+    else:
+        ops = [dist.P2POp(dist.isend, t, dist.get_global_rank(group, p), group) for t, p in sends]
+        ops += [dist.P2POp(dist.irecv, t, dist.get_global_rank(group, p), group) for t, p in recvs]
+
+        def issue():
+            return dist.batch_isend_irecv(ops)
+    return _finish(_launch(kind, name, nbytes, group, issue), async_op)
+
+
+_gloo: dict = {}
+
+
+def _is_gloo(group) -> bool:
+    if group not in _gloo:
+        _gloo[group] = str(dist.get_backend(group)) == "gloo"
+    return _gloo[group]
 
 
 def all_to_all_single(out: torch.Tensor, inp: torch.Tensor, group, *, out_splits: Sequence[int] | None = None,
