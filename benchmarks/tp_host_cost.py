@@ -222,8 +222,9 @@ def host_summary(per_rank: list[dict]) -> dict:
                 r[f"{clock}_best_us"], r[f"{clock}_median_us"] = min(ts), round(statistics.median(ts), 2)
             rows[n] = r
         ratio = lambda v, b: rows[v]["cpu_best_us"] / rows[b]["cpu_best_us"]  # noqa: E731
+        # Against plain only at world 1: with more ranks plain has no communication to issue.
         checks = [dict(variant=v, baseline=b, ratio=round(ratio(v, b), 3), target=t, met=ratio(v, b) <= t)
-                  for (v, b), t in HOST_TARGETS.items()]
+                  for (v, b), t in HOST_TARGETS.items() if b != "plain" or len(per_rank) == 1]
         out[model] = {"rows": rows, "checks": checks}
     return out
 
