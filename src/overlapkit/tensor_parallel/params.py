@@ -3,7 +3,9 @@
 Nothing here overlaps anything. It makes the parallel layers citizens of PyTorch's parallel
 stack: their parameters are DTensors on the TP mesh dim with the placements that say how
 they are split, so `state_dict()` tells DCP, FSDP2 and `full_tensor()` the truth, while the
-overlapped autograd functions take `.to_local()` shards and never go through DTensor dispatch.
+overlapped autograd functions compute on the local shards and never go through DTensor dispatch:
+they take the parameters themselves (`param_parts`) and return their gradients as DTensors of
+the parameters' specs (`grad_as_param`), which costs less host time than `to_local()`'s backward.
 
 `LocalShardParams` is the mixin that holds that contract (part of the vocabulary-parallel
 layers use it too): `local(p)` in forward, `load_state_dict` accepting a full plain tensor
