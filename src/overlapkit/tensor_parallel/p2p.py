@@ -133,7 +133,7 @@ def gather_and_consume(x: torch.Tensor, consume: Consume, k: int, group, *, name
     pending = {}
     for t, j, here, forward_into in _gather_plan(ws, r, rows_per_rank, k):
         if t == 0:
-            data = x[j * u:(j + 1) * u]
+            data = x if k == 1 else x[j * u:(j + 1) * u]
         else:
             lane.wait(pending.pop((t, j)))
             data = gathered[here]
@@ -172,14 +172,18 @@ def produce_and_reduce_scatter(produce: Produce, total_rows: int, cols: int, k: 
                                    f"receive buffer {dtype} {(u, cols)}; run the GEMM in the buffer's dtype "
                                    "(the TP layers cast for torch.autocast themselves)")
             lane.after_compute()
-            transfer = lane.exchange((partial, dst), (arrived[t, j * u:(j + 1) * u], src), f"{t}.{j}")
+            into = arrived[t] if k == 1 else arrived[t, j * u:(j + 1) * u]
+            transfer = lane.exchange((partial, dst), (into, src), f"{t}.{j}")
             in_flight.append((transfer, partial))  # keeps the partial alive until it has left
     for j in range(k):
-        produce(slice(r * R + j * u, r * R + (j + 1) * u), arrived[0, j * u:(j + 1) * u])
+        produce(slice(r * R + j * u, r * R + (j + 1) * u), arrived[0] if k == 1 else arrived[0, j * u:(j + 1) * u])
     for transfer, _ in in_flight:
         lane.wait(transfer)
     if ws > 1:
         lane.finish()
-    # One partial needs no sum (and no fp32 round trip).
-    return arrived[0] if ws == 1 else arrived.sum(0, dtype=accum_dtype(dtype)).to(dtype)
+    if ws == 1:
+        return arrived[0]  # one partial needs no sum (and no fp32 round trip)
+    acc = accum_dtype(dtype)
+    total = arrived.sum(0, dtype=acc)
+    return total if acc == dtype else total.to(dtype)
 
