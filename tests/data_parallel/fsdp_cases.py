@@ -23,7 +23,7 @@ from overlapkit.timeline import record
 
 PER_RANK = 4
 STEPS = 9  # auto: warm-up, probe, 2 rounds of timing up to 3 depths, then a step at the chosen one
-PREFETCH = (0, 1, 2, "auto")
+PREFETCH = (0, 1, 2, (1, 2), "auto")
 
 
 class Net(nn.Module):
@@ -133,12 +133,52 @@ def _overlap_case(world: int, mesh) -> dict:
     return out
 
 
+def _unit_names(model) -> dict[int, str]:
+    """FSDP2 state id -> block name ("" for the root)."""
+    named = dict(model.named_modules())
+    return {id(named[n]._get_fsdp_state()): n for n in ["", *prefetch_plan(model).units]}
+
+
+def _issued(model, x, y) -> dict:
+    """What one step of `model` issues: its collectives in issue order and FSDP2's prefetch lists."""
+    names = _unit_names(model)
+    named = dict(model.named_modules())
+    lists = {}
+    for n in names.values():
+        state = named[n]._get_fsdp_state()
+        lists[n] = ([names[id(s)] for s in state._states_to_forward_prefetch],
+                    [names[id(s)] for s in state._states_to_backward_prefetch])
+    with record() as rec:
+        rec.next_step()
+        F.mse_loss(model(x), y).backward()
+    comms = [(s.kind, s.name) for s in sorted(rec.spans, key=lambda s: s.start_ms) if not s.is_compute]
+    return {"comms": comms, "lists": lists, "probe stamps": len(model._overlapkit_zero3.probe.comms)}
+
+
+def _decided_case(world: int, mesh) -> dict:
+    """After auto decides, it is the fixed model at its depths: the same collectives, in the same
+    order, with the same FSDP2 prefetch lists, and nothing of the probe or trials left."""
+    x, y = batch(world)
+    x, y = x[:PER_RANK], y[:PER_RANK]
+    auto = fully_shard(Net(), mesh, prefetch="auto")
+    steps = 0
+    while not prefetch_plan(auto).decided and steps < 20:
+        F.mse_loss(auto(x), y).backward()
+        steps += 1
+    plan = prefetch_plan(auto)
+    fixed = fully_shard(Net(), mesh, prefetch=(plan.forward_depth, plan.backward_depth))
+    F.mse_loss(fixed(x), y).backward()  # lazy init, as auto had
+    return {"decided after": steps, "auto decided": plan.decided, "auto depths": (plan.forward_depth, plan.backward_depth),
+            "auto issues": _issued(auto, x, y), "fixed issues": _issued(fixed, x, y)}
+
+
 def _bad_input_cases(rank: int, world: int, mesh) -> dict:
     out = {}
     cases = {
         "prefetch=-1 everywhere": dict(prefetch=-1),
         "prefetch=-1 on the last rank": dict(prefetch=-1 if rank == world - 1 else 1),
         "prefetch differs": dict(prefetch=rank),
+        "prefetch pair with -1": dict(prefetch=(1, -1)),
         "wrap names no module": dict(wrap="nope"),
         "wrap names no module on rank 0": dict(wrap="nope" if rank == 0 else None),
     }
@@ -172,6 +212,8 @@ def _run(cases: tuple[str, ...]) -> dict:
         out.update(_memory_case(world, mesh))
     if "overlap" in cases:
         out.update(_overlap_case(world, mesh))
+    if "decided" in cases:
+        out.update(_decided_case(world, mesh))
     if "bad" in cases:
         out.update(_bad_input_cases(rank, world, mesh))
     return out
@@ -179,12 +221,12 @@ def _run(cases: tuple[str, ...]) -> dict:
 
 @distributed(world_size=2, timeout_s=60.0)
 def _two():
-    return _run(("equal", "memory", "overlap", "bad"))
+    return _run(("equal", "memory", "overlap", "decided", "bad"))
 
 
 @distributed(world_size=3, timeout_s=60.0)
 def _three():
-    return _run(("equal", "memory", "bad"))
+    return _run(("equal", "memory", "decided", "bad"))
 
 
 @functools.cache

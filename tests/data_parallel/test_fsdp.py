@@ -23,6 +23,7 @@ def test_fixed_depths_are_set_and_auto_decides_the_same_on_every_rank(world):
     for r in out:
         for d in (0, 1, 2):
             assert r[f"prefetch={d} depths"] == (d, d, True)
+        assert r["prefetch=(1, 2) depths"] == (1, 2, True)
         fd, bd, decided = r["prefetch=auto depths"]
         assert decided and 0 <= fd <= 4 and 0 <= bd <= 4, r["prefetch=auto reason"]
         assert "forward depth" in r["prefetch=auto reason"] and "MiB" in r["prefetch=auto reason"]
@@ -35,6 +36,22 @@ def test_fixed_depths_are_set_and_auto_decides_the_same_on_every_rank(world):
         assert measured[f"{fd}/{bd}"] <= 1.01 * best, (measured, fd, bd)
         assert all(ms > 1.01 * best for key, ms in measured.items() if int(key.split("/")[0]) < fd), measured
         assert "measured step" in out[0]["prefetch=auto reason"]
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_decided_auto_issues_what_the_fixed_model_at_its_depths_issues(world):
+    """auto's probe and trials leave nothing behind: no other collective, order or prefetch list."""
+    for r in results(world):
+        assert r["auto decided"], r["decided after"]
+        a, f = r["auto issues"], r["fixed issues"]
+        assert a["comms"] == f["comms"], (r["auto depths"], a["comms"], f["comms"])
+        assert a["lists"] == f["lists"], (r["auto depths"], a["lists"], f["lists"])
+        gathers = [c for c in a["comms"] if c[0] == "zero_all_gather"]
+        assert len(gathers) == 1 + 4 + 4, gathers  # root once, each block in forward and again in backward
+        assert sum(c[0] == "zero_reduce_scatter" for c in a["comms"]) == 5, a["comms"]
+        fd, bd = r["auto depths"]
+        assert a["lists"][""][0] == [f"blocks.{i}" for i in range(min(fd, 4))], a["lists"]
+        assert a["probe stamps"] == 0 and f["probe stamps"] == 0
 
 
 @pytest.mark.parametrize("world", WORLDS)
@@ -70,6 +87,8 @@ def test_bad_input_fails_on_every_rank(world):
         kind, msg = r["prefetch=-1 on the last rank"]
         assert kind == "RankMismatchError" and "prefetch differs" in msg and "integer >= 0" in msg, msg
         assert r["prefetch differs"][0] == "RankMismatchError" and "prefetch differs" in r["prefetch differs"][1]
+        kind, msg = r["prefetch pair with -1"]
+        assert kind == "ValueError" and "(forward, backward) pair" in msg and "(1, -1)" in msg, msg
         assert r["wrap names no module"][0] == "ValueError" and "'nope'" in r["wrap names no module"][1]
         assert "blocks" in r["wrap names no module"][1]  # names what the model has
         assert r["wrap names no module on rank 0"][0] == "RankMismatchError"

@@ -44,10 +44,10 @@ from .fsdp_prefetch import MIB, ZeroThree
 class FullyShardConfig:
     """How ZeRO-3 prefetches."""
 
-    prefetch: int | str = "auto"
-    """Blocks whose gathers are issued ahead of use, in forward and in backward: an int >= 0, or
-    "auto" (measured on the second step, then priced by the cost model; the first two steps run
-    at depth 0)."""
+    prefetch: int | tuple[int, int] | str = "auto"
+    """Blocks whose gathers are issued ahead of use, in forward and in backward: an int >= 0, a
+    (forward, backward) pair of them (what auto may choose, pinned), or "auto" (measured on the
+    second step, then priced by the cost model; the first two steps run at depth 0)."""
     reshard_after_forward: bool = True
     """Free each block's gathered parameters after its forward (ZeRO-3: gathered again in
     backward); False keeps them to backward (ZeRO-2-like memory, no backward gathers)."""
@@ -64,8 +64,10 @@ class FullyShardConfig:
 
     def __post_init__(self) -> None:
         p = self.prefetch
-        if p != "auto" and (isinstance(p, bool) or not isinstance(p, int) or p < 0):
-            raise ValueError(f"fully_shard prefetch must be 'auto' or an integer >= 0 (blocks ahead), got {p!r}")
+        depths = p if isinstance(p, tuple) and len(p) == 2 else (p, p)
+        if p != "auto" and any(isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in depths):
+            raise ValueError("fully_shard prefetch must be 'auto', an integer >= 0 (blocks ahead) or a (forward, "
+                             f"backward) pair of them, got {p!r}")
         if not isinstance(self.reshard_after_forward, bool):
             raise ValueError(f"fully_shard reshard_after_forward must be True or False, got {self.reshard_after_forward!r}")
         b = self.memory_budget_mb
@@ -108,9 +110,10 @@ class PrefetchPlan:
         return self.held_ahead_bytes(max(self.forward_depth, self.backward_depth))
 
 
-def fully_shard(model: nn.Module, mesh_or_dim=None, *, dim: str = "dp", prefetch: int | str = "auto",
-                wrap=None, reshard_after_forward: bool = True, memory_budget_mb: float | None = None,
-                max_depth: int = 4, trials: int = 2, mp_policy=None) -> nn.Module:
+def fully_shard(model: nn.Module, mesh_or_dim=None, *, dim: str = "dp",
+                prefetch: int | tuple[int, int] | str = "auto", wrap=None, reshard_after_forward: bool = True,
+                memory_budget_mb: float | None = None, max_depth: int = 4, trials: int = 2,
+                mp_policy=None) -> nn.Module:
     """Shard `model` over the data-parallel mesh dim with FSDP2 and set its prefetch; returns `model`.
 
     mesh_or_dim: a 1-D DeviceMesh, a DeviceMesh with a `dim` dim (e.g. ("dp", "tp") with TP
@@ -121,6 +124,8 @@ def fully_shard(model: nn.Module, mesh_or_dim=None, *, dim: str = "dp", prefetch
     (or tuple of classes).
     Collective: every rank calls it with the same arguments; anything that differs, or a bad
     argument, raises on every rank. Parameters and buffers start as group rank 0's.
+    prefetch: "auto", a depth, or a (forward, backward) pair of depths; a pair pins what auto
+    chose, so that a fixed model issues exactly the gathers, in the same order, as the auto one.
     `prefetch_plan(model)` says what was chosen, and why.
     """
     mesh = _dp_mesh(mesh_or_dim, dim)
@@ -151,10 +156,10 @@ def fully_shard(model: nn.Module, mesh_or_dim=None, *, dim: str = "dp", prefetch
         torch_fully_shard(m, mesh=mesh, reshard_after_forward=cfg.reshard_after_forward, **kw)
     torch_fully_shard(model, mesh=mesh, **kw)
     auto = cfg.prefetch == "auto"
-    depth = 0 if auto else cfg.prefetch
+    fd, bd = (0, 0) if auto else cfg.prefetch if isinstance(cfg.prefetch, tuple) else (cfg.prefetch, cfg.prefetch)
     plan = PrefetchPlan(units=[n for n, _ in units], unit_param_bytes=unit_bytes, mode="auto" if auto else "fixed",
-                        forward_depth=depth, backward_depth=depth, decided=not auto,
-                        reason="measuring (depth 0 until the probe step)" if auto else f"asked for {depth}",
+                        forward_depth=fd, backward_depth=bd, decided=not auto,
+                        reason="measuring (depth 0 until the probe step)" if auto else f"asked for {fd}/{bd}",
                         memory_budget_bytes=None if cfg.memory_budget_mb is None else cfg.memory_budget_mb * MIB)
     model._overlapkit_zero3 = ZeroThree(model, [m for _, m in units], [n for n, _ in units], plan, group,
                                         mesh.device_type, cfg)

@@ -202,6 +202,7 @@ class ZeroThree:
 
     def _finish(self, fd: int, bd: int, measured: str) -> None:
         self._apply(fd, bd)
+        self.probe.reset()  # the probe's stamps are read: from here on an auto model is a fixed one
         self.plan.decided = True
         held = self.plan.held_ahead_bytes(max(fd, bd)) / MIB
         budget = self.plan.memory_budget_bytes
