@@ -144,7 +144,12 @@ def _variants(model, shrink, tp, tokens, group, device, dtype, compile_: bool) -
     hidden = MODELS[model]["hidden"] // shrink
     x = torch.randn(tokens, hidden, device=device, dtype=dtype)
     out = {}
-    for mode, opts in (("none", dict(overlap="none")), ("pipelined", dict(overlap="pipelined", transport="p2p"))):
+    # At one rank a pipelined call with the default one chunk per rank is a single GEMM; the
+    # "x<tp>" variant runs the chunk loop TP=<tp> would run (one chunk per rank, no transfers),
+    # so its ratio to none is what chunking and the pipeline's host work cost at those shapes.
+    modes = (("none", dict(overlap="none")), ("pipelined", dict(overlap="pipelined", transport="p2p")),
+             (f"pipelined x{tp}", dict(overlap="pipelined", transport="p2p", chunks=tp)))
+    for mode, opts in modes:
         torch.manual_seed(0)
         layer = TPLayer(model, shrink, tp, group, device, dtype, **opts)
         xg = x.clone().requires_grad_(True)
@@ -153,7 +158,7 @@ def _variants(model, shrink, tp, tokens, group, device, dtype, compile_: bool) -
                           device)
         if replay is not None:
             out[f"graphed {mode}"] = replay
-        if compile_:
+        if compile_ and "chunks" not in opts:
             out[f"compiled ours {mode}"] = _train_step(torch.compile(layer), xg)
     if compile_:
         plain = torch.compile(PlainLayer(model, shrink, tp, device, dtype))
@@ -257,14 +262,16 @@ def summarize(res: dict) -> dict:
     checks = []
     for (num, den, model), bound in TARGETS.items():
         for m in ([model] if model else list(res)):
-            if m not in res or num not in res[m] or den not in res[m]:
+            if m not in res or den not in res[m]:
                 continue
-            a, b = res[m][num], res[m][den]
-            if "device_ms" not in a or "device_ms" not in b:
-                continue
-            ratio = a["device_ms"] / b["device_ms"]
-            checks.append(dict(model=m, variant=num, baseline=den, ratio=round(ratio, 4), target=bound,
-                               host_ratio=round(a["host_ms"] / b["host_ms"], 4), met=ratio <= bound))
+            # The same bound for the chunk-loop variant ("eager pipelined x8" beside "eager pipelined").
+            for name in [n for n in res[m] if n == num or n.startswith(num + " x")]:
+                a, b = res[m][name], res[m][den]
+                if "device_ms" not in a or "device_ms" not in b:
+                    continue
+                ratio = a["device_ms"] / b["device_ms"]
+                checks.append(dict(model=m, variant=name, baseline=den, ratio=round(ratio, 4), target=bound,
+                                   host_ratio=round(a["host_ms"] / b["host_ms"], 4), met=ratio <= bound))
     return {"checks": checks}
 
 
