@@ -145,3 +145,46 @@ def _meta_init():
             meta=torch.equal(meta.weight.full_tensor(), ref.weight) and torch.equal(meta.bias.full_tensor(), ref.bias),
             dtensor_after_to_empty=type(meta.weight).__name__, refused=refused)
     return out
+
+
+@distributed(world_size=2)
+def _grads_are_dtensors():
+    """Gradients of the TP layers' parameters arrive as DTensors of the parameters' mesh and placements.
+
+    FSDP2, DCP and the optimizers read them that way; the layers build them from the
+    parameters' cached spec in their own backward (no to_local/from_local pair).
+    """
+    group, r = dist.group.WORLD, dist.get_rank()
+    torch.manual_seed(7)
+    x = torch.randn(8, 8)
+    ref = _reference()
+    ref(x).sum().backward()
+    out = {}
+    for mode in ("none", "bulk", "pipelined"):
+        for autocast in (False, True):
+            model = _tp_model(group, sequence_parallel=True, overlap=mode)
+            xs = x.chunk(2)[r].clone().requires_grad_(True)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                y = model(xs)
+            y.float().sum().backward()
+            kinds, err = [], 0.0
+            for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+                g = p.grad
+                kinds.append((name, type(g).__name__, g.device_mesh == p.device_mesh,
+                              tuple(g.placements) == tuple(p.placements), g.dtype == p.dtype,
+                              tuple(g.shape) == tuple(p.shape)))
+                if not autocast and name.endswith("weight"):  # row bias: summed over the SP ranks elsewhere
+                    err = max(err, ((g.full_tensor() - q.grad).norm() / q.grad.norm()).item())
+            out[(mode, autocast)] = (kinds, err, xs.grad is not None and xs.grad.dtype == xs.dtype)
+    return out
+
+
+def test_gradients_are_dtensors_with_the_parameters_placements():
+    for rank, res in enumerate(_grads_are_dtensors()):
+        for (mode, autocast), (kinds, err, xgrad_ok) in res.items():
+            for name, kind, same_mesh, same_placements, same_dtype, same_shape in kinds:
+                assert (kind, same_mesh, same_placements, same_dtype, same_shape) == ("DTensor", True, True, True, True), \
+                    f"rank {rank} {mode} autocast={autocast} {name}: {kind} mesh={same_mesh} " \
+                    f"placements={same_placements} dtype={same_dtype} shape={same_shape}"
+            assert err <= 1e-5, f"rank {rank} {mode}: weight gradient rel err {err:.2e}"
+            assert xgrad_ok, f"rank {rank} {mode} autocast={autocast}: input gradient missing or of another dtype"
