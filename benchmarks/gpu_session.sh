@@ -72,6 +72,13 @@ gpu_d)
         --shape-tp 8 --layers-only --out "$r/new$i"
   done
   ;;
+gpu_e)
+  # The final TP code: capture and replay (every mode, a whole demo step with its real loss), then
+  # host cost with the compiled variants and the chunk-loop ("pipelined x8") variant.
+  step cuda_graphs 90 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_cuda_graphs.py
+  step tp_host_cost 420 env CUDA_DEVICE_MAX_CONNECTIONS=1 python3 benchmarks/tp_host_cost.py --device cuda --world 1 \
+      --shape-tp 8 --out "$r"
+  ;;
 *) echo "unknown part $part"; exit 2 ;;
 esac
 tar czf "$out/$part.tgz" -C "$out" results logs && rm -rf "$out/results" "$out/logs"
