@@ -3,14 +3,20 @@ fully_shard (FSDP2 underneath) at prefetch 0, 1, 2 and auto, overlapkit's Sharde
 (ZeRO-2: gradients reduce-scattered in backward, parameters all-gathered behind the next
 forward) and PyTorch DDP, on the same GPT.
 
-Variants take turns step by step (the order rotates every round) so that load that comes and
-goes hits them alike; a step's time is the slowest rank's; the table gives medians with their
-middle half (p25-p75) and, for auto, the per-round ratio to the best fixed depth and to FSDP2's
-defaults (target: <= 1). The same ratio of auto to the fixed depth it chose (an identical
-configuration) is the noise floor: a miss whose middle half reaches 1 is "within noise".
+Variants take turns step by step so that load that comes and goes hits them alike; the order
+of each round comes from a balanced (Williams) design, so every variant runs right after every
+other equally often (a plain rotation keeps each variant's predecessor fixed: auto always ran
+right after prefetch=2). A step's time is the slowest rank's; the table gives medians with
+their middle half (p25-p75) and, for auto, the per-round ratio to the best fixed depth and to
+FSDP2's defaults (target: <= 1; a miss is "within noise" only when the middle half straddles 1).
 auto first finishes its probe and trials (it steps alone after the warm-up rounds until it has
-decided), so every timed round runs its final depth. `--budget-s` bounds the timed rounds: the
-warm-up's round time sets how many of `--steps` fit.
+decided); then a fixed model pinned at auto's depths (`prefetch=(forward, backward)`, built and
+warmed after the decision) joins, every variant gets one more untimed round, and every timed
+round runs auto's final depth. auto vs that pinned twin is auto's own cost (the configurations
+are identical: tests/data_parallel/test_fsdp.py checks the same collectives, order and prefetch
+lists); the twin vs the fixed depth of the same number is the run's noise floor between two
+instances. `--budget-s` bounds the timed rounds: the warm-up's round time sets how many of
+`--steps` fit.
 Exposed gather / reduce-scatter come from the timeline recorder in separate recorded steps
 (overlapkit's variants only: FSDP2 and DDP issue their collectives outside overlapkit).
 Memory: on CUDA the peak allocated during one step of each variant alone; on CPU the bytes of
@@ -54,13 +60,33 @@ PRESETS = {
 }
 FIXED = ("overlapkit prefetch=0", "overlapkit prefetch=1", "overlapkit prefetch=2")
 AUTO = "overlapkit prefetch=auto"
+PINNED = "overlapkit fixed at auto's depths"
+"""A fixed model at the (forward, backward) depths auto chose, built after the decision: always run."""
 VARIANTS = ("FSDP2 defaults", *FIXED, AUTO, "ShardedOptimizer (ZeRO-2)", "torch DDP")
-RECORDED = (*FIXED, AUTO, "ShardedOptimizer (ZeRO-2)")
+RECORDED = (*FIXED, AUTO, PINNED, "ShardedOptimizer (ZeRO-2)")
 SHORT = dict(zip(("fsdp2", "0", "1", "2", "auto", "zero2", "ddp"), VARIANTS))
-"""--variants names: fsdp2, 0, 1, 2, auto, zero2, ddp (auto and fsdp2 are always run: the targets compare them)."""
+"""--variants names: fsdp2, 0, 1, 2, auto, zero2, ddp (auto, fsdp2 and PINNED always run: the targets compare them)."""
 MAX_DECIDE_STEPS = 30
 """auto steps alone after the warm-up at most this often to finish its probe and trials."""
 MIB = 2**20
+
+
+def balanced_orders(n: int) -> list[list[int]]:
+    """Rounds of a Williams design over n variants: each runs in every position, and right after
+    every other, equally often over the rounds (n rounds for even n, 2n for odd)."""
+    first = [0] + [(k + 1) // 2 if k % 2 else n - k // 2 for k in range(1, n)]  # 0, 1, n-1, 2, n-2, ...
+    rows = [[(v + r) % n for v in first] for r in range(n)]
+    return rows + [row[::-1] for row in rows] if n % 2 else rows
+
+
+def time_balanced(step, variants: list[str], rounds: int, device: torch.device) -> dict[str, list[float]]:
+    """ms per step of each variant over `rounds` rounds, each round in the next balanced order."""
+    orders = balanced_orders(len(variants))
+    times: dict[str, list[float]] = {k: [] for k in variants}
+    for i in range(rounds):
+        for k, ms in time_variants(step, [variants[j] for j in orders[i % len(orders)]], 1, 0, device).items():
+            times[k] += ms
+    return times
 
 
 def _state_bytes(model, opt) -> int:
@@ -133,11 +159,19 @@ def _rank_body(device_type: str, preset: dict, steps: int, warmup: int, recorded
             raise RuntimeError(f"auto did not decide within {MAX_DECIDE_STEPS} steps: {prefetch_plan(models[AUTO]).reason}")
         step(AUTO)
         decide_steps += 1
+    auto_plan = prefetch_plan(models[AUTO])
+    models[PINNED] = fully_shard(fresh(), mesh, prefetch=(auto_plan.forward_depth, auto_plan.backward_depth))
+    opts[PINNED] = torch.optim.AdamW(models[PINNED].parameters(), lr=1e-4)
+    for _ in range(warmup):
+        step(PINNED)  # as warm as the others before the round they all share
+    variants = (*variants, PINNED)
+    time_balanced(step, list(variants), 1, device)  # untimed: auto ran its decision alone
+    per_round *= len(variants) / (len(variants) - 1)
     rounds = max(5, min(steps, int(budget_s / per_round.item())))
     if rank == 0:
         progress(f"warm-up {warmup} rounds at {per_round.item():.2f} s a round, auto decided after {decide_steps} "
                  f"more steps; timing {rounds} rounds")
-    times = time_variants(step, list(variants), rounds, 0, device)
+    times = time_balanced(step, list(variants), rounds, device)
 
     memory = {}
     for name in variants:
@@ -151,20 +185,21 @@ def _rank_body(device_type: str, preset: dict, steps: int, warmup: int, recorded
 
     recorded_variants = [k for k in RECORDED if k in variants]
     rec_rows: dict[str, list] = {k: [] for k in recorded_variants}
-    for name in recorded_variants:
-        for _ in range(recorded):
-            line_up(device)
-            with record(device=device) as rec:
-                step(name)
-            t = measure(rec.spans)
-            gathers = [s for s in rec.spans if s.kind == "zero_all_gather"]
-            reduces = [s for s in rec.spans if s.kind in ("zero_reduce_scatter", "dp_reduce_scatter")]
-            compute = [s for s in rec.spans if s.is_compute]
-            rec_rows[name].append(dict(
-                comm_ms=t.comm_ms, exposed_ms=t.exposed_comm_ms, overlap_pct=t.overlap_pct,
-                exposed_gather_ms=measure(gathers + compute).exposed_comm_ms,
-                exposed_reduce_ms=measure(reduces + compute).exposed_comm_ms,
-                layers=[vars(r) for r in layer_report(rec.spans)] if name != "ShardedOptimizer (ZeRO-2)" else []))
+    orders = balanced_orders(len(recorded_variants))
+    # Interleaved like the timed rounds: a variant recorded after the others must not meet other load.
+    for name in [recorded_variants[j] for r in range(recorded) for j in orders[r % len(orders)]]:
+        line_up(device)
+        with record(device=device) as rec:
+            step(name)
+        t = measure(rec.spans)
+        gathers = [s for s in rec.spans if s.kind == "zero_all_gather"]
+        reduces = [s for s in rec.spans if s.kind in ("zero_reduce_scatter", "dp_reduce_scatter")]
+        compute = [s for s in rec.spans if s.is_compute]
+        rec_rows[name].append(dict(
+            comm_ms=t.comm_ms, exposed_ms=t.exposed_comm_ms, overlap_pct=t.overlap_pct,
+            exposed_gather_ms=measure(gathers + compute).exposed_comm_ms,
+            exposed_reduce_ms=measure(reduces + compute).exposed_comm_ms,
+            layers=[vars(r) for r in layer_report(rec.spans)] if name != "ShardedOptimizer (ZeRO-2)" else []))
     check_us = None
     if dp is not None:
         for _ in range(50):
@@ -174,7 +209,7 @@ def _rank_body(device_type: str, preset: dict, steps: int, warmup: int, recorded
             dp.check_layout()  # DataParallel's per-forward check that no parameter was re-typed or moved
         check_us = (time.perf_counter() - t0) * 1e3
     plans = {}
-    for name in [k for k in (*FIXED, AUTO) if k in variants]:
+    for name in [k for k in (*FIXED, AUTO, PINNED) if k in variants]:
         plan = prefetch_plan(models[name])
         plans[name] = dict(vars(plan), held_ahead_mb=plan.prefetch_bytes / MIB)
     return dict(times=times, memory=memory, recorded=rec_rows, plans=plans, check_layout_us=check_us,
@@ -214,13 +249,11 @@ def summarize(per_rank: list[dict]) -> dict:
                                  num_layers=blocks, reduce_ms=probe["reduce_scatter_ms"])
             if f"overlapkit prefetch={d}" in rows:
                 rows[f"overlapkit prefetch={d}"]["predicted_blocks_ms"] = f + b
-    auto = steps[AUTO]
-
-    def ratio(other: str | None) -> dict | None:
+    def ratio(other: str | None, of: str = AUTO) -> dict | None:
         if other is None:
             return None
-        r = [a / b for a, b in zip(auto, steps[other])]
-        return dict(to=other, median=_median(r), iqr=_iqr(r))
+        r = [a / b for a, b in zip(steps[of], steps[other])]
+        return dict(of=of, to=other, median=_median(r), iqr=_iqr(r))
 
     # The fixed depth with the best median, round by round (the per-round minimum of three noisy
     # depths would be biased low, and make even an identical configuration look slower).
@@ -234,16 +267,31 @@ def summarize(per_rank: list[dict]) -> dict:
                 check_layout_us=_median([r["check_layout_us"] for r in per_rank]), auto=dict(
                     depths=depths, reason=plan["reason"], probe=probe, measured=plan.get("measured", {}),
                     vs_best_fixed=ratio(fastest_fixed), vs_fsdp2=ratio("FSDP2 defaults"), vs_same_depth=ratio(same),
+                    vs_pinned=ratio(PINNED), pinned_vs_same_depth=ratio(same, of=PINNED),
                     layers=per_rank[0]["recorded"][AUTO][-1]["layers"] if per_rank[0]["recorded"].get(AUTO) else []))
 
 
+def straddles(r: dict) -> bool:
+    """Whether the middle half of the per-round ratios holds 1: rounds fall on either side."""
+    return r["iqr"][0] <= 1.0 <= r["iqr"][1]
+
+
 def verdict(r: dict | None) -> str:
-    """met (median <= 1), within noise (a miss whose middle half of per-round ratios reaches 1), or MISSED."""
+    """met (median <= 1), within noise (a miss whose middle half of per-round ratios straddles 1), or MISSED."""
     if r is None or r["median"] is None:
         return "not run"
     if r["median"] <= 1.0:
         return "met"
-    return "within noise" if r["iqr"][0] <= 1.0 else "MISSED"
+    return "within noise" if straddles(r) else "MISSED"
+
+
+def same_config(r: dict) -> str:
+    """What the ratio between two identical configurations says: noise only if it straddles 1."""
+    if straddles(r):
+        return "within noise (the middle half straddles 1)"
+    side = "slower" if r["iqr"][0] > 1.0 else "faster"
+    return (f"a systematic gap, not noise: {side} in at least three rounds in four at an identical "
+            "configuration")
 
 
 def markdown(result: dict) -> str:
@@ -253,7 +301,7 @@ def markdown(result: dict) -> str:
     head = (f"ZeRO-3 step time, {result['device']}, world size {result['world']}, {result['threads']} threads a rank, "
             f"torch {result['torch']}: GPT {result['params'] / 1e6:.1f} M parameters, "
             f"{result['preset']['gpt']['num_layers']} blocks. Median (and middle half, p25–p75) of {result['rounds']} "
-            f"rotating rounds (slowest rank; {result['warmup_round_s']:.2f} s a warm-up round, auto decided "
+            f"balanced-order rounds (slowest rank; {result['warmup_round_s']:.2f} s a warm-up round, auto decided "
             f"{result['decide_steps']} steps after the warm-up); exposed communication from the recorder "
             "(overlapkit variants).\n\n")
     lines = [f"| variant | step ms | p25–p75 ms | vs FSDP2 defaults | {mem} | gathered ahead MiB | comm ms | exposed ms "
@@ -270,13 +318,17 @@ def markdown(result: dict) -> str:
     def said(what: str, r: dict | None, target: bool = True) -> str:
         if r is None:
             return ""
-        line = (f"auto vs {what} ({r['to']}), per round: median {r['median']:.3f} (middle half "
+        who = "auto" if r["of"] == AUTO else r["of"]
+        line = (f"{who} vs {what} ({r['to']}), per round: median {r['median']:.3f} (middle half "
                 f"{r['iqr'][0]:.3f} – {r['iqr'][1]:.3f})")
-        return line + (f" — target <= 1: {verdict(r)}.\n" if target else ": the noise floor of this run.\n")
+        return line + (f" — target <= 1: {verdict(r)}.\n" if target else f": {same_config(r)}.\n")
 
     tail = (f"\n\nauto chose forward/backward depth {a['depths'][0]}/{a['depths'][1]}: {a['reason']}.\n"
             + said("the fixed depth with the best median", a["vs_best_fixed"]) + said("FSDP2 defaults", a["vs_fsdp2"])
-            + said("the same fixed depth", a["vs_same_depth"], target=False))
+            + said("the fixed model pinned at its depths, built after its decision", a.get("vs_pinned"), target=False)
+            + said("the same fixed depth", a["vs_same_depth"], target=False)
+            + said("the same fixed depth (two instances of one configuration: the run's noise floor)",
+                   a.get("pinned_vs_same_depth"), target=False))
     if a["layers"]:
         tail += ("\nPer block under auto (rank 0, last recorded step):\n\n| block | gather fwd ms (exposed) | "
                  "gather bwd ms (exposed) | reduce-scatter ms (exposed) | hidden % |\n|---|---:|---:|---:|---:|\n")
@@ -303,7 +355,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget-s", type=float, default=120.0,
                     help="seconds the timed rounds may take (the warm-up's round time sets how many; at least 5)")
     ap.add_argument("--variants", default=",".join(SHORT),
-                    help=f"comma-separated subset of {','.join(SHORT)} (fsdp2 and auto always run)")
+                    help=f"comma-separated subset of {','.join(SHORT)} (fsdp2, auto and a fixed model pinned at "
+                         "auto's depths always run)")
     ap.add_argument("--preset", choices=sorted(PRESETS), default=None, help="model size (default: the device's)")
     args = ap.parse_args(argv)
     world = world_size(args)

@@ -168,7 +168,8 @@ def _decided_case(world: int, mesh) -> dict:
     plan = prefetch_plan(auto)
     fixed = fully_shard(Net(), mesh, prefetch=(plan.forward_depth, plan.backward_depth))
     F.mse_loss(fixed(x), y).backward()  # lazy init, as auto had
-    return {"decided after": steps, "auto decided": plan.decided, "auto depths": (plan.forward_depth, plan.backward_depth),
+    return {"decided after": steps, "auto decided": plan.decided,
+            "auto depths": (plan.forward_depth, plan.backward_depth),
             "auto issues": _issued(auto, x, y), "fixed issues": _issued(fixed, x, y)}
 
 
