@@ -164,7 +164,7 @@ def _rank_body(device_type: str, preset: dict, steps: int, warmup: int, recorded
     opts[PINNED] = torch.optim.AdamW(models[PINNED].parameters(), lr=1e-4)
     for _ in range(warmup):
         step(PINNED)  # as warm as the others before the round they all share
-    variants = (*variants, PINNED)
+    variants = tuple(v for k in variants for v in ((k, PINNED) if k == AUTO else (k,)))  # its row under auto's
     time_balanced(step, list(variants), 1, device)  # untimed: auto ran its decision alone
     per_round *= len(variants) / (len(variants) - 1)
     rounds = max(5, min(steps, int(budget_s / per_round.item())))
@@ -327,8 +327,8 @@ def markdown(result: dict) -> str:
             + said("the fixed depth with the best median", a["vs_best_fixed"]) + said("FSDP2 defaults", a["vs_fsdp2"])
             + said("the fixed model pinned at its depths, built after its decision", a.get("vs_pinned"), target=False)
             + said("the same fixed depth", a["vs_same_depth"], target=False)
-            + said("the same fixed depth (two instances of one configuration: the run's noise floor)",
-                   a.get("pinned_vs_same_depth"), target=False))
+            + said("the fixed depth of the same number (another instance of one configuration: the run's noise "
+                   "floor)", a.get("pinned_vs_same_depth"), target=False))
     if a["layers"]:
         tail += ("\nPer block under auto (rank 0, last recorded step):\n\n| block | gather fwd ms (exposed) | "
                  "gather bwd ms (exposed) | reduce-scatter ms (exposed) | hidden % |\n|---|---:|---:|---:|---:|\n")
