@@ -35,7 +35,7 @@ from .. import comm
 from ..timeline import recorder as _recorder
 from . import p2p, symm_mem
 from .p2p import accum_dtype
-from .precision import autocast_dtype, autocast_off, cast
+from .precision import addmm_accumulate_, autocast_dtype, autocast_off, cast
 from .symm_mem import TransportUnavailable
 
 TRANSPORTS = ("p2p", "symm_mem")
@@ -191,10 +191,7 @@ def _regather_wgrad(x2: torch.Tensor, dy2: torch.Tensor, k: int, group, transpor
 
     def consume(rows: slice, data: torch.Tensor, lane: int) -> None:
         with span(f"{name}.gemm", stream=_lane_stream(lane)):
-            if acc[lane].dtype == data.dtype:
-                acc[lane].addmm_(dy2[rows].t(), data)
-            else:
-                acc[lane].add_(torch.mm(dy2[rows].t(), data))
+            addmm_accumulate_(acc[lane], dy2[rows].t(), data)
 
     transport.gather_and_consume(x2, consume, k, group, name=name, need_gathered=False)
     total = acc[0] if lanes == 1 else acc[0] + acc[1]

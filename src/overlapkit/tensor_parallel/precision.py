@@ -36,3 +36,40 @@ def cast(t: torch.Tensor | None, dtype: torch.dtype | None) -> torch.Tensor | No
 def autocast_off(x: torch.Tensor, dtype: torch.dtype | None):
     """A context with autocast disabled for x's device when a dtype was picked, else nothing."""
     return torch.autocast(x.device.type, enabled=False) if dtype is not None else contextlib.nullcontext()
+
+
+_FUSED_ACCUMULATE: dict = {}
+"""device -> whether torch.addmm(..., out_dtype=, out=acc) accumulates there in one GEMM (probed once)."""
+
+
+def addmm_accumulate_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """acc += a @ b, with `acc` in a wider dtype than a and b (fp32 over bf16 chunks of a wgrad).
+
+    Where torch has it (CUDA's addmm with out_dtype), one GEMM adds into `acc` in its epilogue,
+    with no rounding of the product to bf16; elsewhere a bf16 product, then an fp32 add (a
+    second pass over a weight-sized matrix per chunk, what the chunked wgrad paid on the H200).
+    """
+    if acc.dtype == a.dtype:
+        return acc.addmm_(a, b)
+    if _fused_accumulate(acc.device, a.dtype, acc.dtype):
+        return torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
+    return acc.add_(torch.mm(a, b))
+
+
+def _fused_accumulate(device: torch.device, low: torch.dtype, high: torch.dtype) -> bool:
+    if device.type != "cuda":
+        return False
+    key = (device, low, high)
+    ok = _FUSED_ACCUMULATE.get(key)
+    if ok is None:
+        if torch.cuda.is_current_stream_capturing():
+            return False  # the probe syncs: decide on a call outside the capture
+        try:
+            c = torch.ones(2, 2, device=device, dtype=high)
+            x = torch.ones(2, 2, device=device, dtype=low)
+            torch.addmm(c, x, x, out_dtype=high, out=c)
+            ok = bool(torch.equal(c, torch.full_like(c, 3.0)))  # 1 + 2: the sum really went into c
+        except (RuntimeError, TypeError, NotImplementedError):
+            ok = False
+        _FUSED_ACCUMULATE[key] = ok
+    return ok
