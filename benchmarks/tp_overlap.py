@@ -179,6 +179,10 @@ def _layer_variants(model, shrink, tp, tokens, group, device, dtype) -> dict:
                 layer(x)
 
         def fwd_bwd(layer=layer, xg=xg):
+            # A training step's backward: gradients set to None first (zero_grad's default), so
+            # no round pays an accumulation that a step of one micro-batch does not.
+            layer.zero_grad(set_to_none=True)
+            xg.grad = None
             layer(xg).sum().backward()
         v[f"{mode} fwd"], v[f"{mode} fwd+bwd"] = fwd, fwd_bwd
     return v
