@@ -79,6 +79,24 @@ gpu_e)
   step tp_host_cost 420 env CUDA_DEVICE_MAX_CONNECTIONS=1 python3 benchmarks/tp_host_cost.py --device cuda --world 1 \
       --shape-tp 8 --out "$r"
   ;;
+gpu_f)
+  # The session's last checks: the fused fp32 wgrad accumulation (and capture with it), ZeRO-3's
+  # auto against its twin at 8 ranks, the layer rows A/B (OLD_SRC as in gpu_d, the harness now
+  # setting gradients to None), where the chunk loop's device time goes, host cost without compile.
+  step pytest_gpu 120 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_chunked_wgrad.py \
+      tests/gpu/test_cuda_graphs.py tests/gpu/test_nccl_pipelined.py
+  step fsdp_ws8 160 python3 benchmarks/fsdp_overlap.py --world 8 --threads 2 --budget-s 80 --steps 30 \
+      --variants fsdp2,1,2,auto --out "$r"
+  for i in 1 2; do
+    step layers_old$i 70 env PYTHONPATH="${OLD_SRC:?OLD_SRC: the old src folder}" CUDA_DEVICE_MAX_CONNECTIONS=1 \
+        python3 benchmarks/tp_overlap.py --device cuda --shape-tp 8 --layers-only --out "$r/old$i"
+    step layers_new$i 70 env CUDA_DEVICE_MAX_CONNECTIONS=1 python3 benchmarks/tp_overlap.py --device cuda \
+        --shape-tp 8 --layers-only --out "$r/new$i"
+  done
+  step chunk_profile 60 python3 benchmarks/tp_chunk_profile.py --device cuda --world 1 --shape-tp 8 --out "$r"
+  step tp_host_cost 90 env CUDA_DEVICE_MAX_CONNECTIONS=1 python3 benchmarks/tp_host_cost.py --device cuda --world 1 \
+      --shape-tp 8 --no-compile --tag fused_wgrad --out "$r"
+  ;;
 *) echo "unknown part $part"; exit 2 ;;
 esac
 tar czf "$out/$part.tgz" -C "$out" results logs && rm -rf "$out/results" "$out/logs"
