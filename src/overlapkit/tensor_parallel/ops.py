@@ -221,6 +221,11 @@ class _EagerLinear(torch.autograd.Function):
 
 def eager(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, cdt, args: tuple) -> torch.Tensor:
     """The eager linear over the layer's parameters (DTensor or plain) w, b; see _EagerLinear."""
+    if not torch.is_grad_enabled():
+        # Nothing to differentiate (inference, a pipeline's no-grad pass): the forward body on
+        # the local shards, without an autograd Function over DTensor inputs (host time only).
+        kind, *rest = args
+        return _fwd(kind, x, _local(w, param_parts(w), cdt), _local(b, param_parts(b), cdt), *rest)[0]
     return _EagerLinear.apply(x, w, b, cdt, args)
 
 
