@@ -56,6 +56,8 @@ def _profile(fn, device, steps: int) -> dict:
         us = (e.self_device_time_total if device.type == "cuda" else e.self_cpu_time_total) or 0.0
         if us <= 0 or e.key.startswith("overlapkit"):  # our ranges (GPU annotations) would count twice
             continue
+        if device.type == "cuda" and e.device_type != torch.autograd.DeviceType.CUDA:
+            continue  # an aten op's row carries its kernels' time: count the kernels once, not the op too
         per_name[e.key] += us / steps
         count[e.key] += e.count // steps
         per_class[_kernel_class(e.key)] += us / steps
