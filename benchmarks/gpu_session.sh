@@ -14,6 +14,16 @@ part=${1:?part cpu16a, cpu16b, gpu_a or gpu_b}; out=${2:?output folder}
 source "$(dirname "$0")/gpu_env.sh"
 mkdir -p "$out/logs" "$out/results"
 r="$out/results"
+# layers_ab LIMIT: the TP layer rows of the source in OLD_SRC and of this checkout, alternated
+# twice in one call (old, new, old, new), so a no-regression check compares like with like.
+layers_ab() {
+  for i in 1 2; do
+    step layers_old$i "$1" env PYTHONPATH="${OLD_SRC:?OLD_SRC: the old src folder}" CUDA_DEVICE_MAX_CONNECTIONS=1 \
+        python3 benchmarks/tp_overlap.py --device cuda --shape-tp 8 --layers-only --out "$r/old$i"
+    step layers_new$i "$1" env CUDA_DEVICE_MAX_CONNECTIONS=1 python3 benchmarks/tp_overlap.py --device cuda \
+        --shape-tp 8 --layers-only --out "$r/new$i"
+  done
+}
 case "$part" in
 cpu16a)
   step agreement_ws8 30 python3 benchmarks/agreement_cost.py --world 8 --out "$r"
@@ -65,12 +75,7 @@ gpu_d)
   # OLD_SRC (the commit before DTensor parameters) and this checkout's, alternated twice, so the
   # no-regression check compares like with like rather than runs on different days and hosts.
   step fsdp_ws8 260 python3 benchmarks/fsdp_overlap.py --world 8 --threads 2 --budget-s 100 --out "$r"
-  for i in 1 2; do
-    step layers_old$i 90 env PYTHONPATH="${OLD_SRC:?OLD_SRC: the old src folder}" CUDA_DEVICE_MAX_CONNECTIONS=1 \
-        python3 benchmarks/tp_overlap.py --device cuda --shape-tp 8 --layers-only --out "$r/old$i"
-    step layers_new$i 90 env CUDA_DEVICE_MAX_CONNECTIONS=1 python3 benchmarks/tp_overlap.py --device cuda \
-        --shape-tp 8 --layers-only --out "$r/new$i"
-  done
+  layers_ab 90
   ;;
 gpu_e)
   # The final TP code: capture and replay (every mode, a whole demo step with its real loss), then
@@ -87,12 +92,7 @@ gpu_f)
       tests/gpu/test_cuda_graphs.py tests/gpu/test_nccl_pipelined.py
   step fsdp_ws8 160 python3 benchmarks/fsdp_overlap.py --world 8 --threads 2 --budget-s 80 --steps 30 \
       --variants fsdp2,1,2,auto --out "$r"
-  for i in 1 2; do
-    step layers_old$i 70 env PYTHONPATH="${OLD_SRC:?OLD_SRC: the old src folder}" CUDA_DEVICE_MAX_CONNECTIONS=1 \
-        python3 benchmarks/tp_overlap.py --device cuda --shape-tp 8 --layers-only --out "$r/old$i"
-    step layers_new$i 70 env CUDA_DEVICE_MAX_CONNECTIONS=1 python3 benchmarks/tp_overlap.py --device cuda \
-        --shape-tp 8 --layers-only --out "$r/new$i"
-  done
+  layers_ab 70
   step chunk_profile 60 python3 benchmarks/tp_chunk_profile.py --device cuda --world 1 --shape-tp 8 --out "$r"
   step tp_host_cost 90 env CUDA_DEVICE_MAX_CONNECTIONS=1 python3 benchmarks/tp_host_cost.py --device cuda --world 1 \
       --shape-tp 8 --no-compile --tag fused_wgrad --out "$r"
