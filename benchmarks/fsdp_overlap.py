@@ -44,7 +44,8 @@ import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
-from _common import add_common_args, backend, device_label, line_up, time_variants, world_size, write_results
+from _common import (add_common_args, backend, balanced_orders, device_label, line_up, time_variants,
+                     world_size, write_results)
 from overlapkit.costmodel.fsdp import prefetch_wall_ms
 from overlapkit.data_parallel import DataParallel, ShardedOptimizer, fully_shard, layer_report, prefetch_plan
 from overlapkit.launch import spawn
@@ -71,22 +72,9 @@ MAX_DECIDE_STEPS = 30
 MIB = 2**20
 
 
-def balanced_orders(n: int) -> list[list[int]]:
-    """Rounds of a Williams design over n variants: each runs in every position, and right after
-    every other, equally often over the rounds (n rounds for even n, 2n for odd)."""
-    first = [0] + [(k + 1) // 2 if k % 2 else n - k // 2 for k in range(1, n)]  # 0, 1, n-1, 2, n-2, ...
-    rows = [[(v + r) % n for v in first] for r in range(n)]
-    return rows + [row[::-1] for row in rows] if n % 2 else rows
-
-
 def time_balanced(step, variants: list[str], rounds: int, device: torch.device) -> dict[str, list[float]]:
     """ms per step of each variant over `rounds` rounds, each round in the next balanced order."""
-    orders = balanced_orders(len(variants))
-    times: dict[str, list[float]] = {k: [] for k in variants}
-    for i in range(rounds):
-        for k, ms in time_variants(step, [variants[j] for j in orders[i % len(orders)]], 1, 0, device).items():
-            times[k] += ms
-    return times
+    return time_variants(step, variants, rounds, 0, device)
 
 
 def _state_bytes(model, opt) -> int:
