@@ -3,8 +3,8 @@ reductions overlapped with backward, the same without overlap (all reductions af
 backward), PyTorch DistributedDataParallel, and the same model with no communication at all.
 
 Variants take turns step by step (each round in the next order of a balanced design), so
-that load that comes and goes on a shared machine hits them alike. A step's time is the slowest rank's; the table
-gives the median over the timed steps. Exposed communication of overlapkit's variants comes
+that load that comes and goes on a shared machine hits them alike. A step's time is the
+slowest rank's; the table gives the median over the timed steps. Exposed communication of overlapkit's variants comes
 from the timeline recorder (communication not covered by forward/backward compute, recorded
 in separate steps after the timed ones so that recording never slows a timed step); for
 every variant, "step − no-comm" is what communication and its bookkeeping added.
