@@ -74,6 +74,30 @@ def time_variants(step: Callable[[str], None], variants: list[str], steps: int, 
     return times
 
 
+def lm_train_step(models: dict, opts: dict, vocab_size: int, batch: int, seq_len: int, seed: int,
+                  device: torch.device) -> Callable[[str], None]:
+    """step(name): one training step of models[name] on a fixed batch of this rank's tokens.
+
+    The batch is drawn once from `seed` (so every variant trains on the same data); the forward
+    runs under bf16 autocast on CUDA, in fp32 on CPU; the language-model loss is the GPT's.
+    """
+    from overlapkit.models import lm_loss
+
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.randint(0, vocab_size, (batch, seq_len + 1), generator=g).to(device)
+    x, y = idx[:, :-1], idx[:, 1:]
+    autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda"
+                else torch.autocast("cpu", enabled=False))
+
+    def step(name: str) -> None:
+        opts[name].zero_grad()
+        with autocast:
+            loss = lm_loss(models[name](x), y)
+        loss.backward()
+        opts[name].step()
+    return step
+
+
 def device_label(device: str) -> str:
     return torch.cuda.get_device_name(0) if device == "cuda" else f"CPU ({platform.machine()}, gloo)"
 

@@ -27,10 +27,11 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from _common import add_common_args, backend, device_label, line_up, time_variants, world_size, write_results
+from _common import (add_common_args, backend, device_label, line_up, lm_train_step, time_variants, world_size,
+                     write_results)
 from overlapkit.data_parallel import DataParallel
 from overlapkit.launch import spawn
-from overlapkit.models.gpt import GPT, GPTConfig, lm_loss
+from overlapkit.models.gpt import GPT, GPTConfig
 from overlapkit.timeline import record
 from overlapkit.timeline.report import measure
 
@@ -67,17 +68,7 @@ def _rank_body(device_type: str, preset: dict, steps: int, warmup: int, recorded
         VARIANTS[3]: fresh(),
     }
     opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-4) for k, m in models.items()}
-    g = torch.Generator().manual_seed(seed + rank)
-    idx = torch.randint(0, cfg.vocab_size, (preset["batch"], cfg.seq_len + 1), generator=g).to(device)
-    x, y = idx[:, :-1], idx[:, 1:]
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
-
-    def step(name: str) -> None:
-        opts[name].zero_grad()
-        with autocast:
-            loss = lm_loss(models[name](x), y)
-        loss.backward()
-        opts[name].step()
+    step = lm_train_step(models, opts, cfg.vocab_size, preset["batch"], cfg.seq_len, seed + rank, device)
 
     times = time_variants(step, list(VARIANTS), steps, warmup, device)
 

@@ -44,12 +44,12 @@ import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
-from _common import (add_common_args, backend, balanced_orders, device_label, line_up, time_variants,
-                     world_size, write_results)
+from _common import (add_common_args, backend, balanced_orders, device_label, line_up, lm_train_step,
+                     time_variants, world_size, write_results)
 from overlapkit.costmodel.fsdp import prefetch_wall_ms
 from overlapkit.data_parallel import DataParallel, ShardedOptimizer, fully_shard, layer_report, prefetch_plan
 from overlapkit.launch import spawn
-from overlapkit.models.gpt import GPT, GPTConfig, lm_loss
+from overlapkit.models.gpt import GPT, GPTConfig
 from overlapkit.timeline import record
 from overlapkit.timeline.report import measure
 
@@ -124,18 +124,7 @@ def _rank_body(device_type: str, preset: dict, steps: int, warmup: int, recorded
                                                       device_ids=[device.index] if device.type == "cuda" else None)
     for k, m in models.items():
         opts.setdefault(k, torch.optim.AdamW(m.parameters(), lr=1e-4))
-    g = torch.Generator().manual_seed(1 + rank)
-    idx = torch.randint(0, cfg.vocab_size, (preset["batch"], cfg.seq_len + 1), generator=g).to(device)
-    x, y = idx[:, :-1], idx[:, 1:]
-    autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda"
-                else torch.autocast("cpu", enabled=False))
-
-    def step(name: str) -> None:
-        opts[name].zero_grad()
-        with autocast:
-            loss = lm_loss(models[name](x), y)
-        loss.backward()
-        opts[name].step()
+    step = lm_train_step(models, opts, cfg.vocab_size, preset["batch"], cfg.seq_len, 1 + rank, device)
 
     t0 = time.perf_counter()
     time_variants(step, list(variants), 0, warmup, device)
