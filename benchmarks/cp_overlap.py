@@ -2,8 +2,9 @@
 same ring with every transfer after its block (sequential), side by side in one run; forward and
 forward+backward; exposed cp_kv from the timeline recorder.
 
-Variants take turns call by call (the order rotates every round) so that load that comes and goes
-on a shared machine hits them alike; a call's time is the slowest rank's, the table gives medians.
+Variants take turns call by call (each round in the next order of a balanced design) so that load
+that comes and goes on a shared machine hits them alike; a call's time is the slowest rank's, the
+table gives medians.
 Exposed cp_kv comes from recorded calls made after the timed ones: the cp_kv time not covered by a
 block's attention, as a share of the transfer time (a hop timed alone — ranks lined up, the ring's
 exchange and nothing else — times the hops of the phase). The target: <= 10 % exposed where a
@@ -35,7 +36,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from _common import add_common_args, backend, device_label, line_up, world_size, write_results
+from _common import add_common_args, backend, device_label, line_up, time_variants, world_size, write_results
 from overlapkit.context_parallel import ContextParallelConfig, ring_attention, shard
 from overlapkit.launch import spawn
 from overlapkit.timeline import record
@@ -56,16 +57,15 @@ def _median(xs):
     return statistics.median(xs) if xs else None
 
 
-def _timed(fn, device, rounds_of: dict, name: str, warm: bool) -> None:
-    line_up(device)
-    t0 = time.perf_counter()
-    fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    elapsed = torch.tensor([(time.perf_counter() - t0) * 1e3], device=device)
-    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # a call takes as long as its slowest rank
-    if not warm:
-        rounds_of.setdefault(name, []).append(elapsed.item())
+def _time_calls(calls: dict, rounds: int, warmup: int, device) -> dict[str, list[float]]:
+    """ms of each call per round, the slowest rank's (a call takes as long as its slowest rank)."""
+    mine = time_variants(lambda name: calls[name](), list(calls), rounds, warmup, device)
+    times = {}
+    for name, ms in mine.items():
+        t = torch.tensor(ms, dtype=torch.float64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        times[name] = t.tolist()
+    return times
 
 
 def _inputs(p: dict, seq: int, device, seed: int = 0):
@@ -101,11 +101,7 @@ def _ring_body(device_type: str, p: dict, rounds: int, warmup: int, recorded: in
     torch_cp = _torch_cp_call(full, dout, device, size, rank)
     if callable(torch_cp):
         calls["torch context_parallel fwd+bwd"] = torch_cp
-    names = list(calls)
-    times: dict[str, list] = {}
-    for i in range(warmup + rounds):
-        for name in names[i % len(names):] + names[:i % len(names)]:
-            _timed(calls[name], device, times, name, warm=i < warmup)
+    times = _time_calls(calls, rounds, warmup, device)
 
     hop_ms = {"fwd": _hop_ms([k, v], device), "bwd": _hop_ms([k.float(), v.float()], device)}  # dK/dV travel in fp32
     per_mode = {}
@@ -212,11 +208,7 @@ def _fixed_cost_body(p: dict, rounds: int, warmup: int, seqs=CUDA_WS1_SEQS, devi
         torch_cp = _torch_cp_call([q, k, v], dout, device, 1, 0)
         if callable(torch_cp):
             calls["torch context_parallel fwd+bwd"] = torch_cp
-        times: dict[str, list] = {}
-        names = list(calls)
-        for i in range(warmup + rounds):
-            for name in names[i % len(names):] + names[:i % len(names)]:
-                _timed(calls[name], device, times, name, warm=i < warmup)
+        times = _time_calls(calls, rounds, warmup, device)
         rows[seq] = dict(times={n: _median(t) for n, t in times.items()},
                          torch_cp=None if callable(torch_cp) else torch_cp)
         del q, k, v, dout
