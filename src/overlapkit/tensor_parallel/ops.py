@@ -5,7 +5,7 @@ none and bulk paths (bulk: the column backward's re-gather under the dgrad GEMM,
 reduce-scatter under the wgrad GEMM), "column_pipelined"/"row_pipelined" the chunked
 all-gather+GEMM and GEMM+reduce-scatter, forward and backward. Dynamo cannot trace an async
 collective, a P2POp or a CUDA event, and broke the graph at each one; an opaque custom op with a
-fake (meta) kernel for its shapes and a registered autograd formula is one node of a
+fake (meta) kernel for its shapes, under an autograd.Function dynamo traces, is one node of a
 `fullgraph=True` graph, and its body — the same eager code, timeline spans included — runs at
 execution time.
 
@@ -256,8 +256,17 @@ def _fake_fwd(kind, x, w, b, group, sp, k, save_gathered):
     return y, x.new_empty(0)
 
 
+_LIB = torch.library.Library("overlapkit", "DEF")
+"""The ops' namespace. Defined through the low-level Library API, with one backend kernel
+(CompositeExplicitAutograd) and no autograd kernel: `torch.library.custom_op` wraps every call
+in Python autograd and dispatch layers (~10 µs a call on a CPU core, 8 calls a layer step),
+which a compiled graph pays at run time. The autograd formula is `_CompiledLinear` instead,
+which dynamo traces into the graph, so the compiled forward and backward call the bodies
+through the C++ dispatcher alone."""
+
+
 def _register(kind: str) -> None:
-    fwd_name, bwd_name = f"overlapkit::{kind}_fwd", f"overlapkit::{kind}_bwd"
+    fwd_name, bwd_name = f"{kind}_fwd", f"{kind}_bwd"
 
     def fwd(x, w, b, group, sp, bulk, k, transport, save_gathered, name):
         pg = _group(group)
@@ -270,33 +279,42 @@ def _register(kind: str) -> None:
                           save_gathered, name)
         return (x.new_empty(0) if dx is None else dx), dw, (w.new_empty(0) if db is None else db)
 
-    torch.library.custom_op(fwd_name, fwd, mutates_args=(),
-                            schema=f"(Tensor x, Tensor w, Tensor? b, {_ARGS}) -> (Tensor, Tensor)")
-    torch.library.custom_op(bwd_name, bwd, mutates_args=(),
-                            schema=f"(Tensor dy, Tensor x, Tensor extra, Tensor w, bool has_bias, bool need_dx, "
-                                   f"{_ARGS}) -> (Tensor, Tensor, Tensor)")
+    _LIB.define(f"{fwd_name}(Tensor x, Tensor w, Tensor? b, {_ARGS}) -> (Tensor, Tensor)")
+    _LIB.define(f"{bwd_name}(Tensor dy, Tensor x, Tensor extra, Tensor w, bool has_bias, bool need_dx, "
+                f"{_ARGS}) -> (Tensor, Tensor, Tensor)")
+    _LIB.impl(fwd_name, fwd, "CompositeExplicitAutograd")
+    _LIB.impl(bwd_name, bwd, "CompositeExplicitAutograd")
 
-    @torch.library.register_fake(fwd_name)
+    @torch.library.register_fake(f"overlapkit::{fwd_name}", lib=_LIB)
     def _(x, w, b, group, sp, bulk, k, transport, save_gathered, name):
         return _fake_fwd(kind, x, w, b, group, sp, k, save_gathered)
 
-    @torch.library.register_fake(bwd_name)
+    @torch.library.register_fake(f"overlapkit::{bwd_name}", lib=_LIB)
     def _(dy, x, extra, w, has_bias, need_dx, group, sp, bulk, k, transport, save_gathered, name):
         return (x.new_empty(x.shape) if need_dx else x.new_empty(0), w.new_empty(w.shape),
                 w.new_empty(w.shape[0]) if has_bias else w.new_empty(0))
 
-    def setup_context(ctx, inputs, output):
-        x, w, b, *static = inputs
-        ctx.save_for_backward(x, w, output[1])
-        ctx.has_bias, ctx.static = b is not None, static
 
-    def backward(ctx, dy, _dextra):
+class _CompiledLinear(torch.autograd.Function):
+    """The ops' autograd: forward the `<kind>_fwd` op, backward the `<kind>_bwd` op (traced by dynamo).
+
+    `static` are the ops' static arguments: (group name, sp, bulk, k, transport, save_gathered, name).
+    """
+
+    @staticmethod
+    def forward(ctx, x, w, b, kind, static):
+        y, extra = getattr(torch.ops.overlapkit, f"{kind}_fwd")(x, w, b, *static)
+        ctx.save_for_backward(x, w, extra)
+        ctx.kind, ctx.static, ctx.has_bias = kind, static, b is not None
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
         x, w, extra = ctx.saved_tensors
-        dx, dw, db = getattr(torch.ops.overlapkit, f"{kind}_bwd")(
-            dy, x, extra, w, ctx.has_bias, ctx.needs_input_grad[0], *ctx.static)
-        return (dx if ctx.needs_input_grad[0] else None), dw, (db if ctx.has_bias else None), *([None] * 7)
-
-    torch.library.register_autograd(fwd_name, backward, setup_context=setup_context)
+        need_dx = ctx.needs_input_grad[0]
+        dx, dw, db = getattr(torch.ops.overlapkit, f"{ctx.kind}_bwd")(dy, x, extra, w, ctx.has_bias, need_dx,
+                                                                      *ctx.static)
+        return (dx if need_dx else None), dw, (db if ctx.has_bias else None), None, None
 
 
 for _kind in KINDS:
@@ -318,5 +336,4 @@ def linear(kind: str, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, 
 def compiled(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, args: tuple) -> torch.Tensor:
     """The linear as its custom op, for torch.compile: w, b plain local shards; args as in _EagerLinear."""
     kind, group, *rest = args
-    y, _ = getattr(torch.ops.overlapkit, f"{kind}_fwd")(x, w, b, group.group_name, *rest)
-    return y
+    return _CompiledLinear.apply(x, w, b, kind, (group.group_name, *rest))
