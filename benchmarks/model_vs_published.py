@@ -34,16 +34,21 @@ DOCS_BEGIN, DOCS_END = "<!-- model_vs_published:begin -->", "<!-- model_vs_publi
 SOURCE_SETTINGS = {
     "Narayanan21-T1": dict(
         settings=dict(dtype="fp16", attention="unfused", pp_scatter_gather=True, grad_bytes=2),
+        per_case={**{c: dict(grad_accumulation="autograd") for c in ("1.7B", "3.6B", "7.5B", "18B")},
+                  **{c: dict(grad_accumulation="hook") for c in ("39B", "76B", "145B", "310B", "530B", "1T")}},
         why="Megatron-LM of April 2021 (examples/sc21 CONFIG.sh: --fp16): attention materialized the scores "
             "(FusedScaleMaskSoftmax + dropout; flash attention came in 2022), pipeline sends used its "
             "scatter-gather optimization (on by default), and gradients were all-reduced in fp16: CONFIG.sh "
             "does not pass --accumulate-allreduce-grads-in-fp32, and without it Megatron's local DDP buffers "
-            "take the parameter dtype (_get_buffer_type), as torch DDP does."),
+            "take the parameter dtype (_get_buffer_type), as torch DDP does. run_table_1.sh runs 1.7B-18B with "
+            "--DDP-impl torch (autograd accumulates micro-batch gradients in param.grad) and 39B-1T with local, "
+            "whose backward hook adds every micro-batch's gradient into the buffer (main_grad.add_(grad): "
+            "grad_accumulation=hook)."),
     "MegatronLM-README-H100": dict(
         settings=dict(grad_bytes=2, dp_in_drain=True), megatron_buckets=True, interleave=2,
         why="Megatron-Core r0.8 with --overlap-grad-reduce: each stage (each model chunk, interleaved) reduces "
             "when its last backward ends, inside the pipeline drain; DDP buckets of max(40M, 1M x dp) elements "
-            "(distributed_data_parallel.py); flash attention (TE). Gradients reduced in bf16, although r0.8's "
+            "(distributed_data_parallel.py); flash attention (TE); micro-batch gradients accumulate inside the wgrad GEMM (gradient_accumulation_fusion, on unless --no-gradient-accumulation-fusion). Gradients reduced in bf16, although r0.8's "
             "arguments.py forces fp32 for bf16 runs: under fp32 the 32B row (TP8 DP48, 4 micro-batches) must move "
             "0.52 s of reduce-scatter + all-gather over 400 Gb/s per GPU with at most one micro-batch (~0.2 s) to "
             "hide it, more than its whole published step leaves beside three micro-batches of compute (fp32 "
@@ -60,9 +65,12 @@ SOURCE_SETTINGS = {
             "reduce-scattered in fp32, DP communication overlapped with the pipeline, an interleaved schedule "
             "whose depth it does not give (vpp=2 here: the smallest interleaving)."),
     "MT-NLG-530B": dict(
-        settings=dict(dtype="fp16", attention="unfused", pp_scatter_gather=True),
-        why="DeepSpeed pipeline engine + Megatron TP of 2021: fp16, unfused attention, activations "
-            "partitioned over the TP ranks for the pipeline send; fp16 gradient reduction (DeepSpeed's default)."),
+        settings=dict(dtype="bf16", attention="unfused", pp_scatter_gather=True, grad_accumulation="autograd"),
+        why="DeepSpeed pipeline engine + Megatron TP of 2021: bf16 mixed precision (the paper's Sec. 2.3, "
+            "'mixed precision using 16-bit bfloat'; the BigScience notes on it say the same), unfused attention, "
+            "activations partitioned over the TP ranks for the pipeline send (PipelineEngine is_pipe_partitioned), "
+            "gradients in param.grad, accumulated by autograd over the micro-batches and reduced in the parameter "
+            "dtype by ZeRO-1 at the step's end."),
     "torchtitan-perf": dict(
         settings=dict(recompute="op", grad_bytes=4, zero3_prefetch=1, zero3_wrap=1, attention="flash2"),
         hardware="h100-sxm-500w",
@@ -84,7 +92,7 @@ def config(case: dict) -> tuple[ModelConfig, ParallelConfig, str]:
     """The model, split and hardware of a case: cases.json's values plus its source's settings."""
     src = SOURCE_SETTINGS[case["source"]]
     model = ModelConfig(**{**case["model"], **src.get("model", {})}, name=f"{case['source']} {case['case']}")
-    settings = dict(src["settings"])
+    settings = {**src["settings"], **src.get("per_case", {}).get(case["case"], {})}
     if case["source"] == "torchtitan-perf":
         settings["eager"] = "eager" in case["case"]
     if src.get("megatron_buckets"):  # Megatron-Core DDP: bucket_size = max(40M, 1M x dp) elements
@@ -263,7 +271,12 @@ def summarize(rows: list[dict]) -> dict:
 
 def _source_bits(x: dict) -> dict:
     """A source's settings as printed: ParallelConfig fields, model overrides, hardware, the rules above."""
+    per_case: dict = {}  # field -> value -> the cases that use it
+    for case, fields in x.get("per_case", {}).items():
+        for k, val in fields.items():
+            per_case.setdefault(k, {}).setdefault(val, []).append(case)
     rules = {**({"bucket": "max(40M, 1M x dp) elements"} if x.get("megatron_buckets") else {}),
+             **{k: "; ".join(f"{val} for {' '.join(cases)}" for val, cases in by.items()) for k, by in per_case.items()},
              **({"vpp": f"{x['interleave']} where the layers per stage divide"} if x.get("interleave") else {})}
     return {**x["settings"], **x.get("model", {}), **({"hardware": x["hardware"]} if "hardware" in x else {}), **rules}
 

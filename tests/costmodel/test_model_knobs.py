@@ -9,7 +9,7 @@ from overlapkit.costmodel import MODEL_PRESETS, ConfigError, ModelConfig, Overla
 from overlapkit.costmodel.flops import step_flops, throughput
 from overlapkit.costmodel.layer import CE_BYTES, EAGER_PASSES, UNFUSED_SCORE_PASSES
 from overlapkit.costmodel.memory import estimate
-from overlapkit.costmodel.step import FP16_UNSCALE_BYTES_PER_PARAM, HOST_OPS_PER_LAYER
+from overlapkit.costmodel.step import FP16_UNSCALE_BYTES_PER_PARAM, HOST_OPS_PER_LAYER, stage_params
 from overlapkit.costmodel.transformer import load_model
 
 H100, A100, H200 = preset("h100-sxm"), preset("a100-sxm-80g"), preset("h200-sxm")
@@ -51,6 +51,23 @@ def test_grad_reduction_dtype_doubles_the_dp_bytes():
     two = predict(L8, ParallelConfig(dp=8, grad_bytes=2), H100).comm_by_kind["dp_all_reduce"]
     four = predict(L8, ParallelConfig(dp=8, grad_bytes=4), H100).comm_by_kind["dp_all_reduce"]
     assert four == pytest.approx(2 * two, rel=0.05)
+
+
+def test_gradient_accumulation_outside_the_gemm_is_a_memory_pass_per_micro_batch():
+    # 8 micro-batches on 4 stages: hook adds every micro-batch's gradient into the buffer (read the
+    # gradient, read and write the buffer), autograd every one but the first, fused none at all.
+    kw = dict(tp=8, pp=4, dp=2, global_batch=16, sp=False, grad_bytes=4)
+    r = {g: predict(GPT, ParallelConfig(**kw, grad_accumulation=g), A100) for g in ("fused", "hook", "autograd")}
+    last = stage_params(GPT, r["hook"].par) / 8  # the slowest stage holds the LM head
+    per_mb = {g: A100.for_training().memory.elementwise_ms(last, b, 1) for g, b in (("hook", 2 + 2 * 4), ("autograd", 6 * 7 / 8))}
+    for g in ("hook", "autograd"):
+        assert r[g].stage_ms[-1] - r["fused"].stage_ms[-1] == pytest.approx(per_mb[g], rel=1e-6), g
+        assert r[g].step_ms > r["fused"].step_ms
+    one = dict(tp=8, dp=2, sp=False)  # one micro-batch: autograd keeps the only gradient as it is
+    assert predict(GPT, ParallelConfig(**one, grad_accumulation="autograd"), A100).step_ms == \
+        pytest.approx(predict(GPT, ParallelConfig(**one), A100).step_ms)
+    with pytest.raises(ConfigError, match="grad_accumulation='none'"):
+        ParallelConfig(grad_accumulation="none")
 
 
 def test_dp_reduction_inside_the_drain_hides_behind_the_other_stages_backward():

@@ -122,6 +122,18 @@ def test_published_benchmark_applies_megatron_buckets_and_interleaving_where_lay
     assert par.vpp == 1 and par.bucket_mib == pytest.approx(96e6 * 2 / 2**20)
 
 
+def test_published_benchmark_takes_sc21s_ddp_per_row_and_mt_nlgs_bf16(mvp, published_cases):
+    """run_table_1.sh: torch DDP (autograd accumulation) up to 18B, local DDP (a buffer add every
+    micro-batch) from 39B; MT-NLG trained in bf16 under DeepSpeed (autograd accumulation)."""
+    by = {(c["source"], c["case"]): mvp.config(c)[1] for c in published_cases}
+    assert by[("Narayanan21-T1", "18B")].grad_accumulation == "autograd"
+    assert by[("Narayanan21-T1", "39B")].grad_accumulation == "hook"
+    assert {(p.dtype, p.grad_accumulation) for (s, _), p in by.items() if s == "MT-NLG-530B"} == {("bf16", "autograd")}
+    assert by[("MegatronLM-README-H100", "32B")].grad_accumulation == "fused"  # gradient_accumulation_fusion
+    bits = mvp._source_bits(mvp.SOURCE_SETTINGS["Narayanan21-T1"])
+    assert bits["grad_accumulation"].startswith("autograd for 1.7B 3.6B 7.5B 18B; hook for 39B")
+
+
 def test_sustained_clocks_are_the_least_squares_fit_they_are_documented_as(mvp, published_cases):
     """hardware.SUSTAINED_CLOCK is a global calibration over the published steps: it must still be
     their least-squares value for the model as it is (refit with `model_vs_published.py --fit-clock`)."""

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from ._validate import ConfigError
 from .flops import CONVENTIONS
-from .parallel import ATTENTION, DTYPES, MODES, RECOMPUTE, TRANSPORTS, Overlap, ParallelConfig
+from .parallel import ATTENTION, DTYPES, GRAD_ACCUMULATION, MODES, RECOMPUTE, TRANSPORTS, Overlap, ParallelConfig
 
 
 MEGATRON_SWITCHES = (
@@ -30,6 +30,7 @@ MEGATRON_SWITCHES = (
     ("--grad-reduce-in-bf16", "grad_dtype", "bf16", "= --grad-dtype bf16"),
     ("--use-flash-attn", "attention", "flash", "= --attention flash"),
     ("--no-scatter-gather-tensors-in-pipeline", "pp_scatter_gather", False, "= --no-pp-scatter-gather"),
+    ("--no-gradient-accumulation-fusion", "grad_accumulation", "hook", "= --grad-accumulation hook"),
 )
 
 
@@ -79,6 +80,9 @@ def register(subparsers) -> None:
     p.add_argument("--dtype", choices=DTYPES, default="bf16")
     p.add_argument("--grad-dtype", choices=("bf16", "fp32"), default="bf16", help="dtype of the DP gradient reduction")
     p.add_argument("--bucket-mb", type=float, default=25.0, help="DP gradient bucket size, MiB")
+    p.add_argument("--grad-accumulation", choices=GRAD_ACCUMULATION, default="fused",
+                   help="how micro-batch gradients accumulate: fused (in the wgrad GEMM), hook (a buffer add every "
+                        "micro-batch: Megatron 2021 local DDP), autograd (in-place into param.grad after the first)")
     p.add_argument("--attention", choices=ATTENTION, default="flash",
                    help="flash (cuDNN/FA3-class), flash2 (FlashAttention-2-class, 2024 PyTorch SDPA), or unfused "
                         "(scores materialized, softmax + dropout: Megatron before 2022)")
@@ -112,6 +116,7 @@ def _parallel(args) -> ParallelConfig:
                           micro_batch=args.micro_batch, global_batch=args.global_batch, recompute=args.recompute,
                           zero=args.zero, overlap=overlap, tp_transport=args.tp_transport, dtype=args.dtype,
                           grad_bytes=4 if args.grad_dtype == "fp32" else 2, bucket_mib=args.bucket_mb,
+                          grad_accumulation=args.grad_accumulation,
                           attention=args.attention, pp_scatter_gather=args.pp_scatter_gather,
                           dp_in_drain=args.dp_in_drain, first_stage_layers=args.first_stage_layers,
                           last_stage_layers=args.last_stage_layers, eager=args.eager, moe_chunks=args.moe_chunks,

@@ -29,6 +29,13 @@ torch 2.11's SDPA on our H200); flash2: FlashAttention-2-class kernels (PyTorch 
 of 2024), slower on Hopper (Hardware.flash2_slowdown); unfused: scores materialized, softmax and
 dropout as separate kernels over b·heads·s² elements (Megatron-LM before 2022)."""
 DTYPES = ("bf16", "fp16", "fp8")
+GRAD_ACCUMULATION = ("fused", "hook", "autograd")
+"""How each micro-batch's weight gradient joins the step's gradient. fused: inside the wgrad GEMM's
+epilogue (Megatron-Core's default gradient_accumulation_fusion), no extra pass; hook: the GEMM
+writes a fresh gradient and a backward hook adds it into the reduction buffer, every micro-batch
+(Megatron-LM 2021's local DDP, megatron/model/distributed.py `param.main_grad.add_(param.grad)`);
+autograd: PyTorch's AccumulateGrad keeps the first micro-batch's gradient and adds every later one
+in place into param.grad (torch DDP under no_sync, DeepSpeed's engines)."""
 MAX_SIZE = 1 << 24
 """Largest split size or micro-batch accepted: beyond it a number is a typo, not a cluster."""
 
@@ -113,6 +120,9 @@ class ParallelConfig:
     eager: bool = False
     """Memory-bound ops run as one PyTorch kernel per op (no torch.compile, no fused norm/activation
     kernels), and each op pays the host's dispatch cost; False: fused (compiled, or Megatron/TE kernels)."""
+    grad_accumulation: str = "fused"
+    """How micro-batch gradients accumulate: one of GRAD_ACCUMULATION (an extra memory pass over the
+    stage's gradients per micro-batch for hook and autograd; none for fused)."""
     moe_chunks: int = 4
     """Token chunks the MoE dispatch/combine are split into when EP overlap is on."""
     zero3_prefetch: int = -1
@@ -140,6 +150,7 @@ class ParallelConfig:
         v.one_of(o, "dtype", self.dtype, DTYPES)
         v.one_of(o, "grad_bytes", self.grad_bytes, (2, 4))
         v.one_of(o, "attention", self.attention, ATTENTION)
+        v.one_of(o, "grad_accumulation", self.grad_accumulation, GRAD_ACCUMULATION)
         v.finite(o, "bucket_mib", self.bucket_mib)
         if self.bucket_mib > 1 << 20:
             raise v.ConfigError(f"{o}.bucket_mib={self.bucket_mib!r}: must be <= {1 << 20} (1 TiB)")

@@ -198,6 +198,26 @@ def _host_wait(block: Block, ops: int, host_us: float) -> Block:
     return block
 
 
+def _accumulation(ctx: Ctx, params: float) -> Block:
+    """One micro-batch's share of accumulating a stage's weight gradients outside the GEMM.
+
+    hook: read the fresh gradient (activation dtype), read and write the buffer (reduction dtype),
+    every micro-batch; autograd: param.grad read and written plus the new gradient read, on every
+    micro-batch but the first (spread evenly). ZeRO-3 reduce-scatters each micro-batch's gradient
+    instead, and fused accumulates in the wgrad GEMM's epilogue: no pass."""
+    par, out = ctx.par, Block()
+    m = par.micro_batches
+    if par.grad_accumulation == "fused" or par.zero == 3 or (par.grad_accumulation == "autograd" and m == 1):
+        return out
+    if par.grad_accumulation == "hook":
+        nbytes = ctx.db + 2 * par.grad_bytes
+    else:
+        nbytes = 3 * ctx.db * (m - 1) / m
+    out.add_compute(f"gradient accumulation ({par.grad_accumulation})",
+                    params * nbytes / (ctx.hw.memory.elementwise_gbps * 1e6))
+    return out
+
+
 def predict(model: ModelConfig, par: ParallelConfig, hw: Hardware, coll: Collectives | None = None,
             gpus: int | None = None) -> StepReport:
     """Predict one training step; raises ConfigError (naming the field) on sizes that don't fit."""
@@ -214,11 +234,12 @@ def predict(model: ModelConfig, par: ParallelConfig, hw: Hardware, coll: Collect
     emb = Block()
     emb.add_compute("embedding gradient (dense, fp32 accumulate)", embedding_backward_ms(ctx))
     layers = par.stage_layers(model.num_layers)
+    params = [stage_params(model, par, i) / par.tp for i in range(par.pp)]
     stages = []
     for i, n in enumerate(layers):
         f = layer_f.scaled(n) + (head_f if i == par.pp - 1 else Block())
         b = layer_b.scaled(n) + (head_b if i == par.pp - 1 else Block()) + (emb if i == 0 else Block())
-        stages.append((f, b))
+        stages.append((f, b + _accumulation(ctx, params[i])))
     slowest = max(range(par.pp), key=lambda i: stages[i][0].wall_ms + stages[i][1].wall_ms)
     fwd, bwd = stages[slowest]
     host_layer = layer_f.host_ms + layer_b.host_ms
@@ -232,7 +253,6 @@ def predict(model: ModelConfig, par: ParallelConfig, hw: Hardware, coll: Collect
     if par.pp > 1:
         _pipeline_p2p(ctx, step, notes)
     zero3: dict = {}
-    params = [stage_params(model, par, i) / par.tp for i in range(par.pp)]
     if par.dp * par.cp > 1:
         zero3 = _data_parallel(ctx, step, params, stages, slowest, layer_f, layer_b, layers[slowest], notes)
     shards = par.dp * par.cp if par.zero else 1
