@@ -7,8 +7,9 @@ dgrad reduce-scatter (or all-reduce without SP) asynchronously and computes the 
 under it. The row layer has no independent GEMM to hide its collectives behind (both of its
 backward GEMMs need the gathered output gradient), so bulk equals none there.
 overlap="pipelined" (sequence parallelism only): the all-gather and reduce-scatter are cut into
-`chunks` and pipelined with the GEMMs that need them, forward and backward, over `transport`
-"p2p" or "symm_mem" (see pipelined.py).
+`chunks` and pipelined with the GEMMs that need them over `transport` "p2p" or "symm_mem" (see
+pipelined.py): forward, and the row layer's backward; the column layer's backward over p2p is
+bulk's (its two collectives under whole GEMMs need no chunks).
 overlap="auto": the cost model (overlapkit.costmodel.choose_tp_overlap) picks none, bulk or
 pipelined with a chunk count for this layer's GEMM at the first input of each shape, from the
 GEMM-efficiency curve of `hardware` (a preset, or a file written by `overlapkit bench gemm`).
@@ -229,8 +230,8 @@ class _ParallelLinear(LocalShardParams, nn.Module):
         _check_input(self, shape, xm.dtype, x.device, cdt or w.dtype, w.device, self._expected_in,
                      self._scatters_sequence)
         mode, chunks = self._mode(xm, *self._gemm(shape))
-        if mode == "bulk":
-            comm.warn_if_max_connections_unsuited(x.device)
+        if mode == "bulk" or (mode == "pipelined" and self._kind == "column" and self.transport == "p2p"):
+            comm.warn_if_max_connections_unsuited(x.device)  # both issue bulk collectives in backward
         kind = self._kind
         k, transport, save = 1, "p2p", False
         if mode == "pipelined":

@@ -8,9 +8,11 @@ Under torch.autocast both cast their inputs to the autocast dtype first (as F.li
 run every GEMM and buffer in it (see precision.py).
 
 The layer functions use both for forward and backward of sequence-parallel linears:
-- column-parallel: forward all-gather+GEMM; backward dgrad as GEMM+reduce-scatter, and wgrad
-  summed chunk by chunk over the input re-gathered under it (or one GEMM on the gathered input
-  saved in forward with `save_gathered_input=True`, trading memory for time);
+- column-parallel: forward all-gather+GEMM; backward over p2p in Megatron's order (the input
+  re-gathered under the whole dgrad GEMM, the dgrad reduce-scattered under the whole wgrad GEMM:
+  ops.py), over symm_mem dgrad as GEMM+reduce-scatter and wgrad summed chunk by chunk over the
+  input re-gathered under it; `save_gathered_input=True` keeps the gathered input from forward
+  for one wgrad GEMM instead (memory for time);
 - row-parallel: forward GEMM+reduce-scatter; backward all-gather of the output gradient
   pipelined with the dgrad GEMM, wgrad from the gathered gradient.
 
