@@ -97,6 +97,22 @@ gpu_f)
   step tp_host_cost 90 env CUDA_DEVICE_MAX_CONNECTIONS=1 python3 benchmarks/tp_host_cost.py --device cuda --world 1 \
       --shape-tp 8 --no-compile --tag fused_wgrad --out "$r"
   ;;
+gpu_g)
+  # After the ops moved to low-level Library ops (compiled host cost) and the pipelined column
+  # backward to Megatron's order: GPU tests, the compile tests under torch 2.11, host cost with
+  # the compiled and chunk-loop variants.
+  step pytest_gpu 120 python3 -m pytest -q -p no:cacheprovider tests/gpu
+  step compile_torch211 90 python3 -m pytest -q -p no:cacheprovider tests/tensor_parallel/test_compile.py \
+      tests/tensor_parallel/test_bulk_overlap.py
+  step tp_host_cost 360 env CUDA_DEVICE_MAX_CONNECTIONS=1 python3 benchmarks/tp_host_cost.py --device cuda --world 1 \
+      --shape-tp 8 --out "$r"
+  ;;
+gpu_h)
+  # The no-regression rows A/B (OLD_SRC as in gpu_d; the new source with the no-grad forward
+  # path), then where the chunk loop's device time goes now.
+  layers_ab 75
+  step chunk_profile 60 python3 benchmarks/tp_chunk_profile.py --device cuda --world 1 --shape-tp 8 --out "$r"
+  ;;
 *) echo "unknown part $part"; exit 2 ;;
 esac
 tar czf "$out/$part.tgz" -C "$out" results logs && rm -rf "$out/results" "$out/logs"
