@@ -150,6 +150,25 @@ def test_lm_head_cross_entropy_is_priced_per_logit():
         logits * CE_BYTES[0] / (H200.memory.elementwise_gbps * 1e6))
 
 
+def test_cross_entropy_bytes_are_the_h200_probe_fit():
+    """layer.CE_BYTES is calibration.cross_entropy_bytes over the committed H200 LM-head probe, and
+    with it every probe shape's head + loss forward and backward lands within 5%."""
+    import json
+    from pathlib import Path
+
+    from overlapkit.costmodel.calibration import cross_entropy_bytes
+
+    probe = json.loads((Path(__file__).resolve().parents[2] / "benchmarks" / "results" /
+                        "lm_head_probe_cuda.json").read_text())
+    fwd, bwd = cross_entropy_bytes(probe)
+    assert CE_BYTES == (round(fwd), round(bwd)) and bwd > 20  # the old count (14) sat 11% fast
+    for r in probe["rows"]:
+        model = ModelConfig(hidden=r["hidden"], ffn_hidden=r["hidden"], num_layers=1, num_heads=1,
+                            seq_len=r["tokens"], vocab_size=r["vocab"], gated_mlp=False)
+        p = predict(model, ParallelConfig(sp=False), H200)
+        assert p.head_fwd.wall_ms + p.head_bwd.wall_ms == pytest.approx(r["fwd_bwd_ms"], rel=0.05), r
+
+
 def test_flop_conventions_match_their_formulas():
     b, s, h, n, V = 512, 2048, 2304, 24, 51200
     m = ModelConfig(hidden=h, ffn_hidden=4 * h, num_layers=n, num_heads=24, seq_len=s, vocab_size=V, gated_mlp=False)

@@ -70,3 +70,28 @@ def fit_curves(grid: dict, bf16_tflops: float, sm_count: int, *, held_out_m=HELD
         "memory": memory_curve(grid),
         "source": source,
     }
+
+
+def cross_entropy_bytes(probe: dict, hardware: str = "h200-sxm") -> tuple[float, float]:
+    """(forward, backward) bytes per logit of the fp32 cross-entropy that fit lm_head_probe.py's
+    measurements best: least squares, over every probe row, of what the measured head + loss
+    takes beyond the model's own head GEMMs (logit-weighted: the large-vocabulary rows rule),
+    in the memory curve's bytes. How layer.CE_BYTES was calibrated."""
+    from .hardware import preset
+    from .step import predict
+    from .transformer import ModelConfig, ParallelConfig
+
+    hw = preset(hardware)
+    gbps = hw.for_training().memory.elementwise_gbps * 1e6
+    fwd = bwd = squares = 0.0
+    for r in probe["rows"]:
+        model = ModelConfig(hidden=r["hidden"], ffn_hidden=r["hidden"], num_layers=1, num_heads=1,
+                            seq_len=r["tokens"], vocab_size=r["vocab"], gated_mlp=False)
+        p = predict(model, ParallelConfig(sp=False), hw)
+        gemm_f, gemm_b = (sum(x["time_ms"] for x in b.rows if x["op"].startswith("lm_head"))
+                          for b in (p.head_fwd, p.head_bwd))
+        logits = r["tokens"] * r["vocab"]
+        fwd += logits * (r["fwd_ms"] - gemm_f)
+        bwd += logits * (r["fwd_bwd_ms"] - r["fwd_ms"] - gemm_b)
+        squares += logits * logits
+    return fwd / squares * gbps, bwd / squares * gbps

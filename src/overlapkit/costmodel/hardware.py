@@ -226,11 +226,11 @@ benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md), which are not among the p
 model is checked against (benchmarks/model_vs_published.py prints both: +5.9%, -7.7%). About a
 1.3 GHz sustained tensor clock against 1.83; a cube-root power law alone, (500/700)^(1/3), would give 0.89."""
 
-SUSTAINED_CLOCK = {"h100-sxm": 0.815, "a100-sxm-80g": 0.86}
+SUSTAINED_CLOCK = {"h100-sxm": 0.817, "a100-sxm-80g": 0.86}
 """Hardware.sustained_clock of the 700 W H100 SXM (also H800, the same part) and the 400 W A100 SXM
 (also A800). A global calibration, one number per GPU: the least-squares value (log step-time
 error) over every row of that GPU among the 30 published steps (benchmarks/model_vs_published.py
-`--fit-clock` recomputes it: H100 0.8147 over 13 rows, A100 0.8595 over 13). Physically a settled
+`--fit-clock` recomputes it: H100 0.8170 over 13 rows, A100 0.8600 over 13). Physically a settled
 tensor clock of ~1.49 GHz against the 1.83 GHz the dense peak is quoted at (H100), ~1.21 of 1.41 GHz
 (A100). Sanity check: Megatron's README reports 47% MFU for its compute-bound 96-GPU GPT-3 run;
 the model gives 61% without this factor, 51% with it. A fit, not a measurement: no published
