@@ -112,6 +112,7 @@ gpu_h)
   # path), then where the chunk loop's device time goes now.
   layers_ab 75
   step chunk_profile 60 python3 benchmarks/tp_chunk_profile.py --device cuda --world 1 --shape-tp 8 --out "$r"
+  step pytest_gpu 200 python3 -m pytest -v --durations=8 -p no:cacheprovider tests/gpu
   ;;
 *) echo "unknown part $part"; exit 2 ;;
 esac
