@@ -225,7 +225,7 @@ def fp32_reduce_rows(cases: list[dict]) -> list[dict]:
     """The Megatron README rows with gradients reduced in fp32 (r0.8's default), beside the table."""
     rows = []
     for c in cases:
-        if SOURCE_SETTINGS[c["source"]]["settings"].get("grad_bytes") != 2:
+        if not SOURCE_SETTINGS[c["source"]].get("megatron_buckets"):  # the Megatron-Core r0.8 rows only
             continue
         model, par, hw = config(c)
         par = replace(par, grad_bytes=4, bucket_mib=par.bucket_mib * 2)

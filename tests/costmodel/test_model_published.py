@@ -134,6 +134,14 @@ def test_published_benchmark_takes_sc21s_ddp_per_row_and_mt_nlgs_bf16(mvp, publi
     assert bits["grad_accumulation"].startswith("autograd for 1.7B 3.6B 7.5B 18B; hook for 39B")
 
 
+def test_fp32_reduction_rows_are_the_megatron_core_rows_only(mvp, published_cases):
+    """The 'r0.8 default' comparison covers the README's rows, not SC21's (which reduce in fp16 by source)."""
+    cases = [c for c in published_cases if c["source"].startswith("MegatronLM-README")][:2]
+    rows = mvp.fp32_reduce_rows(cases + [c for c in published_cases if c["source"] == "Narayanan21-T1"][:1])
+    assert [r["case"] for r in rows] == [c["case"] for c in cases]
+    assert all(r["error_pct"] > mvp.run_case(c)["error_pct"] for r, c in zip(rows, cases))  # fp32 moves more
+
+
 def test_sustained_clocks_are_the_least_squares_fit_they_are_documented_as(mvp, published_cases):
     """hardware.SUSTAINED_CLOCK is a global calibration over the published steps: it must still be
     their least-squares value for the model as it is (refit with `model_vs_published.py --fit-clock`)."""
