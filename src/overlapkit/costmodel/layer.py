@@ -200,3 +200,17 @@ def embedding_backward_ms(ctx: Ctx) -> float:
     """The input embedding's gradient on the first stage, one micro-batch (dense table, fp32 accumulate)."""
     elements = ctx.model.vocab_size * ctx.model.hidden / ctx.par.tp
     return elements * EMBEDDING_GRAD_BYTES / (ctx.hw.memory.elementwise_gbps * 1e6)
+
+
+def grad_accumulation_ms(ctx: Ctx, params: float) -> float:
+    """One micro-batch's share of accumulating `params` weight gradients outside the GEMM.
+
+    hook: read the fresh gradient (activation dtype), read and write the buffer (reduction dtype),
+    every micro-batch; autograd: param.grad read and written plus the new gradient read, on every
+    micro-batch but the first (spread evenly). ZeRO-3 reduce-scatters each micro-batch's gradient
+    instead, and fused accumulates in the wgrad GEMM's epilogue: no pass."""
+    par, m = ctx.par, ctx.par.micro_batches
+    if par.grad_accumulation == "fused" or par.zero == 3 or (par.grad_accumulation == "autograd" and m == 1):
+        return 0.0
+    nbytes = ctx.db + 2 * par.grad_bytes if par.grad_accumulation == "hook" else 3 * ctx.db * (m - 1) / m
+    return params * nbytes / (ctx.hw.memory.elementwise_gbps * 1e6)

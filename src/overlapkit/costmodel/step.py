@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from . import _validate as v
 from .collectives import Collectives, Group
 from .hardware import DTYPE_BYTES, Hardware
-from .layer import Ctx, embedding_backward_ms, layer, lm_head
+from .layer import Ctx, embedding_backward_ms, grad_accumulation_ms, layer, lm_head
 from .overlap import bucket_sizes, buckets_ms, layered_ms
 from .planner import SiteChoice
 from .transformer import ModelConfig, ParallelConfig, validate
@@ -198,26 +198,6 @@ def _host_wait(block: Block, ops: int, host_us: float) -> Block:
     return block
 
 
-def _accumulation(ctx: Ctx, params: float) -> Block:
-    """One micro-batch's share of accumulating a stage's weight gradients outside the GEMM.
-
-    hook: read the fresh gradient (activation dtype), read and write the buffer (reduction dtype),
-    every micro-batch; autograd: param.grad read and written plus the new gradient read, on every
-    micro-batch but the first (spread evenly). ZeRO-3 reduce-scatters each micro-batch's gradient
-    instead, and fused accumulates in the wgrad GEMM's epilogue: no pass."""
-    par, out = ctx.par, Block()
-    m = par.micro_batches
-    if par.grad_accumulation == "fused" or par.zero == 3 or (par.grad_accumulation == "autograd" and m == 1):
-        return out
-    if par.grad_accumulation == "hook":
-        nbytes = ctx.db + 2 * par.grad_bytes
-    else:
-        nbytes = 3 * ctx.db * (m - 1) / m
-    out.add_compute(f"gradient accumulation ({par.grad_accumulation})",
-                    params * nbytes / (ctx.hw.memory.elementwise_gbps * 1e6))
-    return out
-
-
 def predict(model: ModelConfig, par: ParallelConfig, hw: Hardware, coll: Collectives | None = None,
             gpus: int | None = None) -> StepReport:
     """Predict one training step; raises ConfigError (naming the field) on sizes that don't fit."""
@@ -239,7 +219,9 @@ def predict(model: ModelConfig, par: ParallelConfig, hw: Hardware, coll: Collect
     for i, n in enumerate(layers):
         f = layer_f.scaled(n) + (head_f if i == par.pp - 1 else Block())
         b = layer_b.scaled(n) + (head_b if i == par.pp - 1 else Block()) + (emb if i == 0 else Block())
-        stages.append((f, b + _accumulation(ctx, params[i])))
+        if acc := grad_accumulation_ms(ctx, params[i]):
+            b.add_compute(f"gradient accumulation ({par.grad_accumulation})", acc)
+        stages.append((f, b))
     slowest = max(range(par.pp), key=lambda i: stages[i][0].wall_ms + stages[i][1].wall_ms)
     fwd, bwd = stages[slowest]
     host_layer = layer_f.host_ms + layer_b.host_ms
