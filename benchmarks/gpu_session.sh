@@ -114,6 +114,15 @@ gpu_h)
   step chunk_profile 60 python3 benchmarks/tp_chunk_profile.py --device cuda --world 1 --shape-tp 8 --out "$r"
   step pytest_gpu 200 python3 -m pytest -v --durations=8 -p no:cacheprovider tests/gpu
   ;;
+gpu_i)
+  # x + x against x + y (the cost model's bandwidth calibration), the compile tests under torch
+  # 2.11, host cost with its variants taking turns and PyTorch's DTensor TP compiled beside ours.
+  step hbm_add 60 python3 benchmarks/hbm_add_probe.py --out "$r"
+  step compile_torch211 170 python3 -m pytest -v --durations=5 -p no:cacheprovider \
+      tests/tensor_parallel/test_compile.py tests/tensor_parallel/test_bulk_overlap.py
+  step tp_host_cost 330 env CUDA_DEVICE_MAX_CONNECTIONS=1 python3 benchmarks/tp_host_cost.py --device cuda --world 1 \
+      --shape-tp 8 --reps 40 --out "$r"
+  ;;
 *) echo "unknown part $part"; exit 2 ;;
 esac
 tar czf "$out/$part.tgz" -C "$out" results logs && rm -rf "$out/results" "$out/logs"
