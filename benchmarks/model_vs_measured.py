@@ -237,7 +237,9 @@ def engine_rows(results: Path) -> list[dict]:
     """The engines' own CUDA benchmark results in `results`, where they have run."""
     rows = []
     for path in sorted(p for p in results.glob("tp_overlap_*_ws*.json") if "_cpu_" not in p.name):
-        rows += tp_engine_rows(json.loads(path.read_text()))
+        d = json.loads(path.read_text())
+        if "device" in d and "summary" in d:  # a benchmark's own output, not an A/B table built from several
+            rows += tp_engine_rows(d)
     if (results / "dp_overlap_cuda.json").is_file():
         rows += dp_engine_rows(json.loads((results / "dp_overlap_cuda.json").read_text()))
     if (results / "lm_head_probe_cuda.json").is_file():
