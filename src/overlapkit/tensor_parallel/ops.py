@@ -291,7 +291,11 @@ def _register(kind: str) -> None:
         pg = _group(group)
         _agree_once(kind, x, w, b, pg, group, sp, bulk, k, transport, save_gathered, name)
         y, extra = _fwd(kind, x, w, b, pg, sp, bulk, k, transport, save_gathered, name)
-        return y, (x.new_empty(0) if extra is None else extra)
+        if extra is None:
+            return y, x.new_empty(0)
+        if extra.untyped_storage().data_ptr() == x.untyped_storage().data_ptr():
+            extra = extra.clone()  # one rank: the "gathered" input is x; an op's output may not alias its input
+        return y, extra
 
     def bwd(dy, x, extra, w, has_bias, need_dx, group, sp, bulk, k, transport, save_gathered, name):
         dx, dw, db = _bwd(kind, dy, x, extra, w, has_bias, need_dx, _group(group), sp, bulk, k, transport,

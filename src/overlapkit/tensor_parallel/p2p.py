@@ -124,7 +124,9 @@ def gather_and_consume(x: torch.Tensor, consume: Consume, k: int, group, *, name
     ws, r = comm.group_size(group), comm.group_rank(group)
     rows_per_rank = x.shape[0]
     u = rows_per_rank // k
-    gathered = x.new_empty((ws * rows_per_rank, x.shape[1])) if (ws > 1 or need_gathered) else None
+    # One rank: the gathered matrix is x itself (copying x into a new buffer cost a whole
+    # activation's copy per call; at ws ranks only the local 1/ws is copied, below).
+    gathered = x.new_empty((ws * rows_per_rank, x.shape[1])) if ws > 1 else None
     # One rank transfers nothing: no stream hand-over either (two event round trips a call).
     lane = _Lane(x.device, group, "tp_all_gather", name) if ws > 1 else None
     if lane is not None:
@@ -140,11 +142,13 @@ def gather_and_consume(x: torch.Tensor, consume: Consume, k: int, group, *, name
         if forward_into is not None:
             pending[(t + 1, j)] = lane.exchange((data, nxt), (gathered[forward_into], prv), f"{t + 1}.{j}")
         consume(here, data, 0)
-    if need_gathered:
-        gathered[r * rows_per_rank:(r + 1) * rows_per_rank].copy_(x)
     if lane is not None:
+        if need_gathered:
+            gathered[r * rows_per_rank:(r + 1) * rows_per_rank].copy_(x)
         lane.finish()
-    return gathered if need_gathered else None
+    if not need_gathered:
+        return None
+    return gathered if gathered is not None else x
 
 
 def produce_and_reduce_scatter(produce: Produce, total_rows: int, cols: int, k: int, group, *,
