@@ -158,11 +158,13 @@ def _ag_mm(x2: torch.Tensor, weights: Sequence[torch.Tensor], k: int, group, tra
             return (x2 if need_gathered else None), [torch.mm(x2, w.t()) for w in weights]
     ws = comm.group_size(group)
     outs = [x2.new_empty((ws * x2.shape[0], w.shape[0])) for w in weights]
+    pairs = [(w.t(), out) for w, out in zip(weights, outs)]  # views made once, not once per chunk
+    label = f"{name}.gemm"
 
     def consume(rows: slice, data: torch.Tensor, lane: int) -> None:
-        with span(f"{name}.gemm", stream=_lane_stream(lane)):
-            for w, out in zip(weights, outs):
-                torch.mm(data, w.t(), out=out[rows])
+        with span(label, stream=_lane_stream(lane)):
+            for w_t, out in pairs:
+                torch.mm(data, w_t, out=out[rows])
 
     gathered = transport.gather_and_consume(x2, consume, k, group, name=name, need_gathered=need_gathered)
     return gathered, outs
@@ -174,8 +176,10 @@ def _mm_rs(x2: torch.Tensor, w_t: torch.Tensor, k: int, group, transport, *, nam
         with span(f"{name}.gemm"):
             return torch.mm(x2, w_t)
 
+    label = f"{name}.gemm"
+
     def produce(rows: slice, out):
-        with span(f"{name}.gemm"):
+        with span(label):
             return torch.mm(x2[rows], w_t, out=out)
 
     return transport.produce_and_reduce_scatter(produce, x2.shape[0], w_t.shape[1], k, group,
