@@ -23,7 +23,8 @@ from dataclasses import replace
 from pathlib import Path
 
 from overlapkit.costmodel import Collectives, Group, ModelConfig, Overlap, ParallelConfig, load_model, predict, preset
-from overlapkit.costmodel.calibration import FITTED_HIDDEN, HELD_OUT_ATTENTION_TP, fit_curves, split_gemm
+from overlapkit.costmodel.calibration import (FITTED_HIDDEN, HELD_OUT_ATTENTION_TP, add_probe, fit_curves, split_gemm,
+                                             with_add_probe)
 from overlapkit.costmodel.hardware import Link
 from overlapkit.costmodel.overlap import bucket_sizes, buckets_ms
 from overlapkit.costmodel.planner import Site, plan_site
@@ -32,7 +33,9 @@ from overlapkit.costmodel.transformer import layer_gemms
 ROOT = Path(__file__).resolve().parents[1]
 PRESET_JSON = ROOT / "src" / "overlapkit" / "costmodel" / "data" / "h200-sxm.json"
 PRESET_SOURCE = ("fitted by benchmarks/model_vs_measured.py --write-preset on calibration/h200_gemm_grid.json "
-                 "(one H200, torch 2.11); GEMM rows with M=2048 and TP=8 attention rows held out")
+                 "(one H200, torch 2.11) and, for the elementwise bandwidth, x + y of hbm_add_probe.py "
+                 "(data/h200_add_probe.json); GEMM rows with M=2048, TP=8 attention rows and hidden != 8192 "
+                 "memory-bound rows held out")
 DOCS_ROWS = 30
 """Sections longer than this show their largest errors in docs/model.md (all rows in results/)."""
 DOCS_BEGIN, DOCS_END = "<!-- model_vs_measured:begin -->", "<!-- model_vs_measured:end -->"
@@ -88,7 +91,8 @@ def probe_rows(probe: dict) -> tuple[list[dict], list[dict]]:
     return chunk, small
 
 
-def attention_memory_rows(grid: dict) -> list[dict]:
+def attention_memory_rows(grid: dict, adds: dict) -> list[dict]:
+    """Held-out attention and memory-bound rows; `adds` is hbm_add_probe's x + x / x + y timing."""
     hw = preset("h200-sxm")
     rows = []
     for a in grid["attention"]:
@@ -97,11 +101,17 @@ def attention_memory_rows(grid: dict) -> list[dict]:
             rows.append(dict(what=f"attention {a['heads']} heads, seq {a['seq']}: fwd", predicted=f, measured=a["fwd_ms"]))
             rows.append(dict(what=f"attention {a['heads']} heads, seq {a['seq']}: fwd+bwd", predicted=f + b,
                              measured=a["fwd_bwd_ms"]))
+    xy = {r["hidden"]: r["x_plus_y_ms"] for r in adds["rows"]}
     for r in grid["memory_bound"]:
-        if r["hidden"] != FITTED_HIDDEN:
-            n = r["tokens"] * r["hidden"]
-            rows.append(dict(what=f"layer norm 8192x{r['hidden']}", predicted=hw.memory.norm_ms(n, 2), measured=r["layernorm_ms"]))
-            rows.append(dict(what=f"add 8192x{r['hidden']}", predicted=hw.memory.elementwise_ms(n, 2), measured=r["add_ms"]))
+        n, h = r["tokens"] * r["hidden"], r["hidden"]
+        if h != FITTED_HIDDEN:
+            rows.append(dict(what=f"layer norm 8192x{h}", predicted=hw.memory.norm_ms(n, 2), measured=r["layernorm_ms"]))
+            if h in xy:
+                rows.append(dict(what=f"x + y 8192x{h} (3 accesses; add probe)", predicted=hw.memory.elementwise_ms(n, 2),
+                                 measured=xy[h]))
+        # x + x reads its one operand once: two accesses (calibration.memory_curve); fitted at no h
+        rows.append(dict(what=f"x + x 8192x{h} (2 accesses)", predicted=hw.memory.elementwise_ms(n, 2, 2),
+                         measured=r["add_ms"]))
     return rows
 
 
@@ -297,7 +307,7 @@ def main(argv=None) -> int:
     grid = json.loads((cal / "h200_gemm_grid.json").read_text())
     probe = json.loads((cal / "h200_1gpu_probe.json").read_text())
     if args.write_preset:
-        curves = fit_curves(grid, 989.4, 132, source=PRESET_SOURCE)
+        curves = fit_curves(with_add_probe(grid, add_probe()), 989.4, 132, source=PRESET_SOURCE)
         table_rows = ",\n".join("  " + json.dumps(p) for p in curves["gemm"].pop("table"))
         text = json.dumps(curves, indent=1)
         text = text.replace('"table_dtype": "bf16"', '"table_dtype": "bf16",\n  "table": [\n' + table_rows + "\n  ]")
@@ -310,7 +320,8 @@ def main(argv=None) -> int:
         ("H200 GEMMs held out of the fit (all shapes of the M=2048 rows)", gemm_rows(grid), "roofline"),
         ("H200 chunked GEMMs: efficiency of x chunks of m/x rows (probe; not fitted)", chunk, None),
         ("H200 GEMMs with few rows (probe; not fitted)", small, None),
-        ("H200 attention (TP=8 rows) and memory-bound ops (h != 8192), held out", attention_memory_rows(grid), None),
+        ("H200 attention (TP=8 rows) and memory-bound ops (h != 8192; x + x, fitted at none, at every h), held out",
+         attention_memory_rows(grid, add_probe()), None),
         ("Seeds' worked examples", worked_examples(), None),
         ("Flux, published (ms)", flux_rows(), None),
         ("PyTorch async-TP, published speed-ups (x)", async_tp_rows(), None),

@@ -83,9 +83,11 @@ def test_lm_head_probe_results_are_predicted_when_present(bench, tmp_path):
     (tmp_path / "lm_head_probe_cuda.json").write_text(json.dumps(d))
     rows = bench.engine_rows(tmp_path)
     assert [r["measured"] for r in rows] == [20.0, 50.0]
-    # the head GEMM (8192 x 4096 x 128256) plus 30 B per fp32 logit at the H200's elementwise rate
+    # the head GEMM (8192 x 4096 x 128256) plus CE_BYTES[0] per fp32 logit at the H200's elementwise rate
+    from overlapkit.costmodel.layer import CE_BYTES
+
     gemm = bench.preset("h200-sxm").gemm_ms(8192, 4096, 128256)
-    ce = 8192 * 128256 * 30 / (bench.preset("h200-sxm").memory.elementwise_gbps * 1e6)
+    ce = 8192 * 128256 * CE_BYTES[0] / (bench.preset("h200-sxm").memory.elementwise_gbps * 1e6)
     assert rows[0]["predicted"] == pytest.approx(gemm + ce)
 
 

@@ -2,13 +2,17 @@
 
 The grid format is the one `overlapkit bench gemm` writes (and the H200 calibration runs
 used): `gemm` rows of (M, K, N, fwd_ms, dgrad_ms, wgrad_ms) for the TP GEMMs of a layer,
-`attention` rows, `memory_bound` rows. The compute times fitted here are what the planner
-weighs communication against when it decides how much of it a GEMM can hide.
+`attention` rows, `memory_bound` rows (layer norm, x + x and x + y of 8192 x hidden bf16). The
+compute times fitted here are what the planner weighs communication against when it decides how
+much of it a GEMM can hide.
 
 Some rows can be held out (by M): they are not fitted, so they can check the prediction.
 """
 
 from __future__ import annotations
+
+import json
+from importlib import resources
 
 from .gemm import fit_attention_curve, fit_gemm_curve
 
@@ -44,13 +48,41 @@ def attention_rows(grid: dict, tp_sizes) -> list[tuple]:
             for a in grid["attention"] if a["tp"] in tp_sizes]
 
 
+def add_probe() -> dict:
+    """The H200's x + x and x + y timings (data/h200_add_probe.json, copied from
+    benchmarks/results/hbm_add_probe_h200.json): what the shipped elementwise bandwidth is fitted on."""
+    return json.loads(resources.files("overlapkit.costmodel").joinpath("data/h200_add_probe.json").read_text())
+
+
+def with_add_probe(grid: dict, probe: dict) -> dict:
+    """`grid` with each memory-bound row given the probe's x + y time of its hidden size
+    (`x_plus_y_ms`); grids measured before `bench gemm` timed x + y have only x + x."""
+    xy = {r["hidden"]: r["x_plus_y_ms"] for r in probe["rows"]}
+    rows = [dict(r, x_plus_y_ms=xy[r["hidden"]]) if r["hidden"] in xy else r for r in grid["memory_bound"]]
+    return {**grid, "memory_bound": rows}
+
+
 def memory_curve(grid: dict, hidden: int = FITTED_HIDDEN) -> dict:
-    """Elementwise and norm bandwidths from the memory-bound row of one hidden size."""
+    """Elementwise and norm bandwidths from the memory-bound row of one hidden size.
+
+    The elementwise bandwidth prices a binary op of two distinct tensors (a residual add, SwiGLU's
+    product) at three DRAM accesses, so it is fitted on such an op: `x_plus_y_ms`, x + y counted as two
+    reads and a write. Not on `add_ms`, x + x: both operands are one tensor, the second read hits in
+    cache and DRAM moves two tensors (benchmarks/hbm_add_probe.py). Counted as three it gave the H200
+    5.69 TB/s, above its 4.8 TB/s HBM peak, and priced every memory-bound op ~25% too cheap; counted as
+    two it gives 3.97 TB/s, but a two-stream op reaches less than a three-stream one (x + y: 4.28 TB/s),
+    so x + x would misprice the ops the model has. The norm is counted as what layer_norm moves: x read
+    once (its second pass over a row hits in cache) and y written; the weight's h elements are negligible.
+    """
     row = next((r for r in grid["memory_bound"] if r["hidden"] == hidden), None)
     if row is None:
         raise ValueError(f"memory_bound has no row with hidden={hidden}")
+    if "x_plus_y_ms" not in row:
+        raise ValueError(f"memory_bound row hidden={hidden} has no x_plus_y_ms (x + y of two distinct tensors): "
+                         "its add_ms times x + x, which moves two tensors, not the three a binary op is priced at; "
+                         "rerun `overlapkit bench gemm` or merge a probe with calibration.with_add_probe")
     elements = row["tokens"] * row["hidden"]
-    return {"elementwise_gbps": 3 * elements * 2 / row["add_ms"] / 1e6,
+    return {"elementwise_gbps": 3 * elements * 2 / row["x_plus_y_ms"] / 1e6,
             "norm_gbps": 2 * elements * 2 / row["layernorm_ms"] / 1e6}
 
 

@@ -128,7 +128,8 @@ class MemoryCurve:
     """Memory-bound ops (norms, residual adds, activations): bytes / achieved bandwidth."""
 
     elementwise_gbps: float
-    """Achieved GB/s of a binary elementwise op, counting two reads and one write."""
+    """Achieved GB/s of a binary elementwise op of two distinct tensors, counting two reads and one
+    write (fitted on x + y: calibration.memory_curve says why not x + x); below the HBM peak."""
     norm_gbps: float
     """Achieved GB/s of a layer/RMS norm, counting one read and one write."""
 

@@ -24,12 +24,13 @@ UNFUSED_SCORE_PASSES = (4.5, 5.5)
 """Passes over the b·heads·s² score tensor of unfused attention (forward, backward): scaled masked
 softmax reads and writes it, dropout reads it and writes it with its mask; backward runs both in
 reverse and the score-gradient through the softmax (Megatron-LM 2021's FusedScaleMaskSoftmax + dropout)."""
-CE_BYTES = (30, 26)
+CE_BYTES = (22.3, 19.4)
 """Bytes per logit of the fp32 cross-entropy (forward, backward): bf16 logits cast to fp32, max,
 exp-sum and log-softmax passes, then the gradient softmax − one-hot and its cast back
 (PyTorch's and Megatron's vocab-parallel cross-entropy are unfused fp32 passes). Calibrated on our
 H200 (calibration.cross_entropy_bytes over benchmarks/results/lm_head_probe_cuda.json's four
-shapes: 29.7 and 25.8); the backward was 14, a count that left 4096 x 2048 x 131072 11% fast."""
+shapes: 22.3 and 19.4, at the x + y-fitted 4.28 TB/s; 29.7 and 25.8 at the x + x-miscounted 5.69,
+the same times)."""
 EMBEDDING_GRAD_BYTES = 10
 """Bytes per embedding-table element per micro-batch: the dense bf16 gradient written, then
 accumulated into the fp32 main gradient (read + write)."""
