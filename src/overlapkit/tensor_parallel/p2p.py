@@ -163,7 +163,7 @@ def produce_and_reduce_scatter(produce: Produce, total_rows: int, cols: int, k: 
     u = R // k
     # arrived[t] holds what rank (r - t) computed for this rank's rows; slot 0 is the local partial.
     arrived = torch.empty((ws, R, cols), dtype=dtype, device=device)
-    lane = _Lane(device, group, "tp_reduce_scatter", name)
+    lane = _Lane(device, group, "tp_reduce_scatter", name) if ws > 1 else None
     in_flight = []
     for t in range(1, ws):
         dst, src = (r + t) % ws, (r - t) % ws
@@ -179,14 +179,14 @@ def produce_and_reduce_scatter(produce: Produce, total_rows: int, cols: int, k: 
             into = arrived[t] if k == 1 else arrived[t, j * u:(j + 1) * u]
             transfer = lane.exchange((partial, dst), (into, src), f"{t}.{j}")
             in_flight.append((transfer, partial))  # keeps the partial alive until it has left
+    own = arrived[0]
     for j in range(k):
-        produce(slice(r * R + j * u, r * R + (j + 1) * u), arrived[0] if k == 1 else arrived[0, j * u:(j + 1) * u])
+        produce(slice(r * R + j * u, r * R + (j + 1) * u), own if k == 1 else own[j * u:(j + 1) * u])
+    if lane is None:
+        return own  # one rank: one partial needs no sum (and no fp32 round trip)
     for transfer, _ in in_flight:
         lane.wait(transfer)
-    if ws > 1:
-        lane.finish()
-    if ws == 1:
-        return arrived[0]  # one partial needs no sum (and no fp32 round trip)
+    lane.finish()
     acc = accum_dtype(dtype)
     total = arrived.sum(0, dtype=acc)
     return total if acc == dtype else total.to(dtype)
