@@ -123,6 +123,15 @@ gpu_i)
   step tp_host_cost 330 env CUDA_DEVICE_MAX_CONNECTIONS=1 python3 benchmarks/tp_host_cost.py --device cuda --world 1 \
       --shape-tp 8 --reps 40 --out "$r"
   ;;
+gpu_j)
+  # The session's final TP code: GPU tests, host cost (after the one-rank gather copy and the
+  # chunk-loop host cuts), where the chunk loop's device time goes, the whole TP benchmark.
+  step pytest_gpu 200 python3 -m pytest -v --durations=5 -p no:cacheprovider tests/gpu
+  step tp_host_cost 200 env CUDA_DEVICE_MAX_CONNECTIONS=1 python3 benchmarks/tp_host_cost.py --device cuda --world 1 \
+      --shape-tp 8 --reps 40 --out "$r"
+  step chunk_profile 60 python3 benchmarks/tp_chunk_profile.py --device cuda --world 1 --shape-tp 8 --out "$r"
+  step tp_overlap 200 env CUDA_DEVICE_MAX_CONNECTIONS=1 python3 benchmarks/tp_overlap.py --device cuda --shape-tp 8 --out "$r"
+  ;;
 *) echo "unknown part $part"; exit 2 ;;
 esac
 tar czf "$out/$part.tgz" -C "$out" results logs && rm -rf "$out/results" "$out/logs"
