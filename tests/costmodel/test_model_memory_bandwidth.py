@@ -49,3 +49,18 @@ def test_the_shipped_h200_bandwidth_is_the_probe_merged_into_the_grid(calibratio
     assert all("x_plus_y_ms" in r for r in grid["memory_bound"])
     mem = preset("h200-sxm").memory
     assert memory_curve(grid) == pytest.approx({"elementwise_gbps": mem.elementwise_gbps, "norm_gbps": mem.norm_gbps})
+
+
+def test_a_hardware_file_with_bandwidth_above_its_hbm_peak_is_refused():
+    from dataclasses import replace
+
+    from overlapkit.costmodel._validate import ConfigError
+    from overlapkit.costmodel.gemm import MemoryCurve
+
+    hw = preset("h200-sxm")
+    with pytest.raises(ConfigError, match=r"memory\.elementwise_gbps=5694: must be at most hbm_gbps=4800"):
+        replace(hw, memory=MemoryCurve(5693.6, hw.memory.norm_gbps))
+    d = hw.to_dict()
+    d["memory"]["elementwise_gbps"] = 5693.6  # what a grid's x + x counted as three accesses gave
+    with pytest.raises(ConfigError, match="x \\+ x"):
+        type(hw).from_dict(d)

@@ -117,6 +117,11 @@ class Hardware:
             raise v.ConfigError(f"{o}.sustained_clock={self.sustained_clock!r}: must be in [0.3, 1]")
         if not 1.0 <= self.flash2_slowdown <= 5.0:
             raise v.ConfigError(f"{o}.flash2_slowdown={self.flash2_slowdown!r}: must be in [1, 5]")
+        for f in ("elementwise_gbps", "norm_gbps"):  # above the peak: bytes miscounted (x + x as three accesses)
+            if getattr(self.memory, f) > self.hbm_gbps:
+                raise v.ConfigError(f"{o}.memory.{f}={getattr(self.memory, f):.0f}: must be at most hbm_gbps="
+                                    f"{self.hbm_gbps:g}; a file from an older `overlapkit bench gemm` counted x + x "
+                                    "as three accesses: measure again")
         v.positive(o, "fp8_tflops", self.fp8_tflops, allow_zero=True)
         v.positive_int(o, "sm_count", self.sm_count)
         v.positive_int(o, "gpus_per_node", self.gpus_per_node)
