@@ -1,0 +1,139 @@
+"""Where a TP layer step leaves the GPU idle: device gaps inside forward+backward and the host op each one waits for.
+
+A step's device time (CUDA events around it) is its kernels' time plus the gaps between them.
+At 70B per-rank shapes of TP=8 the host is far ahead of the device on average, yet the layer
+A/B (tp_overlap_h200_ws1_tp8_layers_ab.md) measured +2 % device time for the code with DTensor
+parameters, with the same kernels. This profiles `--steps` forward+backward steps of
+benchmarks/tp_overlap.py's TPLayer (overlap none, gradients set to None first), delimits each
+step on the device by its record_function range, and reports per step: kernel busy time, span,
+the gaps over 5 µs, and for the largest gaps the host op that launched the kernel after it
+(the launch was late: the device waited for that op's Python).
+
+    python benchmarks/tp_step_gaps.py --device cuda --world 1 --shape-tp 8 --out benchmarks/results [--tag old]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+
+import torch
+import torch.distributed as dist
+
+from _common import add_common_args, backend, device_label, world_size, write_results
+from tp_overlap import MODELS, TPLayer, device_slug
+
+from overlapkit.launch import spawn
+
+GAP_US = 5.0
+"""Gaps shorter than this are a kernel's own launch spacing, not waiting."""
+
+
+def _step_gaps(trace: dict, steps: int) -> dict:
+    ev = trace["traceEvents"]
+    kernels = sorted((e for e in ev if e.get("cat") == "kernel"), key=lambda e: e["ts"])
+    marks = sorted((e for e in ev if e.get("cat") == "gpu_user_annotation" and e.get("name") == "step"),
+                   key=lambda e: e["ts"])[-steps:]
+    launch = {e["args"].get("correlation"): e for e in ev if e.get("cat") == "cuda_runtime"}
+    cpu_ops = sorted((e for e in ev if e.get("cat") == "cpu_op"), key=lambda e: e["ts"])
+    per_step, late = [], {}
+    for m in marks:
+        ks = [k for k in kernels if m["ts"] <= k["ts"] <= m["ts"] + m["dur"]]
+        if not ks:
+            continue
+        busy = sum(k["dur"] for k in ks)
+        span = ks[-1]["ts"] + ks[-1]["dur"] - ks[0]["ts"]
+        gaps = []
+        for a, b in zip(ks, ks[1:]):
+            g = b["ts"] - (a["ts"] + a["dur"])
+            if g > GAP_US:
+                gaps.append((g, b))
+        per_step.append(dict(busy_us=busy, span_us=span, gap_us=sum(g for g, _ in gaps), gaps=len(gaps)))
+        for g, b in gaps:
+            rt = launch.get(b["args"].get("correlation"))
+            if rt is None:
+                continue
+            # the innermost host op open at the launch: the op whose Python the device waited for
+            owner = [c for c in cpu_ops if c["ts"] <= rt["ts"] <= c["ts"] + c["dur"] and c.get("tid") == rt.get("tid")]
+            name = min(owner, key=lambda c: c["dur"])["name"] if owner else "(no op)"
+            late[name] = late.get(name, 0.0) + g
+    n = len(per_step) or 1
+    return {"steps": len(per_step),
+            **{k: round(statistics.median(s[k] for s in per_step), 1) for k in ("busy_us", "span_us", "gap_us", "gaps")},
+            "late_launch_us_per_step": dict(sorted(((k, round(v / n, 1)) for k, v in late.items()),
+                                                   key=lambda kv: -kv[1])[:10])}
+
+
+def _rank_body(args: dict) -> dict:
+    device = torch.device("cuda", dist.get_rank())
+    torch.cuda.set_device(device)
+    out = {}
+    for model in args["models"]:
+        x = torch.randn(args["tokens"], MODELS[model]["hidden"], device=device, dtype=torch.bfloat16,
+                        requires_grad=True)
+        layer = TPLayer(model, 1, args["shape_tp"], dist.group.WORLD, device, torch.bfloat16, overlap="none")
+
+        def step():
+            layer.zero_grad(set_to_none=True)
+            x.grad = None
+            with torch.profiler.record_function("step"):
+                layer(x).sum().backward()
+        for _ in range(5):
+            step()
+        torch.cuda.synchronize(device)
+        acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+        with torch.profiler.profile(activities=acts) as prof:
+            for _ in range(args["steps"]):
+                step()
+                torch.cuda.synchronize(device)
+        with tempfile.TemporaryDirectory() as d:
+            path = os.path.join(d, "trace.json")
+            prof.export_chrome_trace(path)
+            with open(path) as f:
+                out[model] = _step_gaps(json.load(f), args["steps"])
+    return out
+
+
+def markdown(result: dict) -> str:
+    lines = [f"# TP layer step, device gaps — {result['device']}, world 1, TP={result['shape_tp']} per-rank shapes, "
+             f"{result['tokens']} tokens, bf16, overlap none, torch {result['torch']}{result['tag_note']}", "",
+             f"Median over {result['steps']} forward+backward steps: kernel busy time, span first kernel start to last "
+             f"end, gaps over {GAP_US:g} µs between kernels; then the host ops whose late launches the gaps waited "
+             "on (µs per step).", "", "| model | busy µs | span µs | gap µs | gaps | late launches (op: µs/step) |",
+             "|---|---:|---:|---:|---:|---|"]
+    for model, r in result["raw"][0].items():
+        late = "; ".join(f"`{k[:60]}` {v}" for k, v in r["late_launch_us_per_step"].items())
+        lines.append(f"| {model} | {r['busy_us']} | {r['span_us']} | {r['gap_us']} | {r['gaps']} | {late} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_common_args(ap)
+    ap.add_argument("--shape-tp", type=int, default=8)
+    ap.add_argument("--tokens", type=int, default=8192)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--models", default="llama3-8b,llama3-70b")
+    ap.add_argument("--tag", default="", help="suffix of the result files (e.g. old / new for an A/B)")
+    args = ap.parse_args(argv)
+    if args.device != "cuda":
+        print("tp_step_gaps needs CUDA (device kernels and their gaps)", file=sys.stderr)
+        return 2
+    body = dict(models=args.models.split(","), shape_tp=args.shape_tp, tokens=args.tokens, steps=args.steps)
+    raw = spawn(_rank_body, world_size(args), args=(body,), backend=backend(args), timeout_s=600)
+    import overlapkit
+    result = dict(device=device_label(args), world=world_size(args), shape_tp=args.shape_tp, tokens=args.tokens,
+                  steps=args.steps, torch=torch.__version__, source=os.path.dirname(overlapkit.__file__),
+                  tag_note=f" ({args.tag}: {os.path.dirname(overlapkit.__file__)})" if args.tag else "", raw=raw)
+    name = f"tp_step_gaps_{device_slug(result['device'])}_tp{args.shape_tp}" + (f"_{args.tag}" if args.tag else "")
+    write_results(args.out, name, result, markdown(result))
+    print(markdown(result))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
