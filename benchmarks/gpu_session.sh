@@ -133,13 +133,11 @@ gpu_j)
   step tp_overlap 200 env CUDA_DEVICE_MAX_CONNECTIONS=1 python3 benchmarks/tp_overlap.py --device cuda --shape-tp 8 --out "$r"
   ;;
 gpu_k)
-  # Where the none layer step leaves the GPU idle, old source (OLD_SRC) then this one; the GEMM
-  # curve re-measured with bench gemm (its x + y bandwidth row is new) and its GPU test.
+  # Where the none layer step leaves the GPU idle, old source (OLD_SRC) then this one. (Its first
+  # call also re-measured the GEMM curve with bench gemm, whose x + y row is new.)
   step gaps_old 90 env PYTHONPATH="${OLD_SRC:?OLD_SRC: the old src folder}" python3 benchmarks/tp_step_gaps.py \
       --device cuda --world 1 --shape-tp 8 --tag old --out "$r"
   step gaps_new 90 python3 benchmarks/tp_step_gaps.py --device cuda --world 1 --shape-tp 8 --tag new --out "$r"
-  step bench_gemm_test 60 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_model_bench_gemm.py
-  step bench_gemm 240 python3 -m overlapkit bench gemm --out "$r/h200_measured.json"
   ;;
 *) echo "unknown part $part"; exit 2 ;;
 esac

@@ -105,7 +105,7 @@ def markdown(result: dict) -> str:
              f"end, gaps over {GAP_US:g} µs between kernels; then the host ops whose late launches the gaps waited "
              "on (µs per step).", "", "| model | busy µs | span µs | gap µs | gaps | late launches (op: µs/step) |",
              "|---|---:|---:|---:|---:|---|"]
-    for model, r in result["raw"][0].items():
+    for model, r in result["raw"].items():
         late = "; ".join(f"`{k[:60]}` {v}" for k, v in r["late_launch_us_per_step"].items())
         lines.append(f"| {model} | {r['busy_us']} | {r['span_us']} | {r['gap_us']} | {r['gaps']} | {late} |")
     return "\n".join(lines) + "\n"
@@ -120,18 +120,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--models", default="llama3-8b,llama3-70b")
     ap.add_argument("--tag", default="", help="suffix of the result files (e.g. old / new for an A/B)")
     args = ap.parse_args(argv)
-    if args.device != "cuda":
-        print("tp_step_gaps needs CUDA (device kernels and their gaps)", file=sys.stderr)
+    if args.device != "cuda" or world_size(args) != 1:
+        print("tp_step_gaps needs CUDA (device kernels and their gaps) and runs at world size 1 (--world 1)",
+              file=sys.stderr)
         return 2
     body = dict(models=args.models.split(","), shape_tp=args.shape_tp, tokens=args.tokens, steps=args.steps)
-    raw = spawn(_rank_body, world_size(args), args=(body,), backend=backend(args), timeout_s=600)
+    (raw,) = spawn(_rank_body, 1, body, backend=backend(args.device), timeout_s=600.0)
     import overlapkit
-    result = dict(device=device_label(args), world=world_size(args), shape_tp=args.shape_tp, tokens=args.tokens,
-                  steps=args.steps, torch=torch.__version__, source=os.path.dirname(overlapkit.__file__),
-                  tag_note=f" ({args.tag}: {os.path.dirname(overlapkit.__file__)})" if args.tag else "", raw=raw)
-    name = f"tp_step_gaps_{device_slug(result['device'])}_tp{args.shape_tp}" + (f"_{args.tag}" if args.tag else "")
-    write_results(args.out, name, result, markdown(result))
-    print(markdown(result))
+    src = os.path.dirname(overlapkit.__file__)
+    result = dict(device=device_label(args.device), shape_tp=args.shape_tp, tokens=args.tokens, steps=args.steps,
+                  torch=torch.__version__, source=src, tag_note=f" ({args.tag}: {src})" if args.tag else "", raw=raw)
+    name = f"tp_step_gaps_{device_slug(args.device)}_tp{args.shape_tp}" + (f"_{args.tag}" if args.tag else "")
+    write_results(result, os.path.join(args.out, name), markdown)
     return 0
 
 
