@@ -41,8 +41,12 @@ def _step_gaps(trace: dict, steps: int) -> dict:
     launch = {e["args"].get("correlation"): e for e in ev if e.get("cat") == "cuda_runtime"}
     cpu_ops = sorted((e for e in ev if e.get("cat") == "cpu_op"), key=lambda e: e["ts"])
     per_step, late = [], {}
-    for m in marks:
-        ks = [k for k in kernels if m["ts"] <= k["ts"] <= m["ts"] + m["dur"]]
+    # A step is everything from its mark's start to the next step's: the mark itself covers only
+    # the kernels launched from the calling thread (the forward), not the backward's, which the
+    # autograd engine launches from its own thread. Steps are synchronized, so none overlap.
+    bounds = [m["ts"] for m in marks] + [float("inf")]
+    for i, m in enumerate(marks):
+        ks = [k for k in kernels if bounds[i] <= k["ts"] < bounds[i + 1]]
         if not ks:
             continue
         busy = sum(k["dur"] for k in ks)
