@@ -38,7 +38,8 @@ def _step_gaps(trace: dict, steps: int) -> dict:
     kernels = sorted((e for e in ev if e.get("cat") == "kernel"), key=lambda e: e["ts"])
     marks = sorted((e for e in ev if e.get("cat") == "gpu_user_annotation" and e.get("name") == "step"),
                    key=lambda e: e["ts"])[-steps:]
-    launch = {e["args"].get("correlation"): e for e in ev if e.get("cat") == "cuda_runtime"}
+    # cuBLAS launches its GEMMs through the driver API (cuLaunchKernelEx), the rest through the runtime
+    launch = {e["args"].get("correlation"): e for e in ev if e.get("cat") in ("cuda_runtime", "cuda_driver")}
     cpu_ops = sorted((e for e in ev if e.get("cat") == "cpu_op"), key=lambda e: e["ts"])
     per_step, late = [], {}
     # A step is everything from its mark's start to the next step's: the mark itself covers only
@@ -63,7 +64,11 @@ def _step_gaps(trace: dict, steps: int) -> dict:
                 continue
             # the innermost host op open at the launch: the op whose Python the device waited for
             owner = [c for c in cpu_ops if c["ts"] <= rt["ts"] <= c["ts"] + c["dur"] and c.get("tid") == rt.get("tid")]
-            name = min(owner, key=lambda c: c["dur"])["name"] if owner else "(no op)"
+            # innermost op, and the outermost one below the step (which layer or engine phase)
+            inner = min(owner, key=lambda c: c["dur"])["name"] if owner else "(no op)"
+            below = [c for c in owner if c["name"] != "step" and c["dur"] < max(o["dur"] for o in owner)]
+            outer = max(below, key=lambda c: c["dur"])["name"] if below else ""
+            name = f"{inner} in {outer}" if outer and outer != inner else inner
             late[name] = late.get(name, 0.0) + g
     n = len(per_step) or 1
     return {"steps": len(per_step),
@@ -110,7 +115,7 @@ def markdown(result: dict) -> str:
              "on (µs per step).", "", "| model | busy µs | span µs | gap µs | gaps | late launches (op: µs/step) |",
              "|---|---:|---:|---:|---:|---|"]
     for model, r in result["raw"].items():
-        late = "; ".join(f"`{k[:60]}` {v}" for k, v in r["late_launch_us_per_step"].items())
+        late = "; ".join(f"`{k[:90]}` {v}" for k, v in r["late_launch_us_per_step"].items())
         lines.append(f"| {model} | {r['busy_us']} | {r['span_us']} | {r['gap_us']} | {r['gaps']} | {late} |")
     return "\n".join(lines) + "\n"
 
