@@ -71,10 +71,27 @@ def _step_gaps(trace: dict, steps: int) -> dict:
             name = f"{inner} in {outer}" if outer and outer != inner else inner
             late[name] = late.get(name, 0.0) + g
     n = len(per_step) or 1
-    return {"steps": len(per_step),
+    return {"steps": len(per_step), "largest_gap": _host_between(ks, cpu_ops, launch) if marks else [],
             **{k: round(statistics.median(s[k] for s in per_step), 1) for k in ("busy_us", "span_us", "gap_us", "gaps")},
             "late_launch_us_per_step": dict(sorted(((k, round(v / n, 1)) for k, v in late.items()),
                                                    key=lambda kv: -kv[1])[:10])}
+
+
+def _host_between(ks: list, cpu_ops: list, launch: dict) -> list:
+    """The last step's largest gap: the outermost host ops between the launches of the kernels
+    around it (what the host did while the device waited), as (name, µs) in order."""
+    best = max(((b["ts"] - a["ts"] - a["dur"], a, b) for a, b in zip(ks, ks[1:])), key=lambda t: t[0], default=None)
+    if best is None:
+        return []
+    g, a, b = best
+    la, lb = launch.get(a["args"].get("correlation")), launch.get(b["args"].get("correlation"))
+    if la is None or lb is None:
+        return [("gap", round(g, 1))]
+    inside = [c for c in cpu_ops if la["ts"] <= c["ts"] <= lb["ts"]]
+    outer = [c for c in inside if not any(o is not c and o["ts"] <= c["ts"] and c["ts"] + c["dur"] <= o["ts"] + o["dur"]
+                                          for o in inside)]
+    return [("gap", round(g, 1)), ("kernel after", b["name"][:60])] + [(c["name"][:60], round(c["dur"], 1))
+                                                                        for c in outer[:25]]
 
 
 def _rank_body(args: dict) -> dict:
@@ -117,6 +134,9 @@ def markdown(result: dict) -> str:
     for model, r in result["raw"].items():
         late = "; ".join(f"`{k[:90]}` {v}" for k, v in r["late_launch_us_per_step"].items())
         lines.append(f"| {model} | {r['busy_us']} | {r['span_us']} | {r['gap_us']} | {r['gaps']} | {late} |")
+    lines += ["", "The last step's largest gap, and the outermost host ops between the launches around it (µs):", ""]
+    for model, r in result["raw"].items():
+        lines.append(f"- {model}: " + "; ".join(f"{k} {v}" for k, v in r.get("largest_gap", [])))
     return "\n".join(lines) + "\n"
 
 
