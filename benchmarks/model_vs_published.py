@@ -82,7 +82,9 @@ SOURCE_SETTINGS = {
 
 
 def published_dir(arg: str | None) -> Path | None:
-    for d in ([Path(arg)] if arg else [ROOT / "shared" / "published_steps", ROOT.parent / "shared" / "published_steps"]):
+    # The shared folder where it exists (the source of record), else the project's copy in tests/data.
+    for d in ([Path(arg)] if arg else [ROOT / "shared" / "published_steps", ROOT.parent / "shared" / "published_steps",
+                                       ROOT / "tests" / "data" / "published_steps"]):
         if (d / "cases.json").is_file():
             return d
     return None

@@ -1,4 +1,5 @@
-"""Fixtures of the cost-model tests: the H200 calibration files, found beside the checkout."""
+"""Fixtures of the cost-model tests: the H200 calibration files (tests/data/calibration, copied from
+../shared/calibration; a shared folder beside the checkout is the fallback)."""
 
 import json
 from pathlib import Path
@@ -6,7 +7,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-CANDIDATES = (ROOT / "shared" / "calibration", ROOT.parent / "shared" / "calibration")
+CANDIDATES = (ROOT / "tests" / "data" / "calibration", ROOT / "shared" / "calibration",
+              ROOT.parent / "shared" / "calibration")
 
 
 @pytest.fixture(scope="session")

@@ -1,7 +1,7 @@
 """Real multi-GPU NCCL traces nobody here wrote: our overlap % against HolisticTraceAnalysis's.
 
-The traces live beside the repository (../shared/traces, see its README); they are not copied
-into the project.
+The three traces are HolisticTraceAnalysis's test data (MIT), copied from ../shared/traces into
+tests/data/timeline (see the README there), so the checks run wherever the project does.
 """
 
 import json
@@ -12,7 +12,7 @@ import pytest
 from overlapkit.timeline import read_trace, read_traces, report_traces
 from overlapkit.timeline.cli import main
 
-TRACES = Path(__file__).resolve().parents[2] / ".." / "shared" / "traces"
+TRACES = Path(__file__).resolve().parents[1] / "data" / "timeline"
 HTA_OVERLAP_PCT = {  # HTA 0.5.0 get_comm_comp_overlap, from the README beside the traces
     "hta_allreduce_2ranks.json.gz": 14.31,
     "hta_sampled_rank0_of128.json.gz": 11.81,
