@@ -48,10 +48,10 @@ class _Counting:
 
 
 class _MLP(nn.Module):
-    def __init__(self, group, overlap: str) -> None:
+    def __init__(self, group, overlap: str, **fc1_options) -> None:
         super().__init__()
         kw = dict(sequence_parallel=True, overlap=overlap)
-        self.fc1 = ColumnParallelLinear(8, 16, group, name="fc1", **kw)
+        self.fc1 = ColumnParallelLinear(8, 16, group, name="fc1", **kw, **fc1_options)
         self.fc2 = RowParallelLinear(16, 8, group, name="fc2", **kw)
 
     def forward(self, x):
@@ -106,6 +106,14 @@ def _world():
         out[("block", mode)] = _compare(_block(group, mode), torch.randn(8 // ws, 2, 8), "aot_eager")
     torch.manual_seed(3)
     out[("mlp inductor", "pipelined")] = _compare(_MLP(group, "pipelined"), torch.randn(2, 2, 8), "inductor")
+    # The gathered input kept from forward (save_gathered_input) feeds the backward's wgrad; at one
+    # rank (a group of its own) that "gathered" input is x itself, which the op must not return as is.
+    single = [dist.new_group([i]) for i in range(ws)][dist.get_rank()]
+    for label, g in (("mlp saved", group), ("mlp saved ws1", single)):
+        torch.manual_seed(3)
+        n = dist.get_world_size(g)
+        mlp = _MLP(g, "pipelined", save_gathered_input=True, chunks=2 * n)
+        out[(label, "pipelined")] = _compare(mlp, torch.randn(4 // n, 2, 8), "aot_eager")
     dist.barrier()
     return out
 
@@ -122,6 +130,13 @@ def test_fullgraph_one_graph_equals_eager(results, model, mode):
         r = res[(model, mode)]
         assert r["graphs"] == 1, f"rank {rank}: {model} overlap={mode} compiled into {r['graphs']} graphs"
         assert r["err"] <= RTOL, f"rank {rank}: {model} overlap={mode} differs from eager by rel {r['err']:.2e}"
+
+
+@pytest.mark.parametrize("case", ["mlp saved", "mlp saved ws1"])
+def test_saved_gathered_input_compiles_and_equals_eager(results, case):
+    for rank, res in enumerate(results):
+        r = res[(case, "pipelined")]
+        assert r["graphs"] == 1 and r["err"] <= RTOL, f"rank {rank}: {case}: {r}"
 
 
 def test_inductor_pipelined_equals_eager(results):
