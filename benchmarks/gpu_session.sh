@@ -139,6 +139,17 @@ gpu_k)
       --device cuda --world 1 --shape-tp 8 --tag old --out "$r"
   step gaps_new 90 python3 benchmarks/tp_step_gaps.py --device cuda --world 1 --shape-tp 8 --tag new --out "$r"
   ;;
+cpu16_tp)
+  # The pipelined column backward before (MID_SRC: chunked dgrad+RS and chunk-summed wgrad) and
+  # after (Megatron's order over p2p), gloo ranks on the 16 cores, where transfers run beside compute.
+  for w in 4 4 8; do
+    t=$((16 / w - 1))
+    step tp_mid_ws$w 35 env PYTHONPATH="${MID_SRC:?MID_SRC: the earlier src folder}" OMP_NUM_THREADS=$t \
+        python3 benchmarks/tp_overlap.py --device cpu --world $w --layers-only --reps 20 --out "$r/mid_ws$w"
+    step tp_new_ws$w 35 env OMP_NUM_THREADS=$t python3 benchmarks/tp_overlap.py --device cpu --world $w \
+        --layers-only --reps 20 --out "$r/new_ws$w"
+  done
+  ;;
 *) echo "unknown part $part"; exit 2 ;;
 esac
 tar czf "$out/$part.tgz" -C "$out" results logs && rm -rf "$out/results" "$out/logs"
