@@ -142,12 +142,12 @@ gpu_k)
 cpu16_tp)
   # The pipelined column backward before (MID_SRC: chunked dgrad+RS and chunk-summed wgrad) and
   # after (Megatron's order over p2p), gloo ranks on the 16 cores, where transfers run beside compute.
-  for w in 4 4 8; do
-    t=$((16 / w - 1))
-    step tp_mid_ws$w 35 env PYTHONPATH="${MID_SRC:?MID_SRC: the earlier src folder}" OMP_NUM_THREADS=$t \
-        python3 benchmarks/tp_overlap.py --device cpu --world $w --layers-only --reps 20 --out "$r/mid_ws$w"
-    step tp_new_ws$w 35 env OMP_NUM_THREADS=$t python3 benchmarks/tp_overlap.py --device cpu --world $w \
-        --layers-only --reps 20 --out "$r/new_ws$w"
+  for run in 4a 4b 8a; do
+    w=${run%?}; t=$((16 / w - 1))
+    step tp_mid_ws$run 35 env PYTHONPATH="${MID_SRC:?MID_SRC: the earlier src folder}" OMP_NUM_THREADS=$t \
+        python3 benchmarks/tp_overlap.py --device cpu --world $w --layers-only --reps 20 --out "$r/mid_ws$run"
+    step tp_new_ws$run 35 env OMP_NUM_THREADS=$t python3 benchmarks/tp_overlap.py --device cpu --world $w \
+        --layers-only --reps 20 --out "$r/new_ws$run"
   done
   ;;
 *) echo "unknown part $part"; exit 2 ;;
