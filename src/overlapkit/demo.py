@@ -100,7 +100,6 @@ def run_rank(cfg: DemoConfig) -> dict:
     """The demo on one rank (the default group is initialized). Returns errors and spans."""
     from .groups import ParallelGroups
     from .models import GPT, GPTConfig, expected_local, lm_loss, parallelize
-    from .tensor_parallel.layers import allreduce_sequence_parallel_grads
     from .timeline import record
 
     if cfg.pp > 1:
@@ -116,8 +115,9 @@ def run_rank(cfg: DemoConfig) -> dict:
         reference, model = moe_gpts(mcfg, groups, cfg.seed, device=device, overlap=cfg.overlap)
     else:
         reference = GPT(mcfg).to(device)
-        # ZeRO-3 shards the layer norms too: their sequence-parallel gradients would need a TP sum FSDP2 does not do.
-        model = parallelize(copy.deepcopy(reference), groups.mesh, sequence_parallel=cfg.zero != 3,  # its 'tp' dim
+        # Sequence parallel under ZeRO-3 too: the norms' TP gradient sums are hooks on the tensors
+        # each forward uses (mark_sequence_parallel), so FSDP2's replaced parameters keep them.
+        model = parallelize(copy.deepcopy(reference), groups.mesh, sequence_parallel=True,  # its 'tp' dim
                             overlap=cfg.overlap)
     replicas = groups.dp
     if cfg.cp > 1:  # ring attention over the CP ranks; parameters are replicated over dp x cp
@@ -165,8 +165,6 @@ def run_rank(cfg: DemoConfig) -> dict:
             if cfg.ep > 1:
                 from .expert_parallel import average_data_parallel_grads
                 average_data_parallel_grads(model, groups.dp, groups.ep)
-            elif cfg.dp == 1 and cfg.cp == 1 and cfg.zero != 3:
-                allreduce_sequence_parallel_grads(model, groups.tp)
 
             ref_opt.zero_grad()
             ref_logits = reference(idx)
