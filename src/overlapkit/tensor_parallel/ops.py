@@ -3,7 +3,8 @@
 What overlaps with what is unchanged (see layers.py and pipelined.py): "column"/"row" are the
 none and bulk paths (bulk: the column backward's re-gather under the dgrad GEMM, the dgrad
 reduce-scatter under the wgrad GEMM), "column_pipelined"/"row_pipelined" the chunked
-all-gather+GEMM and GEMM+reduce-scatter, forward and backward. Dynamo cannot trace an async
+all-gather+GEMM and GEMM+reduce-scatter, forward and backward (except the column backward over
+p2p, which is bulk's: two collectives under two whole GEMMs). Dynamo cannot trace an async
 collective, a P2POp or a CUDA event, and broke the graph at each one; an opaque custom op with a
 fake (meta) kernel for its shapes, under an autograd.Function dynamo traces, is one node of a
 `fullgraph=True` graph, and its body — the same eager code, timeline spans included — runs at
