@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from .. import comm
-from ..agreement import Agreement
+from ..agreement import agree
 from . import p2p, symm_mem
 from .mappings import _gather_dim0, _reduce_scatter_dim0
 from .params import grad_as_param, param_parts
@@ -161,6 +161,11 @@ def _row_pipelined_bwd(dy2, x2, w, group, k, transport, need_dx, name):
     return dx2, dw, gathered
 
 
+def bulk_column_backward(kind: str, transport: str) -> bool:
+    """Whether a pipelined kind's backward is bulk's instead (a column layer over p2p: see _bwd)."""
+    return kind == "column_pipelined" and transport == "p2p"
+
+
 def _bwd(kind, dy, x, extra, w, has_bias, need_dx, group, sp, bulk, k, transport, save_gathered, name):
     """(dx or None, dw, db or None). The bias gradient of a row layer comes from the gathered
     output gradient: complete on every rank, with no sum over TP left for anyone to forget."""
@@ -170,7 +175,7 @@ def _bwd(kind, dy, x, extra, w, has_bias, need_dx, group, sp, bulk, k, transport
         flat = _flat(dy)
     elif kind == "row":
         dx, dw, flat = _row_bwd(dy, x, w, group, sp, need_dx, name)
-    elif kind == "column_pipelined" and transport == "p2p":
+    elif bulk_column_backward(kind, transport):
         # Megatron's order for a column backward (TransformerEngine's bulk dgrad/wgrad overlaps):
         # the input's re-gather under the whole dgrad GEMM, the dgrad's reduce-scatter under the
         # whole wgrad GEMM. Both collectives have a full GEMM to hide under, as the chunked
@@ -244,21 +249,18 @@ def eager(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, cdt, args: t
 
 # -- compiled: the custom ops --------------------------------------------------------------
 
-_agreements: dict[str, Agreement] = {}
-"""Per op name: the signatures already compared across ranks."""
 _seen: set = set()
-"""Every (kind, name, shape, ...) signature already agreed: the run-time check of a seen call is
-one set lookup, without building the label and fields the comparison needs."""
+"""Every (kind, name, shape, ...) signature already compared across ranks: a seen call is one
+set lookup, without building the label and fields the comparison needs."""
 
 
 def _agree_once(kind, x, w, b, group, group_name, sp, bulk, k, transport, save_gathered, name):
     key = (kind, name, x.shape, x.dtype, w.shape, b is None, group_name, sp, bulk, k, transport, save_gathered)
     if key in _seen:
         return
-    label = f"overlapkit::{kind}({name})"
-    agreement = _agreements.setdefault(label, Agreement(label))
-    agreement.check(group, shape=tuple(x.shape), dtype=x.dtype, weight=tuple(w.shape), bias=b is not None,
-                    group_name=group_name, sp=sp, bulk=bulk, k=k, transport=transport, save_gathered=save_gathered)
+    agree(group, f"overlapkit::{kind}({name})", shape=tuple(x.shape), dtype=x.dtype, weight=tuple(w.shape),
+          bias=b is not None, group_name=group_name, sp=sp, bulk=bulk, k=k, transport=transport,
+          save_gathered=save_gathered)
     _seen.add(key)
 
 
