@@ -230,8 +230,6 @@ class _ParallelLinear(LocalShardParams, nn.Module):
         _check_input(self, shape, xm.dtype, x.device, cdt or w.dtype, w.device, self._expected_in,
                      self._scatters_sequence)
         mode, chunks = self._mode(xm, *self._gemm(shape))
-        if mode == "bulk" or (mode == "pipelined" and self._kind == "column" and self.transport == "p2p"):
-            comm.warn_if_max_connections_unsuited(x.device)  # both issue bulk collectives in backward
         kind = self._kind
         k, transport, save = 1, "p2p", False
         if mode == "pipelined":
@@ -240,6 +238,8 @@ class _ParallelLinear(LocalShardParams, nn.Module):
             _check_transport(self.transport, self.group, x.device)
             kind, transport = kind + "_pipelined", self.transport
             save = self.save_gathered_input and kind == "column_pipelined"
+        if mode == "bulk" or ops.bulk_column_backward(kind, transport):
+            comm.warn_if_max_connections_unsuited(x.device)  # both issue asynchronous collectives in backward
         name = (self.name or self._kind) if mode == "pipelined" else self.name
         return sd, (kind, self.group, self.sequence_parallel, mode == "bulk", k, transport, save, name)
 
