@@ -41,7 +41,7 @@ def _step_gaps(trace: dict, steps: int) -> dict:
     # cuBLAS launches its GEMMs through the driver API (cuLaunchKernelEx), the rest through the runtime
     launch = {e["args"].get("correlation"): e for e in ev if e.get("cat") in ("cuda_runtime", "cuda_driver")}
     cpu_ops = sorted((e for e in ev if e.get("cat") == "cpu_op"), key=lambda e: e["ts"])
-    per_step, late = [], {}
+    per_step, late, last = [], {}, []
     # A step is everything from its mark's start to the next step's: the mark itself covers only
     # the kernels launched from the calling thread (the forward), not the backward's, which the
     # autograd engine launches from its own thread. Steps are synchronized, so none overlap.
@@ -50,6 +50,7 @@ def _step_gaps(trace: dict, steps: int) -> dict:
         ks = [k for k in kernels if bounds[i] <= k["ts"] < bounds[i + 1]]
         if not ks:
             continue
+        last = ks
         busy = sum(k["dur"] for k in ks)
         span = ks[-1]["ts"] + ks[-1]["dur"] - ks[0]["ts"]
         gaps = []
@@ -62,16 +63,16 @@ def _step_gaps(trace: dict, steps: int) -> dict:
             rt = launch.get(b["args"].get("correlation"))
             if rt is None:
                 continue
-            # the innermost host op open at the launch: the op whose Python the device waited for
+            # the host ops open at the launch: the innermost is the op whose Python the device waited
+            # for, the outermost below the step says which layer or engine phase it belongs to
             owner = [c for c in cpu_ops if c["ts"] <= rt["ts"] <= c["ts"] + c["dur"] and c.get("tid") == rt.get("tid")]
-            # innermost op, and the outermost one below the step (which layer or engine phase)
             inner = min(owner, key=lambda c: c["dur"])["name"] if owner else "(no op)"
             below = [c for c in owner if c["name"] != "step" and c["dur"] < max(o["dur"] for o in owner)]
             outer = max(below, key=lambda c: c["dur"])["name"] if below else ""
             name = f"{inner} in {outer}" if outer and outer != inner else inner
             late[name] = late.get(name, 0.0) + g
     n = len(per_step) or 1
-    return {"steps": len(per_step), "largest_gap": _host_between(ks, cpu_ops, launch) if marks else [],
+    return {"steps": len(per_step), "largest_gap": _host_between(last, cpu_ops, launch),
             **{k: round(statistics.median(s[k] for s in per_step), 1) for k in ("busy_us", "span_us", "gap_us", "gaps")},
             "late_launch_us_per_step": dict(sorted(((k, round(v / n, 1)) for k, v in late.items()),
                                                    key=lambda kv: -kv[1])[:10])}
