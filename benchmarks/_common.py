@@ -8,6 +8,7 @@ import json
 import os
 import platform
 import sys
+import time
 from typing import Callable
 
 import torch
@@ -96,6 +97,26 @@ def lm_train_step(models: dict, opts: dict, vocab_size: int, batch: int, seq_len
         loss.backward()
         opts[name].step()
     return step
+
+
+def mean_call_ms(fn: Callable[[], object], device: torch.device, reps: int, warmup: int = 1) -> float:
+    """Mean ms per call of `reps` back-to-back calls after `warmup` (CUDA events on a GPU, the
+    clock on CPU): throughput of a kernel or op issued repeatedly, not one call's latency."""
+    for _ in range(warmup):
+        fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(reps):
+            fn()
+        end.record()
+        torch.cuda.synchronize(device)
+        return start.elapsed_time(end) / reps
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    return (time.perf_counter() - t0) * 1e3 / reps
 
 
 def device_label(device: str) -> str:

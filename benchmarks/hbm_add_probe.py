@@ -15,29 +15,19 @@ import os
 
 import torch
 
-
-def _ms(fn, reps: int = 50) -> float:
-    for _ in range(5):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / reps
+from _common import mean_call_ms
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args()
-    rows = []
+    rows, cuda = [], torch.device("cuda")
     for h in (4096, 8192, 16384):
-        x = torch.randn(8192, h, device="cuda", dtype=torch.bfloat16)
+        x = torch.randn(8192, h, device=cuda, dtype=torch.bfloat16)
         y = torch.randn_like(x)
         nbytes = x.numel() * x.element_size()
-        xx, xy = _ms(lambda: x + x), _ms(lambda: x + y)
+        xx, xy = mean_call_ms(lambda: x + x, cuda, 50, warmup=5), mean_call_ms(lambda: x + y, cuda, 50, warmup=5)
         rows.append(dict(hidden=h, x_plus_x_ms=xx, x_plus_y_ms=xy,
                          x_plus_x_gbps_2acc=2 * nbytes / xx / 1e6, x_plus_x_gbps_3acc=3 * nbytes / xx / 1e6,
                          x_plus_y_gbps_3acc=3 * nbytes / xy / 1e6))

@@ -14,34 +14,16 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import add_common_args, device_label, write_results  # noqa: E402
+from _common import add_common_args, device_label, mean_call_ms, write_results  # noqa: E402
 
 SHAPES = ((8192, 4096, 128256), (8192, 8192, 128256 // 8), (4096, 2048, 131072), (2048, 12288, 51200 // 8))
 """(tokens, hidden, vocab on this rank): Llama 3 8B; 70B at TP 8; Megatron's 1.7B; GPT-3 at TP 8."""
 QUICK = ((256, 128, 1024), (128, 64, 4096))
-
-
-def _time(fn, device: torch.device, reps: int) -> float:
-    fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(reps):
-            fn()
-        end.record()
-        torch.cuda.synchronize(device)
-        return start.elapsed_time(end) / reps
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        fn()
-    return (time.perf_counter() - t0) * 1e3 / reps
 
 
 def measure(tokens: int, hidden: int, vocab: int, device: torch.device, reps: int) -> dict:
@@ -60,9 +42,9 @@ def measure(tokens: int, hidden: int, vocab: int, device: torch.device, reps: in
         x.grad = w.grad = None
         head_loss().backward()
 
-    gemm = _time(head, device, reps)
-    fwd = _time(head_loss, device, reps)
-    fwd_bwd = _time(head_loss_backward, device, reps)
+    gemm = mean_call_ms(head, device, reps)
+    fwd = mean_call_ms(head_loss, device, reps)
+    fwd_bwd = mean_call_ms(head_loss_backward, device, reps)
     return {"tokens": tokens, "hidden": hidden, "vocab": vocab, "gemm_ms": gemm, "fwd_ms": fwd, "fwd_bwd_ms": fwd_bwd}
 
 
