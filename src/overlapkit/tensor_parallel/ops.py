@@ -179,7 +179,9 @@ def _bwd(kind, dy, x, extra, w, has_bias, need_dx, group, sp, bulk, k, transport
         # Megatron's order for a column backward (TransformerEngine's bulk dgrad/wgrad overlaps):
         # the input's re-gather under the whole dgrad GEMM, the dgrad's reduce-scatter under the
         # whole wgrad GEMM. Both collectives have a full GEMM to hide under, as the chunked
-        # pair below has, without splitting either GEMM (+20 % GEMM time at TP=8 shapes).
+        # pair below has, without splitting either GEMM (on the H200 at TP=8 shapes the graphed x8
+        # layer went from 1.18-1.23x to 1.05-1.07x none with it). On CPU, where chunked GEMMs lose
+        # little, the chunked pair was faster with data moving (tp_overlap_cpu16_column_bwd_ab.md).
         dx, dw = _column_bwd(dy, x, w, group, True, True, need_dx, name, gathered=extra if save_gathered else None)
         flat = _flat(dy)
     elif kind == "column_pipelined":
