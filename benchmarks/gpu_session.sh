@@ -139,6 +139,19 @@ gpu_k)
       --device cuda --world 1 --shape-tp 8 --tag old --out "$r"
   step gaps_new 90 python3 benchmarks/tp_step_gaps.py --device cuda --world 1 --shape-tp 8 --tag new --out "$r"
   ;;
+ep_ab)
+  # The experts' grouped GEMMs (torch._grouped_mm) against the per-expert loop before them (OLD_SRC),
+  # alternated on the GPU, once on the 16 cores; and the grouped path's checks on this torch.
+  step pytest_grouped 120 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_grouped_experts_cuda.py \
+      tests/expert_parallel/test_grouped_experts.py
+  for i in 1 2; do
+    step ep_cuda_old$i 70 env PYTHONPATH="${OLD_SRC:?OLD_SRC: the old src folder}" python3 benchmarks/ep_overlap.py \
+        --device cuda --world 1 --out "$r/old$i"
+    step ep_cuda_new$i 70 python3 benchmarks/ep_overlap.py --device cuda --world 1 --out "$r/new$i"
+  done
+  step ep_ws4_old 90 env PYTHONPATH="$OLD_SRC" python3 benchmarks/ep_overlap.py --world 4 --threads 2 --out "$r/old_ws4"
+  step ep_ws4_new 90 python3 benchmarks/ep_overlap.py --world 4 --threads 2 --out "$r/new_ws4"
+  ;;
 cpu16_tp)
   # The pipelined column backward before (MID_SRC: chunked dgrad+RS and chunk-summed wgrad) and
   # after (Megatron's order over p2p), gloo ranks on the 16 cores, where transfers run beside compute.

@@ -62,8 +62,83 @@ def init_full_experts(num_experts: int, hidden: int, ffn_hidden: int, generator=
             uniform((num_experts, hidden, ffn_hidden), ffn_hidden), uniform((num_experts, hidden), ffn_hidden))
 
 
+# Grouped GEMMs (torch._grouped_mm): one kernel for all the local experts instead of one GEMM per
+# expert, which at MoE shapes is mostly host dispatch (ep_overlap_cuda_ws1.md: the per-expert loop
+# made the layer ~7x a dense MLP of the same active width). Not every build runs every dtype or
+# layout (CUDA's kernel wants 16-byte aligned rows): a (device, dtype, expert shape) that raises once
+# goes back to the loop for good. The loop is kept for autocast (whose casts the grouped op does not
+# take part in), for chunks that receive no rows, and as the tests' reference.
+_GROUPED_BROKEN: set = set()
+
+
+def _key(x: torch.Tensor, w1: torch.Tensor) -> tuple:
+    return x.device.type, x.dtype, tuple(w1.shape[1:])
+
+
+def _grouped(x: torch.Tensor, w1: torch.Tensor, *ws: torch.Tensor) -> bool:
+    """Whether these operands go through torch._grouped_mm (else the per-expert loop)."""
+    return (hasattr(torch, "_grouped_mm") and x.dim() == 2 and x.shape[0] > 0
+            and _key(x, w1) not in _GROUPED_BROKEN and all(w.dtype == x.dtype for w in (w1, *ws))
+            and not torch.is_autocast_enabled(x.device.type))
+
+
+def _offsets(sizes: list[int], device) -> torch.Tensor:
+    """The end row of each expert's group (int32 on the operands' device), as grouped_mm takes them."""
+    ends, total = [], 0
+    for n in sizes:
+        total += n
+        ends.append(total)
+    return torch.tensor(ends, dtype=torch.int32, device=device)
+
+
+def _expert_of_row(sizes: list[int], device, rows: int) -> torch.Tensor:
+    """Each grouped row's local expert index (to add the per-expert biases row by row)."""
+    counts = torch.tensor(sizes, dtype=torch.long, device=device)
+    return torch.repeat_interleave(torch.arange(len(sizes), device=device), counts, output_size=rows)
+
+
 def experts_forward(x: torch.Tensor, sizes: list[int], w1, b1, w2, b2, add_output_bias: bool):
     """y for rows `x` grouped by local expert (`sizes[e]` rows each); also the pre-activations for backward."""
+    if _grouped(x, w1, w2, b1, b2):
+        try:
+            offs, eid = _offsets(sizes, x.device), _expert_of_row(sizes, x.device, x.shape[0])
+            pre = torch._grouped_mm(x, w1.transpose(1, 2), offs=offs).add_(b1[eid])
+            y = torch._grouped_mm(F.gelu(pre), w2.transpose(1, 2), offs=offs)
+            return (y.add_(b2[eid]) if add_output_bias else y), pre
+        except torch.OutOfMemoryError:
+            raise
+        except RuntimeError:
+            _GROUPED_BROKEN.add(_key(x, w1))
+    return _loop_forward(x, sizes, w1, b1, w2, b2, add_output_bias)
+
+
+def experts_backward(dy: torch.Tensor, x: torch.Tensor, pre: torch.Tensor, sizes: list[int], w1, w2,
+                     grads: list[torch.Tensor]) -> torch.Tensor:
+    """dx for the grouped rows; adds dW1, db1, dW2, db2 of this chunk into `grads` (in that order)."""
+    if _grouped(dy, w1, x, pre, w2, *grads):
+        try:  # every product first, the adds into `grads` last: a refusal leaves them untouched
+            offs = _offsets(sizes, dy.device)
+            lengths = torch.tensor(sizes, dtype=torch.long, device=dy.device)
+            # wgrads: groups along the contraction (rows); an expert with no rows gets zeros.
+            dw2 = torch._grouped_mm(dy.t(), F.gelu(pre), offs=offs)
+            da = torch.ops.aten.gelu_backward(torch._grouped_mm(dy, w2, offs=offs), pre)
+            dw1 = torch._grouped_mm(da.t(), x, offs=offs)
+            dx = torch._grouped_mm(da, w1, offs=offs)
+            db2 = torch.segment_reduce(dy, "sum", lengths=lengths, axis=0)  # on every TP rank: dy is whole
+            db1 = torch.segment_reduce(da, "sum", lengths=lengths, axis=0)
+        except torch.OutOfMemoryError:
+            raise
+        except RuntimeError:
+            _GROUPED_BROKEN.add(_key(dy, w1))
+        else:
+            for g, d in zip(grads, (dw1, db1, dw2, db2)):
+                g.add_(d)
+            return dx
+    return _loop_backward(dy, x, pre, sizes, w1, w2, grads)
+
+
+def _loop_forward(x: torch.Tensor, sizes: list[int], w1, b1, w2, b2, add_output_bias: bool):
+    """experts_forward one expert at a time (two addmm each)."""
     pre = x.new_empty((x.shape[0], w1.shape[1]))
     y = x.new_empty((x.shape[0], w2.shape[1]))
     off = 0
@@ -77,9 +152,9 @@ def experts_forward(x: torch.Tensor, sizes: list[int], w1, b1, w2, b2, add_outpu
     return y, pre
 
 
-def experts_backward(dy: torch.Tensor, x: torch.Tensor, pre: torch.Tensor, sizes: list[int], w1, w2,
-                     grads: list[torch.Tensor]) -> torch.Tensor:
-    """dx for the grouped rows; adds dW1, db1, dW2, db2 of this chunk into `grads` (in that order)."""
+def _loop_backward(dy: torch.Tensor, x: torch.Tensor, pre: torch.Tensor, sizes: list[int], w1, w2,
+                   grads: list[torch.Tensor]) -> torch.Tensor:
+    """experts_backward one expert at a time."""
     g_w1, g_b1, g_w2, g_b2 = grads
     dx = torch.empty_like(x)
     off = 0
