@@ -152,6 +152,17 @@ ep_ab)
   step ep_ws4_old 90 env PYTHONPATH="$OLD_SRC" python3 benchmarks/ep_overlap.py --world 4 --threads 2 --out "$r/old_ws4"
   step ep_ws4_new 90 python3 benchmarks/ep_overlap.py --world 4 --threads 2 --out "$r/new_ws4"
   ;;
+ep_syncs)
+  # The MoE's host syncs (one per forward, none in backward), the EP tests on this torch, and the layer
+  # against the per-expert loop before the grouped GEMMs (OLD_SRC), alternated.
+  step pytest_ep 150 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_moe_host_syncs_cuda.py \
+      tests/gpu/test_grouped_experts_cuda.py tests/expert_parallel
+  for i in 1 2; do
+    step ep_cuda_old$i 70 env PYTHONPATH="${OLD_SRC:?OLD_SRC: the old src folder}" python3 benchmarks/ep_overlap.py \
+        --device cuda --world 1 --out "$r/old$i"
+    step ep_cuda_new$i 70 python3 benchmarks/ep_overlap.py --device cuda --world 1 --out "$r/new$i"
+  done
+  ;;
 cpu16_tp)
   # The pipelined column backward before (MID_SRC: chunked dgrad+RS and chunk-summed wgrad) and
   # after (Megatron's order over p2p), gloo ranks on the 16 cores, where transfers run beside compute.

@@ -21,7 +21,7 @@ import torch
 
 from .. import comm
 from ..timeline.recorder import compute_span
-from .experts import experts_backward, experts_forward
+from .experts import count, device_ints, experts_backward, experts_forward
 
 
 @dataclass
@@ -40,6 +40,8 @@ class DispatchPlan:
     """[chunk][ep rank] rows this rank receives from each EP rank."""
     expert_rows: list[list[int]]
     """[chunk][local expert] rows this rank's experts compute."""
+    expert_counts: list[torch.Tensor]
+    """[chunk] the same counts on the device ([local experts], int64), for the grouped GEMMs' offsets."""
     group_perm: list[torch.Tensor]
     """[chunk] permutation taking received rows (by source rank, then expert) to rows by expert."""
     sent_per_expert: torch.Tensor
@@ -82,12 +84,13 @@ def plan_dispatch(experts: torch.Tensor, num_experts: int, chunks: int, capacity
     flat = experts.reshape(-1)
     keep = _admitted(flat, top_k, num_experts, capacity)
     token = torch.arange(flat.numel(), device=dev) // top_k
-    bounds = torch.tensor(chunk_bounds(tokens, chunks)[1:-1], device=dev, dtype=torch.long)
+    bounds = device_ints(chunk_bounds(tokens, chunks)[1:-1], dev)
     chunk = torch.bucketize(token, bounds, right=True)
     key = chunk * num_experts + flat
-    kept = keep.nonzero().squeeze(1)
-    rows = kept[torch.argsort(key[kept], stable=True)]
-    counts = torch.bincount(key[kept], minlength=chunks * num_experts).view(chunks, ep, local)
+    if capacity is not None:  # dropped assignments sort after every kept one, into a bin of their own
+        key = torch.where(keep, key, chunks * num_experts)
+    order = torch.argsort(key, stable=True)
+    counts = count(key, chunks * num_experts + 1)[:-1].view(chunks, ep, local)
     # Counts first: every rank learns how many rows each peer will send it, chunk by chunk.
     send = counts.permute(1, 0, 2).contiguous()  # [dest rank, chunk, local expert]
     if ep > 1:
@@ -95,18 +98,26 @@ def plan_dispatch(experts: torch.Tensor, num_experts: int, chunks: int, capacity
         comm.all_to_all_single(recv, send, group, kind="ep_dispatch", name=f"{name}.fwd.counts", async_op=False)
     else:
         recv = send
-    counts_l, recv_l = counts.tolist(), recv.tolist()  # [chunk][rank][e], [src][chunk][e]
+    # The forward's one host sync: the split sizes of every all-to-all must be on the host.
+    both = torch.cat([counts.reshape(-1), recv.reshape(-1)]).tolist()
+    n = counts.numel()
+    counts_l = [[both[(c * ep + r) * local:(c * ep + r + 1) * local] for r in range(ep)] for c in range(chunks)]
+    recv_l = [[both[n + (s * chunks + c) * local:n + (s * chunks + c + 1) * local] for c in range(chunks)]
+              for s in range(ep)]  # [chunk][rank][e], [src][chunk][e]
     send_splits = [[sum(counts_l[c][r]) for r in range(ep)] for c in range(chunks)]
     recv_splits = [[sum(recv_l[s][c]) for s in range(ep)] for c in range(chunks)]
     expert_rows = [[sum(recv_l[s][c][e] for s in range(ep)) for e in range(local)] for c in range(chunks)]
+    rows = order[:sum(map(sum, send_splits))]  # the kept ones, by chunk then expert
     ids = torch.arange(local, device=dev).repeat(ep)
-    group_perm = [torch.argsort(torch.repeat_interleave(ids, recv[:, c, :].reshape(-1)), stable=True)
+    group_perm = [torch.argsort(torch.repeat_interleave(ids, recv[:, c, :].reshape(-1),
+                                                        output_size=sum(recv_splits[c])), stable=True)
                   for c in range(chunks)]
     return DispatchPlan(
         row_token=token[rows], row_assignment=rows, chunk_rows=[sum(s) for s in send_splits],
-        send_splits=send_splits, recv_splits=recv_splits, expert_rows=expert_rows, group_perm=group_perm,
+        send_splits=send_splits, recv_splits=recv_splits, expert_rows=expert_rows,
+        expert_counts=list(recv.sum(0).unbind(0)), group_perm=group_perm,
         sent_per_expert=counts.sum(0).reshape(-1),
-        dropped_per_expert=torch.bincount(flat[~keep], minlength=num_experts),
+        dropped_per_expert=count(flat, num_experts, weights=~keep),
         received_per_expert=recv.sum((0, 1)))
 
 
@@ -166,7 +177,8 @@ class ExpertsA2A(torch.autograd.Function):
         def compute(i, rows):
             with compute_span(f"{name}.fwd.experts[{i}]"):
                 grouped = rows[plan.group_perm[i]]
-                y, pre = experts_forward(grouped, plan.expert_rows[i], w1, b1, w2, b2, add_output_bias)
+                y, pre = experts_forward(grouped, plan.expert_rows[i], w1, b1, w2, b2, add_output_bias,
+                                         plan.expert_counts[i])
                 out = torch.empty_like(y)
                 out[plan.group_perm[i]] = y
             ctx.saved.append((grouped, pre))
@@ -186,7 +198,8 @@ class ExpertsA2A(torch.autograd.Function):
         def compute(i, rows):
             with compute_span(f"{name}.bwd.experts[{i}]"):
                 grouped, pre = ctx.saved[i]
-                dx = experts_backward(rows[plan.group_perm[i]], grouped, pre, plan.expert_rows[i], w1, w2, grads)
+                dx = experts_backward(rows[plan.group_perm[i]], grouped, pre, plan.expert_rows[i], w1, w2, grads,
+                                      plan.expert_counts[i])
                 out = torch.empty_like(dx)
                 out[plan.group_perm[i]] = dx
             return out

@@ -82,26 +82,34 @@ def _grouped(x: torch.Tensor, w1: torch.Tensor, *ws: torch.Tensor) -> bool:
             and not torch.is_autocast_enabled(x.device.type))
 
 
-def _offsets(sizes: list[int], device) -> torch.Tensor:
-    """The end row of each expert's group (int32 on the operands' device), as grouped_mm takes them."""
-    ends, total = [], 0
-    for n in sizes:
-        total += n
-        ends.append(total)
-    return torch.tensor(ends, dtype=torch.int32, device=device)
+def device_ints(values: list[int], device) -> torch.Tensor:
+    """An int64 tensor of `values` on `device` without a host sync (a plain copy to a GPU waits for
+    the stream; a pinned one is queued on it like a kernel)."""
+    t = torch.tensor(values, dtype=torch.long)
+    return t.pin_memory().to(device, non_blocking=True) if torch.device(device).type == "cuda" else t
 
 
-def _expert_of_row(sizes: list[int], device, rows: int) -> torch.Tensor:
-    """Each grouped row's local expert index (to add the per-expert biases row by row)."""
-    counts = torch.tensor(sizes, dtype=torch.long, device=device)
-    return torch.repeat_interleave(torch.arange(len(sizes), device=device), counts, output_size=rows)
+def count(index: torch.Tensor, n: int, weights: torch.Tensor | None = None) -> torch.Tensor:
+    """[n] int64: how often each value in [0, n) occurs in `index` (weighted by a mask if given).
+    torch.bincount sizes its output from the data's maximum: a host sync on a GPU."""
+    ones = torch.ones_like(index) if weights is None else weights.to(index.dtype)
+    return torch.zeros(n, dtype=index.dtype, device=index.device).scatter_add_(0, index, ones)
 
 
-def experts_forward(x: torch.Tensor, sizes: list[int], w1, b1, w2, b2, add_output_bias: bool):
-    """y for rows `x` grouped by local expert (`sizes[e]` rows each); also the pre-activations for backward."""
+def _group_counts(sizes: list[int], counts: torch.Tensor | None, device) -> torch.Tensor:
+    """The rows of each local expert on the operands' device: the dispatch plan's, or from `sizes`."""
+    return counts if counts is not None else device_ints(sizes, device)
+
+
+def experts_forward(x: torch.Tensor, sizes: list[int], w1, b1, w2, b2, add_output_bias: bool,
+                    counts: torch.Tensor | None = None):
+    """y for rows `x` grouped by local expert (`sizes[e]` rows each, `counts` the same on x's device
+    if at hand); also the pre-activations for backward."""
     if _grouped(x, w1, w2, b1, b2):
         try:
-            offs, eid = _offsets(sizes, x.device), _expert_of_row(sizes, x.device, x.shape[0])
+            n = _group_counts(sizes, counts, x.device)
+            offs = n.cumsum(0).to(torch.int32)  # each group's end row, as grouped_mm takes them
+            eid = torch.repeat_interleave(torch.arange(len(sizes), device=x.device), n, output_size=x.shape[0])
             pre = torch._grouped_mm(x, w1.transpose(1, 2), offs=offs).add_(b1[eid])
             y = torch._grouped_mm(F.gelu(pre), w2.transpose(1, 2), offs=offs)
             return (y.add_(b2[eid]) if add_output_bias else y), pre
@@ -113,12 +121,12 @@ def experts_forward(x: torch.Tensor, sizes: list[int], w1, b1, w2, b2, add_outpu
 
 
 def experts_backward(dy: torch.Tensor, x: torch.Tensor, pre: torch.Tensor, sizes: list[int], w1, w2,
-                     grads: list[torch.Tensor]) -> torch.Tensor:
+                     grads: list[torch.Tensor], counts: torch.Tensor | None = None) -> torch.Tensor:
     """dx for the grouped rows; adds dW1, db1, dW2, db2 of this chunk into `grads` (in that order)."""
     if _grouped(dy, w1, x, pre, w2, *grads):
         try:  # every product first, the adds into `grads` last: a refusal leaves them untouched
-            offs = _offsets(sizes, dy.device)
-            lengths = torch.tensor(sizes, dtype=torch.long, device=dy.device)
+            lengths = _group_counts(sizes, counts, dy.device)
+            offs = lengths.cumsum(0).to(torch.int32)
             # wgrads: groups along the contraction (rows); an expert with no rows gets zeros.
             dw2 = torch._grouped_mm(dy.t(), F.gelu(pre), offs=offs)
             da = torch.ops.aten.gelu_backward(torch._grouped_mm(dy, w2, offs=offs), pre)

@@ -79,7 +79,20 @@ class MoE(nn.Module):
         self._agreement = Agreement(f"MoE {name} input")
         self._tp_checked: set[tuple[int, ...]] = set()
         self.aux_loss: torch.Tensor | None = None
-        self.last_load: LoadStats | None = None
+        self._load: tuple | None = None  # the last forward's counts, still on the device
+        self._load_stats: LoadStats | None = None
+
+    @property
+    def last_load(self) -> LoadStats | None:
+        """What the router did in the last forward (None before the first). Read from the device on
+        first access, so that a forward does not wait for its own kernels to hand them over."""
+        if self._load_stats is None and self._load is not None:
+            tokens, sent, dropped, received = self._load
+            self._load_stats = LoadStats(tokens=tokens, sent_per_expert=sent.tolist(),
+                                         dropped_per_expert=dropped.tolist(),
+                                         received_per_expert=received.tolist(),
+                                         first_expert=self.local_experts.start)
+        return self._load_stats
 
     @property
     def local_experts(self) -> slice:
@@ -128,10 +141,8 @@ class MoE(nn.Module):
         weight = routing.weights.reshape(-1)[plan.row_assignment]
         out = x2.new_zeros(x2.shape).index_add(0, plan.row_token, y * weight[:, None])
         self.aux_loss = routing.aux_loss
-        self.last_load = LoadStats(tokens=x2.shape[0], sent_per_expert=plan.sent_per_expert.tolist(),
-                                   dropped_per_expert=plan.dropped_per_expert.tolist(),
-                                   received_per_expert=plan.received_per_expert.tolist(),
-                                   first_expert=self.local_experts.start)
+        self._load = (x2.shape[0], plan.sent_per_expert, plan.dropped_per_expert, plan.received_per_expert)
+        self._load_stats = None
         return out.view(x.shape)
 
     def _check_replicated_over_tp(self, x2: torch.Tensor) -> None:

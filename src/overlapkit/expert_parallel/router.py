@@ -12,6 +12,8 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from .experts import count
+
 
 class Routing(NamedTuple):
     """Where a rank's tokens go and with what weight."""
@@ -36,7 +38,7 @@ def load_balancing_loss(probs: torch.Tensor, experts: torch.Tensor) -> torch.Ten
     tokens, num_experts = probs.shape
     if tokens == 0:
         return probs.sum() * 0.0
-    f = torch.bincount(experts.reshape(-1), minlength=num_experts).to(probs.dtype) / experts.numel()
+    f = count(experts.reshape(-1), num_experts).to(probs.dtype) / experts.numel()
     return num_experts * (f * probs.mean(0)).sum()
 
 
