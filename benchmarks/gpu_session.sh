@@ -163,6 +163,25 @@ ep_syncs)
     step ep_cuda_new$i 70 python3 benchmarks/ep_overlap.py --device cuda --world 1 --out "$r/new$i"
   done
   ;;
+ep_probe)
+  # The MoE sync check again (with the syncing call sites named), and grouped vs loop per GEMM pass.
+  step pytest_syncs 90 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_moe_host_syncs_cuda.py \
+      tests/gpu/test_grouped_experts_cuda.py
+  step ep_probe_cuda 90 python3 benchmarks/ep_grouped_probe.py --device cuda --out "$r"
+  step ep_probe_cpu 90 env OMP_NUM_THREADS=4 python3 benchmarks/ep_grouped_probe.py --device cpu --out "$r"
+  step ep_sync_sites 60 python3 benchmarks/ep_sync_sites.py
+  ;;
+ep_final)
+  # The finished EP changes: the sync check, the EP tests on this torch, and the layer old/new alternated
+  # (OLD_SRC: before the grouped GEMMs), whose last new run is the engine's CUDA result.
+  step pytest_ep 150 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_moe_host_syncs_cuda.py \
+      tests/gpu/test_grouped_experts_cuda.py tests/expert_parallel
+  for i in 1 2; do
+    step ep_cuda_old$i 70 env PYTHONPATH="${OLD_SRC:?OLD_SRC: the old src folder}" python3 benchmarks/ep_overlap.py \
+        --device cuda --world 1 --out "$r/old$i"
+    step ep_cuda_new$i 70 python3 benchmarks/ep_overlap.py --device cuda --world 1 --out "$r/new$i"
+  done
+  ;;
 cpu16_tp)
   # The pipelined column backward before (MID_SRC: chunked dgrad+RS and chunk-summed wgrad) and
   # after (Megatron's order over p2p), gloo ranks on the 16 cores, where transfers run beside compute.

@@ -63,11 +63,14 @@ def init_full_experts(num_experts: int, hidden: int, ffn_hidden: int, generator=
 
 
 # Grouped GEMMs (torch._grouped_mm): one kernel for all the local experts instead of one GEMM per
-# expert, which at MoE shapes is mostly host dispatch (ep_overlap_cuda_ws1.md: the per-expert loop
-# made the layer ~7x a dense MLP of the same active width). Not every build runs every dtype or
-# layout (CUDA's kernel wants 16-byte aligned rows): a (device, dtype, expert shape) that raises once
-# goes back to the loop for good. The loop is kept for autocast (whose casts the grouped op does not
-# take part in), for chunks that receive no rows, and as the tests' reference.
+# expert, which at MoE shapes is mostly host dispatch (the per-expert loop made the layer ~7x a dense
+# MLP of the same active width, ep_overlap_cuda_ws1.md; grouped, an H200 runs a chunk's experts in
+# 0.4-0.7x the loop's time, ep_grouped_probe_cuda.md). GPUs only: on CPU it gains nothing (0.9-1.0x
+# the loop on 16 cores, ep_grouped_probe_cpu16.md). Not every build runs every dtype or layout
+# (CUDA's kernel wants 16-byte aligned rows): a (device, dtype, expert shape) that raises once goes
+# back to the loop for good. The loop is kept for autocast (whose casts the grouped op does not take
+# part in), for chunks that receive no rows, and as the tests' reference.
+GROUPED_DEVICES = {"cuda"}
 _GROUPED_BROKEN: set = set()
 
 
@@ -77,7 +80,7 @@ def _key(x: torch.Tensor, w1: torch.Tensor) -> tuple:
 
 def _grouped(x: torch.Tensor, w1: torch.Tensor, *ws: torch.Tensor) -> bool:
     """Whether these operands go through torch._grouped_mm (else the per-expert loop)."""
-    return (hasattr(torch, "_grouped_mm") and x.dim() == 2 and x.shape[0] > 0
+    return (x.device.type in GROUPED_DEVICES and hasattr(torch, "_grouped_mm") and x.dim() == 2 and x.shape[0] > 0
             and _key(x, w1) not in _GROUPED_BROKEN and all(w.dtype == x.dtype for w in (w1, *ws))
             and not torch.is_autocast_enabled(x.device.type))
 
@@ -132,8 +135,12 @@ def experts_backward(dy: torch.Tensor, x: torch.Tensor, pre: torch.Tensor, sizes
             da = torch.ops.aten.gelu_backward(torch._grouped_mm(dy, w2, offs=offs), pre)
             dw1 = torch._grouped_mm(da.t(), x, offs=offs)
             dx = torch._grouped_mm(da, w1, offs=offs)
-            db2 = torch.segment_reduce(dy, "sum", lengths=lengths, axis=0)  # on every TP rank: dy is whole
-            db1 = torch.segment_reduce(da, "sum", lengths=lengths, axis=0)
+            # Bias gradients as one small GEMM with the rows' one-hot experts: deterministic, unlike an
+            # atomic index_add, and unlike segment_reduce (2 ms for one large group on an H200) fast.
+            eid = torch.repeat_interleave(torch.arange(len(sizes), device=dy.device), lengths, output_size=dy.shape[0])
+            onehot = F.one_hot(eid, len(sizes)).to(dy.dtype)
+            db2 = onehot.t() @ dy  # on every TP rank: dy is whole there, b2 replicated
+            db1 = onehot.t() @ da
         except torch.OutOfMemoryError:
             raise
         except RuntimeError:
