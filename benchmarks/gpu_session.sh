@@ -182,6 +182,19 @@ ep_final)
     step ep_cuda_new$i 70 python3 benchmarks/ep_overlap.py --device cuda --world 1 --out "$r/new$i"
   done
   ;;
+cp_probe)
+  # Which attention kernel a ring block should call (SDPA backends and the aten ops with their lse).
+  step cp_kernel_probe 120 python3 benchmarks/cp_kernel_probe.py
+  ;;
+cp_cudnn)
+  # The ring's blocks on cuDNN attention: the merge checks on this GPU, then the world-size-1 fixed cost
+  # against the source before it (OLD_SRC: flash blocks) and SDPA / torch CP, old then new.
+  step pytest_cp 120 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_cp_cudnn_blocks.py \
+      tests/context_parallel/test_cp_cuda.py
+  step cp_cuda_old 150 env PYTHONPATH="${OLD_SRC:?OLD_SRC: the old src folder}" python3 benchmarks/cp_overlap.py \
+      --device cuda --world 1 --out "$r/old"
+  step cp_cuda_new 150 python3 benchmarks/cp_overlap.py --device cuda --world 1 --out "$r/new"
+  ;;
 cpu16_tp)
   # The pipelined column backward before (MID_SRC: chunked dgrad+RS and chunk-summed wgrad) and
   # after (Megatron's order over p2p), gloo ranks on the 16 cores, where transfers run beside compute.

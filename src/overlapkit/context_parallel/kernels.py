@@ -7,9 +7,12 @@ block takes the *merged* output and lse of the whole row: then exp(scores − ls
 attention probability and the block's dq, dk, dv are exact parts of the full gradient.
 
 Kernels: ``math`` (matmuls, any dtype and device, grouped-query heads without copying k/v;
-scores in fp32), ``flash`` (PyTorch's fused flash kernels: `_scaled_dot_product_flash_attention`
-on CUDA for fp16/bf16, `_scaled_dot_product_flash_attention_for_cpu` on CPU; k/v heads are
-repeated for grouped-query attention since those kernels want equal head counts).
+scores in fp32), ``flash`` (PyTorch's fused kernels). On CUDA ``flash`` is cuDNN's fused attention
+where the build runs it for the block (`_scaled_dot_product_cudnn_attention`, grouped-query heads
+native: what scaled_dot_product_attention itself picks on Hopper, 1.7x faster there than the flash
+kernel, cp_kernel_probe_h200.md), else `_scaled_dot_product_flash_attention`; on CPU
+`_scaled_dot_product_flash_attention_for_cpu`. The flash kernels get k/v heads repeated for
+grouped-query attention.
 """
 
 from __future__ import annotations
@@ -20,6 +23,30 @@ KERNELS = ("math", "flash")
 """Block-attention implementations."""
 
 aten = torch.ops.aten
+
+_CUDNN_BROKEN: set = set()
+"""(dtype, head dim) for which this build's cuDNN attention refused a block once: flash from then on."""
+
+
+def _cudnn_forward(q, k, v, causal: bool, scale: float):
+    """cuDNN's (out, lse [b, h, sq], rest) of one block, or None where it is unavailable or refuses."""
+    key = (q.dtype, q.shape[-1])
+    if not hasattr(aten, "_scaled_dot_product_cudnn_attention") or key in _CUDNN_BROKEN:
+        return None
+    try:
+        r = aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal, False, scale=scale)
+    except torch.OutOfMemoryError:
+        raise
+    except RuntimeError:
+        _CUDNN_BROKEN.add(key)
+        return None
+    out, lse = r[0], r[1]
+    b, h, sq, _ = q.shape
+    if tuple(lse.shape) not in ((b, h, sq), (b, h, sq, 1)):  # a layout the merge does not know: do not guess
+        _CUDNN_BROKEN.add(key)
+        return None
+    # The backward takes the lse in the kernel's own shape and layout: kept beside its other outputs.
+    return out.float(), lse.float().reshape(b, h, sq), ("cudnn", tuple(lse.shape), lse.dtype, r[2:8])
 
 
 def check_kernel(kernel: str, q: torch.Tensor) -> None:
@@ -70,11 +97,15 @@ def block_forward(q, k, v, causal: bool, scale: float, kernel: str = "math"):
         p = torch.exp(s - lse.unsqueeze(-1))
         out = torch.matmul(p, v.float().unsqueeze(2))
         return out.view(b, h, sq, d), lse.view(b, h, sq), None
+    if q.is_cuda:
+        done = _cudnn_forward(q, k, v, causal, scale)
+        if done is not None:
+            return done
     ke, ve = _expand(k, groups), _expand(v, groups)
     if q.is_cuda:
         out, lse, cum_q, cum_k, _, _, seed, offset, _ = aten._scaled_dot_product_flash_attention(
             q, ke, ve, 0.0, causal, False, scale=scale)
-        return out.float(), lse.float(), (cum_q, cum_k, seed, offset)
+        return out.float(), lse.float(), ("flash", cum_q, cum_k, seed, offset)
     out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, ke, ve, 0.0, causal, scale=scale)
     return out.float(), lse.float(), None
 
@@ -95,10 +126,17 @@ def block_backward(dout, q, k, v, out, lse, causal: bool, scale: float, kernel: 
         dq = torch.matmul(ds, k.float().unsqueeze(2)) * scale
         dk = torch.matmul(ds.transpose(-1, -2), qg).sum(2) * scale
         return dq.view(b, h, sq, d), dk, dv
+    o, do = out.to(q.dtype).contiguous(), dout.to(q.dtype).contiguous()
+    if q.is_cuda and rest[0] == "cudnn":
+        _, lse_shape, lse_dtype, (cum_q, cum_k, max_q, max_k, seed, offset) = rest
+        dq, dk, dv = aten._scaled_dot_product_cudnn_attention_backward(
+            do, q, k, v, o, lse.reshape(lse_shape).to(lse_dtype).contiguous(), seed, offset, None, cum_q, cum_k,
+            max_q, max_k, 0.0, causal, scale=scale)
+        return dq.float(), dk.float(), dv.float()
     ke, ve = _expand(k, groups), _expand(v, groups)
-    o, do, l = out.to(q.dtype).contiguous(), dout.to(q.dtype).contiguous(), lse.contiguous()
+    l = lse.contiguous()
     if q.is_cuda:
-        cum_q, cum_k, seed, offset = rest
+        _, cum_q, cum_k, seed, offset = rest
         dq, dk, dv = aten._scaled_dot_product_flash_attention_backward(
             do, q, ke, ve, o, l, cum_q, cum_k, sq, k.shape[2], 0.0, causal, seed, offset, scale=scale)
     else:
