@@ -7,7 +7,7 @@ can call (they return the log-sum-exp it merges with), K/V expanded or GQA-nativ
 
 from __future__ import annotations
 
-import json
+import argparse
 import os
 import sys
 
@@ -17,7 +17,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 aten = torch.ops.aten
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import RESULTS, mean_call_ms  # noqa: E402
+from _common import RESULTS, mean_call_ms, write_results  # noqa: E402
 
 
 def variants(q, k, v, dout):
@@ -27,7 +27,7 @@ def variants(q, k, v, dout):
 
     def sdpa(backend, gqa=True):
         def run():
-            ql, kl, vl = (t.detach().requires_grad_() for t in (q, k, v) if True)
+            ql, kl, vl = (t.detach().requires_grad_() for t in (q, k, v))
             with sdpa_kernel(backend) if backend is not None else _null():
                 o = F.scaled_dot_product_attention(ql, kl if gqa else ke.detach(), vl if gqa else ve.detach(),
                                                    is_causal=True, enable_gqa=gqa)
@@ -72,7 +72,23 @@ class _null:
         return False
 
 
-def main() -> int:
+def markdown(r: dict) -> str:
+    seqs = list(r["rows"])
+    lines = [f"# Attention kernels for a ring block: {r['device']}, torch {r['torch']}", "",
+             "fwd+bwd ms of one causal block, batch 1, 32 query / 8 K/V heads of 128, bf16 (mean of 10 back-to-back "
+             "calls). `sdpa ...`: scaled_dot_product_attention under one backend; `aten ...`: the ops the ring calls, "
+             "which return the log-sum-exp it merges with.", "",
+             "| kernel | " + " | ".join(f"{s} tokens" for s in seqs) + " |", "|---|" + "---:|" * len(seqs)]
+    for name in r["rows"][seqs[0]]:
+        cells = [r["rows"][s][name] for s in seqs]
+        lines.append(f"| {name} | " + " | ".join(f"{c:.3f}" if isinstance(c, float) else str(c) for c in cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default=RESULTS)
+    a = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("CUDA only", file=sys.stderr)
         return 2
@@ -90,8 +106,7 @@ def main() -> int:
                 row[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
             print(seq, name, row[name], flush=True)
         out["rows"][seq] = row
-    with open(os.path.join(RESULTS, "cp_kernel_probe_h200.json"), "w") as f:
-        json.dump(out, f, indent=1)
+    write_results(out, os.path.join(a.out, "cp_kernel_probe_h200"), markdown)
     return 0
 
 

@@ -184,7 +184,7 @@ ep_final)
   ;;
 cp_probe)
   # Which attention kernel a ring block should call (SDPA backends and the aten ops with their lse).
-  step cp_kernel_probe 120 python3 benchmarks/cp_kernel_probe.py
+  step cp_kernel_probe 120 python3 benchmarks/cp_kernel_probe.py --out "$r"
   ;;
 cp_cudnn)
   # The ring's blocks on cuDNN attention: the merge checks on this GPU, then the world-size-1 fixed cost

@@ -35,8 +35,9 @@ class ContextParallelConfig:
     layout: str = "zigzag"
     """How the sequence is cut over CP ranks (see split.py): `zigzag` balances causal work; `contiguous`."""
     kernel: str = "auto"
-    """Block attention: `math` (matmuls, fp32 scores), `flash` (PyTorch's fused kernels), or `auto`:
-    flash on CPU and for fp16/bf16 on CUDA, math for fp32 on CUDA (the CUDA flash kernel has no fp32)."""
+    """Block attention: `math` (matmuls, fp32 scores), `flash` (PyTorch's fused kernels: cuDNN's where
+    it runs, else flash, on CUDA; see kernels.py), or `auto`: flash on CPU and for fp16/bf16 on CUDA,
+    math for fp32 on CUDA (the CUDA fused kernels have no fp32)."""
 
     def __post_init__(self) -> None:
         if self.overlap not in OVERLAPS:
