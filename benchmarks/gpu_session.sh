@@ -195,6 +195,10 @@ cp_cudnn)
       --device cuda --world 1 --out "$r/old"
   step cp_cuda_new 150 python3 benchmarks/cp_overlap.py --device cuda --world 1 --out "$r/new"
   ;;
+ep_profile)
+  # Where one MoE forward's time goes, host and device.
+  step ep_profile 120 python3 benchmarks/ep_profile.py --out "$r"
+  ;;
 cpu16_tp)
   # The pipelined column backward before (MID_SRC: chunked dgrad+RS and chunk-summed wgrad) and
   # after (Megatron's order over p2p), gloo ranks on the 16 cores, where transfers run beside compute.

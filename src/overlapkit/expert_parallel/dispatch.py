@@ -42,8 +42,11 @@ class DispatchPlan:
     """[chunk][local expert] rows this rank's experts compute."""
     expert_counts: list[torch.Tensor]
     """[chunk] the same counts on the device ([local experts], int64), for the grouped GEMMs' offsets."""
-    group_perm: list[torch.Tensor]
-    """[chunk] permutation taking received rows (by source rank, then expert) to rows by expert."""
+    group_perm: list[torch.Tensor] | None
+    """[chunk] permutation taking received rows (by source rank, then expert) to rows by expert;
+    None on one EP rank, where the rows arrive grouped by expert already."""
+    group_inv: list[torch.Tensor] | None
+    """[chunk] its inverse: rows by expert back to the order they were received in."""
     sent_per_expert: torch.Tensor
     """[num_experts] assignments of this rank's tokens each expert takes (after drops)."""
     dropped_per_expert: torch.Tensor
@@ -108,17 +111,25 @@ def plan_dispatch(experts: torch.Tensor, num_experts: int, chunks: int, capacity
     recv_splits = [[sum(recv_l[s][c]) for s in range(ep)] for c in range(chunks)]
     expert_rows = [[sum(recv_l[s][c][e] for s in range(ep)) for e in range(local)] for c in range(chunks)]
     rows = order[:sum(map(sum, send_splits))]  # the kept ones, by chunk then expert
-    ids = torch.arange(local, device=dev).repeat(ep)
-    group_perm = [torch.argsort(torch.repeat_interleave(ids, recv[:, c, :].reshape(-1),
-                                                        output_size=sum(recv_splits[c])), stable=True)
-                  for c in range(chunks)]
+    group_perm = group_inv = None
+    if ep > 1:
+        ids = torch.arange(local, device=dev).repeat(ep)
+        group_perm = [torch.argsort(torch.repeat_interleave(ids, recv[:, c, :].reshape(-1),
+                                                            output_size=sum(recv_splits[c])), stable=True)
+                      for c in range(chunks)]
+        group_inv = [torch.empty_like(p).scatter_(0, p, torch.arange(p.numel(), device=dev)) for p in group_perm]
     return DispatchPlan(
         row_token=token[rows], row_assignment=rows, chunk_rows=[sum(s) for s in send_splits],
         send_splits=send_splits, recv_splits=recv_splits, expert_rows=expert_rows,
-        expert_counts=list(recv.sum(0).unbind(0)), group_perm=group_perm,
+        expert_counts=list(recv.sum(0).unbind(0)), group_perm=group_perm, group_inv=group_inv,
         sent_per_expert=counts.sum(0).reshape(-1),
         dropped_per_expert=count(flat, num_experts, weights=~keep),
         received_per_expert=recv.sum((0, 1)))
+
+
+def _regroup(rows: torch.Tensor, perms: list[torch.Tensor] | None, chunk: int) -> torch.Tensor:
+    """rows taken in the order of chunk `chunk`'s permutation (a row gather; none on one EP rank)."""
+    return rows if perms is None else rows.index_select(0, perms[chunk])
 
 
 class _Done:
@@ -176,11 +187,10 @@ class ExpertsA2A(torch.autograd.Function):
 
         def compute(i, rows):
             with compute_span(f"{name}.fwd.experts[{i}]"):
-                grouped = rows[plan.group_perm[i]]
+                grouped = _regroup(rows, plan.group_perm, i)
                 y, pre = experts_forward(grouped, plan.expert_rows[i], w1, b1, w2, b2, add_output_bias,
                                          plan.expert_counts[i])
-                out = torch.empty_like(y)
-                out[plan.group_perm[i]] = y
+                out = _regroup(y, plan.group_inv, i)
             ctx.saved.append((grouped, pre))
             return out
 
@@ -198,10 +208,9 @@ class ExpertsA2A(torch.autograd.Function):
         def compute(i, rows):
             with compute_span(f"{name}.bwd.experts[{i}]"):
                 grouped, pre = ctx.saved[i]
-                dx = experts_backward(rows[plan.group_perm[i]], grouped, pre, plan.expert_rows[i], w1, w2, grads,
-                                      plan.expert_counts[i])
-                out = torch.empty_like(dx)
-                out[plan.group_perm[i]] = dx
+                dx = experts_backward(_regroup(rows, plan.group_perm, i), grouped, pre, plan.expert_rows[i], w1, w2,
+                                      grads, plan.expert_counts[i])
+                out = _regroup(dx, plan.group_inv, i)
             return out
 
         dx = torch.cat(run_pipeline(list(dy.contiguous().split(plan.chunk_rows)), there, ctx.group, compute,

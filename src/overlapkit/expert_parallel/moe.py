@@ -138,8 +138,13 @@ class MoE(nn.Module):
         if self.tp_group is not None:
             from ..tensor_parallel.mappings import reduce_from_tp
             y = reduce_from_tp(y, self.tp_group, f"{self.name}.experts_out")  # partial sums over TP
-        weight = routing.weights.reshape(-1)[plan.row_assignment]
-        out = x2.new_zeros(x2.shape).index_add(0, plan.row_token, y * weight[:, None])
+        # Combine: each kept (token, choice) row into its slot (dropped ones stay zero), then every
+        # token's top_k slots weighted and summed in one batched GEMM, accumulating in fp32. An
+        # index_add into the tokens would add with atomics: run-to-run different sums in bf16, and
+        # refused under torch.use_deterministic_algorithms.
+        tokens, k = routing.weights.shape
+        slots = y.new_zeros((tokens * k, y.shape[-1])).index_copy(0, plan.row_assignment, y)
+        out = torch.bmm(routing.weights.to(slots.dtype).view(tokens, 1, k), slots.view(tokens, k, x2.shape[-1])).view(x2.shape)
         self.aux_loss = routing.aux_loss
         self._load = (x2.shape[0], plan.sent_per_expert, plan.dropped_per_expert, plan.received_per_expert)
         self._load_stats = None
