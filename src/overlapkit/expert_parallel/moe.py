@@ -139,12 +139,13 @@ class MoE(nn.Module):
             from ..tensor_parallel.mappings import reduce_from_tp
             y = reduce_from_tp(y, self.tp_group, f"{self.name}.experts_out")  # partial sums over TP
         # Combine: each kept (token, choice) row into its slot (dropped ones stay zero), then every
-        # token's top_k slots weighted and summed in one batched GEMM, accumulating in fp32. An
-        # index_add into the tokens would add with atomics: run-to-run different sums in bf16, and
-        # refused under torch.use_deterministic_algorithms.
+        # token's top_k slots weighted and summed (the sum accumulates in fp32). An index_add into
+        # the tokens would add with atomics: run-to-run different sums in bf16, and refused under
+        # torch.use_deterministic_algorithms. (A batched GEMM over the slots ran as a slow GEMV.)
         tokens, k = routing.weights.shape
         slots = y.new_zeros((tokens * k, y.shape[-1])).index_copy(0, plan.row_assignment, y)
-        out = torch.bmm(routing.weights.to(slots.dtype).view(tokens, 1, k), slots.view(tokens, k, x2.shape[-1])).view(x2.shape)
+        weights = routing.weights.to(slots.dtype).unsqueeze(-1)
+        out = (slots.view(tokens, k, x2.shape[-1]) * weights).sum(1)
         self.aux_loss = routing.aux_loss
         self._load = (x2.shape[0], plan.sent_per_expert, plan.dropped_per_expert, plan.received_per_expert)
         self._load_stats = None
