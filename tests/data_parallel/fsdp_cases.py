@@ -29,13 +29,13 @@ PREFETCH = (0, 1, 2, (1, 2), "auto")
 class Net(nn.Module):
     """Odd widths: no weight's first dim divides by 2 or 3, so every shard is padded."""
 
-    def __init__(self, seed: int = 0, sleep_in: int | None = None) -> None:
+    def __init__(self, seed: int = 0, sleep_in: int | None = None, sleep_s: float = 0.3) -> None:
         super().__init__()
         torch.manual_seed(seed)
         self.inp = nn.Linear(5, 7)
         self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(7, 13), nn.Tanh(), nn.Linear(13, 7)) for _ in range(4))
         self.out = nn.Linear(7, 3)
-        self.sleep_in, self.slept = sleep_in, None
+        self.sleep_in, self.sleep_s, self.slept = sleep_in, sleep_s, None
 
     def forward(self, x):
         h = self.inp(x)
@@ -43,7 +43,7 @@ class Net(nn.Module):
             h = h + b(h)
             if i == self.sleep_in:
                 t0 = time.perf_counter()
-                time.sleep(0.3)
+                time.sleep(self.sleep_s)
                 self.slept = (t0, time.perf_counter())
         return self.out(h)
 
@@ -111,12 +111,14 @@ def _memory_case(world: int, mesh) -> dict:
 
 
 def _overlap_case(world: int, mesh) -> dict:
-    """A 0.3 s sleep after block 1: with prefetch 1, block 2's gather (issued in block 1's
-    pre-forward) lands during it; with prefetch 0 it starts after it."""
+    """A 0.3 s sleep after block 1 (50 ms longer on each later rank): with prefetch 1, block 2's
+    gather (issued in block 1's pre-forward) lands during it; with prefetch 0 it starts after it,
+    and a rank whose peer still sleeps waits for it. (Equal sleeps let the ranks leave together,
+    and a gather that short could hide inside the next compute span: exposed 0, a flaky check.)"""
     out = {}
     x, y = batch(world)
     for depth in (0, 1):
-        m = fully_shard(Net(sleep_in=1), mesh, prefetch=depth)
+        m = fully_shard(Net(sleep_in=1, sleep_s=0.3 + 0.05 * dist.get_rank()), mesh, prefetch=depth)
         F.mse_loss(m(x[:PER_RANK]), y[:PER_RANK]).backward()  # warm-up
         with record() as rec:
             rec.next_step()
