@@ -24,6 +24,20 @@ layers_ab() {
         --shape-tp 8 --layers-only --out "$r/new$i"
   done
 }
+# ep_cuda_ab: the MoE layer of the source in OLD_SRC and of this checkout at world size 1, alternated
+# twice in one call, as layers_ab does for the TP layers.
+ep_cuda_ab() {
+  for i in 1 2; do
+    step ep_cuda_old$i 70 env PYTHONPATH="${OLD_SRC:?OLD_SRC: the old src folder}" python3 benchmarks/ep_overlap.py \
+        --device cuda --world 1 --out "$r/old$i"
+    step ep_cuda_new$i 70 python3 benchmarks/ep_overlap.py --device cuda --world 1 --out "$r/new$i"
+  done
+}
+# ep_checks: the MoE's GPU tests (host syncs, grouped GEMMs) and the EP suite under this torch.
+ep_checks() {
+  step pytest_ep 150 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_moe_host_syncs_cuda.py \
+      tests/gpu/test_grouped_experts_cuda.py tests/expert_parallel
+}
 case "$part" in
 cpu16a)
   step agreement_ws8 30 python3 benchmarks/agreement_cost.py --world 8 --out "$r"
@@ -144,43 +158,29 @@ ep_ab)
   # alternated on the GPU, once on the 16 cores; and the grouped path's checks on this torch.
   step pytest_grouped 120 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_grouped_experts_cuda.py \
       tests/expert_parallel/test_grouped_experts.py
-  for i in 1 2; do
-    step ep_cuda_old$i 70 env PYTHONPATH="${OLD_SRC:?OLD_SRC: the old src folder}" python3 benchmarks/ep_overlap.py \
-        --device cuda --world 1 --out "$r/old$i"
-    step ep_cuda_new$i 70 python3 benchmarks/ep_overlap.py --device cuda --world 1 --out "$r/new$i"
-  done
+  ep_cuda_ab
   step ep_ws4_old 90 env PYTHONPATH="$OLD_SRC" python3 benchmarks/ep_overlap.py --world 4 --threads 2 --out "$r/old_ws4"
   step ep_ws4_new 90 python3 benchmarks/ep_overlap.py --world 4 --threads 2 --out "$r/new_ws4"
   ;;
 ep_syncs)
   # The MoE's host syncs (one per forward, none in backward), the EP tests on this torch, and the layer
   # against the per-expert loop before the grouped GEMMs (OLD_SRC), alternated.
-  step pytest_ep 150 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_moe_host_syncs_cuda.py \
-      tests/gpu/test_grouped_experts_cuda.py tests/expert_parallel
-  for i in 1 2; do
-    step ep_cuda_old$i 70 env PYTHONPATH="${OLD_SRC:?OLD_SRC: the old src folder}" python3 benchmarks/ep_overlap.py \
-        --device cuda --world 1 --out "$r/old$i"
-    step ep_cuda_new$i 70 python3 benchmarks/ep_overlap.py --device cuda --world 1 --out "$r/new$i"
-  done
+  ep_checks
+  ep_cuda_ab
   ;;
 ep_probe)
-  # The MoE sync check again (with the syncing call sites named), and grouped vs loop per GEMM pass.
+  # The MoE sync check again (its failure names each syncing call site), and grouped vs loop per GEMM pass.
+  # (This call also ran a one-off diagnostic that re-ran the forward piece by piece; removed since.)
   step pytest_syncs 90 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_moe_host_syncs_cuda.py \
       tests/gpu/test_grouped_experts_cuda.py
   step ep_probe_cuda 90 python3 benchmarks/ep_grouped_probe.py --device cuda --out "$r"
   step ep_probe_cpu 90 env OMP_NUM_THREADS=4 python3 benchmarks/ep_grouped_probe.py --device cpu --out "$r"
-  step ep_sync_sites 60 python3 benchmarks/ep_sync_sites.py
   ;;
 ep_final)
   # The finished EP changes: the sync check, the EP tests on this torch, and the layer old/new alternated
   # (OLD_SRC: before the grouped GEMMs), whose last new run is the engine's CUDA result.
-  step pytest_ep 150 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_moe_host_syncs_cuda.py \
-      tests/gpu/test_grouped_experts_cuda.py tests/expert_parallel
-  for i in 1 2; do
-    step ep_cuda_old$i 70 env PYTHONPATH="${OLD_SRC:?OLD_SRC: the old src folder}" python3 benchmarks/ep_overlap.py \
-        --device cuda --world 1 --out "$r/old$i"
-    step ep_cuda_new$i 70 python3 benchmarks/ep_overlap.py --device cuda --world 1 --out "$r/new$i"
-  done
+  ep_checks
+  ep_cuda_ab
   ;;
 cp_probe)
   # Which attention kernel a ring block should call (SDPA backends and the aten ops with their lse).
