@@ -102,14 +102,10 @@ def plan_dispatch(experts: torch.Tensor, num_experts: int, chunks: int, capacity
     else:
         recv = send
     # The forward's one host sync: the split sizes of every all-to-all must be on the host.
-    both = torch.cat([counts.reshape(-1), recv.reshape(-1)]).tolist()
-    n = counts.numel()
-    counts_l = [[both[(c * ep + r) * local:(c * ep + r + 1) * local] for r in range(ep)] for c in range(chunks)]
-    recv_l = [[both[n + (s * chunks + c) * local:n + (s * chunks + c + 1) * local] for c in range(chunks)]
-              for s in range(ep)]  # [chunk][rank][e], [src][chunk][e]
+    counts_l, recv_l = torch.stack([counts, recv.permute(1, 0, 2)]).tolist()  # both [chunk][rank][e]
     send_splits = [[sum(counts_l[c][r]) for r in range(ep)] for c in range(chunks)]
-    recv_splits = [[sum(recv_l[s][c]) for s in range(ep)] for c in range(chunks)]
-    expert_rows = [[sum(recv_l[s][c][e] for s in range(ep)) for e in range(local)] for c in range(chunks)]
+    recv_splits = [[sum(recv_l[c][s]) for s in range(ep)] for c in range(chunks)]
+    expert_rows = [[sum(recv_l[c][s][e] for s in range(ep)) for e in range(local)] for c in range(chunks)]
     rows = order[:sum(map(sum, send_splits))]  # the kept ones, by chunk then expert
     group_perm = group_inv = None
     if ep > 1:

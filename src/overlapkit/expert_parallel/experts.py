@@ -99,57 +99,61 @@ def count(index: torch.Tensor, n: int, weights: torch.Tensor | None = None) -> t
     return torch.zeros(n, dtype=index.dtype, device=index.device).scatter_add_(0, index, ones)
 
 
-def _group_counts(sizes: list[int], counts: torch.Tensor | None, device) -> torch.Tensor:
-    """The rows of each local expert on the operands' device: the dispatch plan's, or from `sizes`."""
-    return counts if counts is not None else device_ints(sizes, device)
+def _groups(sizes: list[int], counts: torch.Tensor | None, device, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(each group's end row as grouped_mm takes them, int32; each row's local expert) from the
+    dispatch plan's device counts, or from `sizes` where there are none."""
+    n = counts if counts is not None else device_ints(sizes, device)
+    eid = torch.repeat_interleave(torch.arange(len(sizes), device=device), n, output_size=rows)
+    return n.cumsum(0).to(torch.int32), eid
+
+
+def _try_grouped(key: tuple, fn):
+    """fn()'s result, or None where this build refuses the grouped op (remembered under `key`)."""
+    try:
+        return fn()
+    except torch.OutOfMemoryError:
+        raise
+    except RuntimeError:
+        _GROUPED_BROKEN.add(key)
+        return None
 
 
 def experts_forward(x: torch.Tensor, sizes: list[int], w1, b1, w2, b2, add_output_bias: bool,
                     counts: torch.Tensor | None = None):
     """y for rows `x` grouped by local expert (`sizes[e]` rows each, `counts` the same on x's device
     if at hand); also the pre-activations for backward."""
-    if _grouped(x, w1, w2, b1, b2):
-        try:
-            n = _group_counts(sizes, counts, x.device)
-            offs = n.cumsum(0).to(torch.int32)  # each group's end row, as grouped_mm takes them
-            eid = torch.repeat_interleave(torch.arange(len(sizes), device=x.device), n, output_size=x.shape[0])
-            pre = torch._grouped_mm(x, w1.transpose(1, 2), offs=offs).add_(b1[eid])
-            y = torch._grouped_mm(F.gelu(pre), w2.transpose(1, 2), offs=offs)
-            return (y.add_(b2[eid]) if add_output_bias else y), pre
-        except torch.OutOfMemoryError:
-            raise
-        except RuntimeError:
-            _GROUPED_BROKEN.add(_key(x, w1))
-    return _loop_forward(x, sizes, w1, b1, w2, b2, add_output_bias)
+    def grouped():
+        offs, eid = _groups(sizes, counts, x.device, x.shape[0])
+        pre = torch._grouped_mm(x, w1.transpose(1, 2), offs=offs).add_(b1[eid])
+        y = torch._grouped_mm(F.gelu(pre), w2.transpose(1, 2), offs=offs)
+        return (y.add_(b2[eid]) if add_output_bias else y), pre
+
+    done = _try_grouped(_key(x, w1), grouped) if _grouped(x, w1, w2, b1, b2) else None
+    return done if done is not None else _loop_forward(x, sizes, w1, b1, w2, b2, add_output_bias)
 
 
 def experts_backward(dy: torch.Tensor, x: torch.Tensor, pre: torch.Tensor, sizes: list[int], w1, w2,
                      grads: list[torch.Tensor], counts: torch.Tensor | None = None) -> torch.Tensor:
     """dx for the grouped rows; adds dW1, db1, dW2, db2 of this chunk into `grads` (in that order)."""
-    if _grouped(dy, w1, x, pre, w2, *grads):
-        try:  # every product first, the adds into `grads` last: a refusal leaves them untouched
-            lengths = _group_counts(sizes, counts, dy.device)
-            offs = lengths.cumsum(0).to(torch.int32)
-            # wgrads: groups along the contraction (rows); an expert with no rows gets zeros.
-            dw2 = torch._grouped_mm(dy.t(), F.gelu(pre), offs=offs)
-            da = torch.ops.aten.gelu_backward(torch._grouped_mm(dy, w2, offs=offs), pre)
-            dw1 = torch._grouped_mm(da.t(), x, offs=offs)
-            dx = torch._grouped_mm(da, w1, offs=offs)
-            # Bias gradients as one small GEMM with the rows' one-hot experts: deterministic, unlike an
-            # atomic index_add, and unlike segment_reduce (2 ms for one large group on an H200) fast.
-            eid = torch.repeat_interleave(torch.arange(len(sizes), device=dy.device), lengths, output_size=dy.shape[0])
-            onehot = F.one_hot(eid, len(sizes)).to(dy.dtype)
-            db2 = onehot.t() @ dy  # on every TP rank: dy is whole there, b2 replicated
-            db1 = onehot.t() @ da
-        except torch.OutOfMemoryError:
-            raise
-        except RuntimeError:
-            _GROUPED_BROKEN.add(_key(dy, w1))
-        else:
-            for g, d in zip(grads, (dw1, db1, dw2, db2)):
-                g.add_(d)
-            return dx
-    return _loop_backward(dy, x, pre, sizes, w1, w2, grads)
+    def grouped():  # every product, no add into `grads`: a refusal leaves them untouched
+        offs, eid = _groups(sizes, counts, dy.device, dy.shape[0])
+        # wgrads: groups along the contraction (rows); an expert with no rows gets zeros.
+        dw2 = torch._grouped_mm(dy.t(), F.gelu(pre), offs=offs)
+        da = torch.ops.aten.gelu_backward(torch._grouped_mm(dy, w2, offs=offs), pre)
+        dw1 = torch._grouped_mm(da.t(), x, offs=offs)
+        dx = torch._grouped_mm(da, w1, offs=offs)
+        # Bias gradients as one small GEMM with the rows' one-hot experts: deterministic, unlike an
+        # atomic index_add, and unlike segment_reduce (2 ms for one large group on an H200) fast.
+        onehot = F.one_hot(eid, len(sizes)).to(dy.dtype)
+        return dx, (dw1, onehot.t() @ da, dw2, onehot.t() @ dy)  # db2 on every TP rank: dy is whole there
+
+    done = _try_grouped(_key(dy, w1), grouped) if _grouped(dy, w1, x, pre, w2, *grads) else None
+    if done is None:
+        return _loop_backward(dy, x, pre, sizes, w1, w2, grads)
+    dx, parts = done
+    for g, d in zip(grads, parts):
+        g.add_(d)
+    return dx
 
 
 def _loop_forward(x: torch.Tensor, sizes: list[int], w1, b1, w2, b2, add_output_bias: bool):
