@@ -8,6 +8,7 @@ can call (they return the log-sum-exp it merges with), K/V expanded or GQA-nativ
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 
@@ -28,7 +29,7 @@ def variants(q, k, v, dout):
     def sdpa(backend, gqa=True):
         def run():
             ql, kl, vl = (t.detach().requires_grad_() for t in (q, k, v))
-            with sdpa_kernel(backend) if backend is not None else _null():
+            with sdpa_kernel(backend) if backend is not None else contextlib.nullcontext():
                 o = F.scaled_dot_product_attention(ql, kl if gqa else ke.detach(), vl if gqa else ve.detach(),
                                                    is_causal=True, enable_gqa=gqa)
             o.backward(dout)
@@ -62,14 +63,6 @@ def variants(q, k, v, dout):
             "aten flash, expanded": flash(ke, ve), "aten flash, gqa-native": flash(k, v),
             "aten cudnn, expanded": cudnn(ke, ve), "aten cudnn, gqa-native": cudnn(k, v),
             "aten efficient, expanded": efficient(ke, ve)}
-
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *a):
-        return False
 
 
 def markdown(r: dict) -> str:
