@@ -7,6 +7,8 @@ import importlib
 import os
 import sys
 
+from . import __version__
+
 # Subcommands that live with their concern; each module exposes register(subparsers).
 _REGISTERED = ("overlapkit.timeline.cli", "overlapkit.costmodel.cli")
 
@@ -74,6 +76,7 @@ def _doctor(args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="overlapkit", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"overlapkit {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     demo = sub.add_parser("demo", help="train a tiny GPT with TP+SP(+DP) on local ranks and check it against one process")

@@ -191,3 +191,33 @@ def test_bad_flags_are_one_line(argv, field, capsys):
         raise SystemExit(code)
     err = capsys.readouterr().err or err
     assert e.value.code == 2 and err.count("\n") == 1 and field in err
+
+
+@pytest.mark.parametrize("argv,field", [
+    (["--global-batch", "0"], "--global-batch 0: must be >= 1"),
+    (["--seq-len", "0"], "--seq-len 0: must be >= 1"),
+    (["--seq-len", "-5"], "--seq-len -5: must be >= 1"),
+    (["--experts", "0"], "--experts 0: must be >= 1"),
+    (["--global-batch", str(10**21)], "global_batch=1000000000000000000000: must be <="),
+])
+def test_zero_and_absurd_sizes_are_errors_not_defaults(argv, field, capsys):
+    code, out, err = run(["plan", "--model", "llama3-8b", *argv], capsys)
+    assert code == 2 and out == ""
+    assert err.count("\n") == 1 and field in err
+
+
+def test_given_sizes_reach_the_prediction(capsys):
+    d1 = plan_json(["--model", "llama3-8b", "--global-batch", "4", "--seq-len", "2048"], capsys)
+    d2 = plan_json(["--model", "llama3-8b", "--global-batch", "8", "--seq-len", "2048"], capsys)
+    assert d1["parallel"]["micro_batches"] == 4 and d2["parallel"]["micro_batches"] == 8
+    work = [d["compute_s"] - d["optimizer_s"] for d in (d1, d2)]  # the optimizer step runs once either way
+    assert work[1] == pytest.approx(2 * work[0], rel=1e-6)
+
+
+def test_version_prints_the_package_version(capsys):
+    from overlapkit import __version__
+    from overlapkit.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out.strip() == f"overlapkit {__version__}"

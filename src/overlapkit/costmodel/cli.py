@@ -56,7 +56,7 @@ def register(subparsers) -> None:
             (("--cp", "--context-parallel-size"), 1, "context-parallel size (ring attention over the sequence)"),
             (("--ep", "--expert-model-parallel-size"), 1, "expert-parallel size (MoE)"),
             (("--micro-batch", "--micro-batch-size"), 1, "sequences per micro-batch"),
-            (("--global-batch", "--global-batch-size"), 0, "sequences per step (0: one micro-batch per replica)"),
+            (("--global-batch", "--global-batch-size"), None, "sequences per step (default: one micro-batch per replica)"),
             (("--first-stage-layers", "--decoder-first-pipeline-num-layers"), 0, "layers on the first stage (0: even)"),
             (("--last-stage-layers", "--decoder-last-pipeline-num-layers"), 0, "layers on the last stage (0: even)"),
             (("--moe-chunks",), 4, "token chunks of the MoE all-to-all when EP overlap is on"),
@@ -110,10 +110,19 @@ def register(subparsers) -> None:
     b.set_defaults(func=run_bench)
 
 
+def _sizes(args) -> None:
+    """Sizes the user typed that the defaults would otherwise swallow: 0 is not "the default"."""
+    for flag, value in (("global_batch", args.global_batch), ("seq_len", args.seq_len), ("experts", args.experts),
+                        ("top_k", args.top_k)):
+        if value is not None and value < 1:
+            raise ConfigError(f"--{flag.replace('_', '-')} {value}: must be >= 1 (leave it out for the default)")
+
+
 def _parallel(args) -> ParallelConfig:
+    _sizes(args)
     overlap = Overlap(**{e: getattr(args, f"overlap_{e}") or args.overlap for e in ("tp", "dp", "zero", "pp", "ep", "cp")})
     return ParallelConfig(tp=args.tp, pp=args.pp, vpp=args.vpp, dp=args.dp, cp=args.cp, ep=args.ep, sp=args.sp,
-                          micro_batch=args.micro_batch, global_batch=args.global_batch, recompute=args.recompute,
+                          micro_batch=args.micro_batch, global_batch=args.global_batch or 0, recompute=args.recompute,
                           zero=args.zero, overlap=overlap, tp_transport=args.tp_transport, dtype=args.dtype,
                           grad_bytes=4 if args.grad_dtype == "fp32" else 2, bucket_mib=args.bucket_mb,
                           grad_accumulation=args.grad_accumulation,
@@ -151,7 +160,8 @@ def run_plan(args) -> int:
     from .advice import plan
 
     try:
-        report = plan(_model(args), args.hardware, _parallel(args), _tables(args.nccl_table), args.gpus, args.flops)
+        par = _parallel(args)
+        report = plan(_model(args), args.hardware, par, _tables(args.nccl_table), args.gpus, args.flops)
     except (ConfigError, TypeError, ValueError, OverflowError) as e:  # one line, whatever the input got wrong
         print(f"overlapkit plan: error: {e}", file=sys.stderr)
         return 2

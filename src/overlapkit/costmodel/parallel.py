@@ -38,6 +38,9 @@ autograd: PyTorch's AccumulateGrad keeps the first micro-batch's gradient and ad
 in place into param.grad (torch DDP under no_sync, DeepSpeed's engines)."""
 MAX_SIZE = 1 << 24
 """Largest split size or micro-batch accepted: beyond it a number is a typo, not a cluster."""
+MAX_GLOBAL_BATCH = 1 << 24
+"""Largest global batch accepted, in sequences (16.8 M; Llama 3's largest step took 2048 of 8K tokens):
+beyond it a number is a typo, and the predicted step would be centuries long."""
 
 
 @dataclass(frozen=True)
@@ -143,6 +146,8 @@ class ParallelConfig:
         if self.global_batch == 0:
             object.__setattr__(self, "global_batch", self.micro_batch * self.dp)
         v.positive_int(o, "global_batch", self.global_batch)
+        if self.global_batch > MAX_GLOBAL_BATCH:
+            raise v.ConfigError(f"{o}.global_batch={self.global_batch}: must be <= {MAX_GLOBAL_BATCH} sequences")
         v.divides(o, "global_batch", self.global_batch, "micro_batch*dp", self.micro_batch * self.dp)
         v.one_of(o, "recompute", self.recompute, RECOMPUTE)
         v.one_of(o, "zero", self.zero, (0, 1, 2, 3))

@@ -118,6 +118,8 @@ def load_model(spec: "str | Path | ModelConfig", seq_len: int | None = None) -> 
     """A preset name, a JSON file (ModelConfig's keys, or a HuggingFace config.json), or a ModelConfig.
 
     `seq_len` replaces the model's sequence length (a HuggingFace config does not say it)."""
+    if seq_len is not None and (not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len < 1):
+        raise v.ConfigError(f"seq_len={seq_len!r}: must be an integer >= 1 (leave it out for the model's own)")
     if isinstance(spec, ModelConfig):
         return replace(spec, seq_len=seq_len) if seq_len else spec
     if str(spec) in MODEL_PRESETS:
