@@ -240,7 +240,7 @@ def deepspeed_schedule_rows(cases: list[dict]) -> list[dict]:
     """MT-NLG's pipeline replayed under DeepSpeed's own TrainSchedule (deepspeed_pipe) with the model's
     stage times, beside the model's 1F1B pricing of the same: the schedule's cost, not assumed."""
     from overlapkit.costmodel import Collectives
-    from overlapkit.costmodel.deepspeed_pipe import makespan_ms
+    from deepspeed_pipe import makespan_ms  # beside this script
     from overlapkit.costmodel.step import p2p_ms
 
     rows = []

@@ -9,8 +9,8 @@ import sys
 
 from . import __version__
 
-# Subcommands that live with their concern; each module exposes register(subparsers).
-_REGISTERED = ("overlapkit.timeline.cli", "overlapkit.costmodel.cli")
+# Subcommands live with their concern (timeline/cli.py: analyze; costmodel/cli.py: plan, bench); each module
+# exposes register(subparsers).
 
 
 def _demo(args) -> int:
@@ -108,8 +108,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="measure whether transfers on a side stream really overlap a GEMM on this GPU")
     doctor.set_defaults(func=_doctor)
 
-    for module in _REGISTERED:
-        importlib.import_module(module).register(sub)
+    from .plan_tools import draw_spans, read_measured
+
+    importlib.import_module("overlapkit.timeline.cli").register(sub)
+    # the cost model draws and calibrates through the tools layer: it imports no timeline code itself
+    importlib.import_module("overlapkit.costmodel.cli").register(sub, draw=draw_spans, calibrate=read_measured)
     return parser
 
 

@@ -6,11 +6,12 @@ import json
 import pytest
 
 from overlapkit.costmodel.cli import register
+from overlapkit.plan_tools import draw_spans, read_measured
 
 
 def run(argv, capsys):
     parser = argparse.ArgumentParser(prog="overlapkit")
-    register(parser.add_subparsers(dest="command", required=True))
+    register(parser.add_subparsers(dest="command", required=True), draw=draw_spans, calibrate=read_measured)
     args = parser.parse_args(argv)
     code = args.func(args)
     out = capsys.readouterr()

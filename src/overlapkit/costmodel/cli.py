@@ -39,8 +39,12 @@ def _one_line_error(message: str):
     sys.exit(2)
 
 
-def register(subparsers) -> None:
-    """Add the `plan` and `bench` subcommands to an argparse subparsers object."""
+def register(subparsers, draw=None, calibrate=None) -> None:
+    """Add the `plan` and `bench` subcommands to an argparse subparsers object.
+
+    The tools layer (overlapkit's own command) passes `draw(spans, path, title)`, which draws predicted
+    spans with the timeline's picture, and `calibrate(trace_dir) -> costmodel.calibrate.Measured`, which
+    reads a profiler trace with the analyzer's reader: the cost model imports neither."""
     p = subparsers.add_parser("plan", help="predict a training step and choose overlap per GEMM",
                               description=__doc__.splitlines()[0])
     p.error = _one_line_error  # argparse's usage + message would be several lines
@@ -100,7 +104,13 @@ def register(subparsers) -> None:
                    help="nccl-tests output replacing the formula for KIND (all_reduce, all_gather, ...)")
     p.add_argument("--json", action="store_true", help="print the prediction as JSON")
     p.add_argument("--plot", metavar="PNG", help="draw the predicted step (and PNG_layer.png: one layer)")
-    p.set_defaults(func=run_plan)
+    p.add_argument("--calibrate", metavar="TRACE_DIR",
+                   help="profiler traces of one layout of this job (one file per rank): fit its GEMM efficiency, "
+                        "collective bandwidths, host time and exposed fractions, then predict the asked layout")
+    p.add_argument("--traced", metavar="LAYOUT", default="",
+                   help="with --calibrate: the traced layout as flag=value pairs, e.g. 'tp=2,dp=2,micro_batch=1' "
+                        "(default: the asked layout itself)")
+    p.set_defaults(func=run_plan, draw=draw, read_measured=calibrate)
 
     b = subparsers.add_parser("bench", help="measure this GPU (CUDA)")
     b.add_argument("what", choices=("gemm",), help="gemm: GEMM-efficiency curve -> hardware JSON")
@@ -161,6 +171,10 @@ def run_plan(args) -> int:
 
     try:
         par = _parallel(args)
+        if args.calibrate:
+            return _run_calibrated(args, par)
+        if args.traced:
+            raise ConfigError("--traced describes the layout of --calibrate's traces: give --calibrate TRACE_DIR")
         report = plan(_model(args), args.hardware, par, _tables(args.nccl_table), args.gpus, args.flops)
     except (ConfigError, TypeError, ValueError, OverflowError) as e:  # one line, whatever the input got wrong
         print(f"overlapkit plan: error: {e}", file=sys.stderr)
@@ -171,18 +185,50 @@ def run_plan(args) -> int:
     return 0
 
 
+def _run_calibrated(args, par: ParallelConfig) -> int:
+    from .calibrate import fit, predict_calibrated, traced_layout
+    from .hardware import load_hardware
+
+    if args.read_measured is None:
+        raise ConfigError("--calibrate needs overlapkit's trace reader: run it as `overlapkit plan`")
+    model, hw = _model(args), load_hardware(args.hardware)
+    traced = traced_layout(par, args.traced)
+    measured = args.read_measured(args.calibrate)
+    cal = fit(measured, model, traced, hw)
+    at_traced = predict_calibrated(cal, model, traced)
+    report = predict_calibrated(cal, model, par)
+    d = report.to_dict() | {"measured_step_s": measured.step_ms * 1e-3,
+                            "traced_predicted_step_s": at_traced.step_ms * 1e-3,
+                            "traced_layout": cal.traced_summary(), "calibration": cal.to_dict()}
+    if args.json:
+        print(json.dumps(d, indent=1))
+    else:
+        err = 100 * (at_traced.step_ms - measured.step_ms) / measured.step_ms
+        print(f"calibrated on {args.calibrate} ({measured.steps} step(s), {measured.ranks} rank(s)): traced layout "
+              f"{cal.traced_summary()}: measured {measured.step_ms * 1e-3:.4f} s, predicted "
+              f"{at_traced.step_ms * 1e-3:.4f} s ({err:+.1f}%)")
+        print(cal.summary())
+        print()
+        print(format_report(report))
+    return 0
+
+
 def _plot(report, args) -> int:
     from .hardware import load_hardware
     from .schedule import layer_tasks, step_tasks
-    from .simulate import plot, simulate
+    from .simulate import predicted_spans, simulate
 
+    if args.draw is None:
+        print("overlapkit plan: --plot needs overlapkit's timeline picture: run it as `overlapkit plan`", file=sys.stderr)
+        return 2
     hw = load_hardware(args.hardware)
     path = Path(args.plot)
     layer_path = path.with_name(f"{path.stem}_layer{path.suffix or '.png'}")
     name = f"{report.model.name} on {report.hardware}"
     try:
-        plot(simulate(step_tasks(report, hw)), str(path), title=f"predicted step: {name}")
-        plot(simulate(layer_tasks(report)), str(layer_path), title=f"predicted layer (one micro-batch): {name}")
+        args.draw(predicted_spans(simulate(step_tasks(report, hw))), str(path), f"predicted step: {name}")
+        args.draw(predicted_spans(simulate(layer_tasks(report))), str(layer_path),
+                  f"predicted layer (one micro-batch): {name}")
     except RuntimeError as e:
         print(f"overlapkit plan: {e}", file=sys.stderr)
         return 1

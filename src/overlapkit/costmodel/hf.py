@@ -10,6 +10,7 @@ model *can* take, not the one it is trained on, so the sequence length is asked 
 from __future__ import annotations
 
 from . import _validate as v
+from .model import ModelConfig
 
 DEFAULT_SEQ_LEN = 4096
 """Sequence length used when a HuggingFace config is given without one (stated in the model's name)."""
@@ -31,10 +32,8 @@ def _get(d: dict, name: str, *keys, default=None):
     raise v.ConfigError(f"{name}: HuggingFace config has none of the keys {', '.join(keys)}")
 
 
-def from_hf_config(d: dict, name: str = "hf", seq_len: int | None = None):
+def from_hf_config(d: dict, name: str = "hf", seq_len: int | None = None) -> ModelConfig:
     """A ModelConfig from a HuggingFace config dict (see the module docstring for the keys read)."""
-    from .transformer import ModelConfig
-
     o = f"model({name})"
     hidden = _get(d, o, "hidden_size", "n_embd", "d_model")
     gpt2 = "n_embd" in d

@@ -1,6 +1,8 @@
 """Memory per GPU of a configuration: whether the step that overlap speeds up fits at all.
 
-Weights, gradients and Adam state per rank (sharded by ZeRO stage), activations of the micro-
+Weights, gradients and Adam state per rank (sharded by ZeRO stage over the ranks that hold the same
+parameter: dp·cp for dense weights, dp·cp/ep for a mixture of experts' expert weights, which expert
+parallelism divides over ep), activations of the micro-
 batches in flight on the first stage (1F1B holds pp of them), the logits of the last stage and
 the parameters prefetched ahead under ZeRO-3. Activation bytes per layer follow Korthikanti et al.
 2022 (arXiv 2205.05198, Table 2): s·b·h·(10 + 24/t + 5·a·s/(h·t)) without SP, s·b·h·34/t with
@@ -11,6 +13,8 @@ selective recomputation about half.
 
 from __future__ import annotations
 
+from .params import rank_params, shards
+
 GIB = 2**30
 ADAM_STATE_BYTES = 12
 """fp32 master weights, first and second moments per parameter."""
@@ -20,14 +24,19 @@ WORKSPACE_GIB = 4.0
 
 def estimate(model, par, hw, prefetch_units: int = 0) -> dict:
     """Bytes per GPU by part, the total, and whether it fits the GPU's HBM."""
-    from .step import stage_params
-
-    dp = par.dp * par.cp
     db = 2 if par.dtype != "fp8" else 1
-    params = max(stage_params(model, par, i) for i in range(par.pp)) / par.tp
-    weights = params * 2 / (dp if par.zero == 3 else 1)
-    grads = params * par.grad_bytes / (dp if par.zero >= 2 else 1)
-    optimizer = params * ADAM_STATE_BYTES / (dp if par.zero >= 1 else 1)
+    p = max((rank_params(model, par, i) for i in range(par.pp)), key=lambda r: r.total)
+    dense_dp, expert_dp = shards(par)
+
+    def sharded(bytes_per_param: float, from_stage: int) -> float:
+        """Bytes of a per-parameter state, divided over its replicas from ZeRO stage `from_stage` on."""
+        if par.zero < from_stage:
+            return p.total * bytes_per_param
+        return (p.dense / dense_dp + p.expert / expert_dp) * bytes_per_param
+
+    weights = sharded(2, 3)
+    grads = sharded(par.grad_bytes, 2)
+    optimizer = sharded(ADAM_STATE_BYTES, 1)
     s, b, h, t = model.seq_len // par.cp, par.micro_batch, model.hidden, par.tp
     if par.recompute == "full":
         per_layer = 2.0 * s * b * h / (t if par.sp else 1)

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from . import _validate as v
 
 if TYPE_CHECKING:
-    from .transformer import ModelConfig
+    from .model import ModelConfig
 
 MODES = ("none", "bulk", "pipelined", "auto")
 """Overlap settings, with the same meaning in every engine."""

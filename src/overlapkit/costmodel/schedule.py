@@ -5,7 +5,7 @@ TP collective on the comm stream, each GEMM (or GEMM chunk) on the compute strea
 exactly for the data it needs. `step_tasks` lays a whole step out over pipeline stages (one
 lane per stage): 1F1B micro-batches whose durations come from the layer prediction, pipeline
 sends/receives, the gradient buckets of the last backward and the optimizer step. Run either
-through `simulate.simulate`, draw with `simulate.plot`.
+through `simulate.simulate`; `simulate.predicted_spans` gives what the tools layer draws.
 """
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ from .collectives import Collectives
 from .hardware import Hardware
 from .overlap import bucket_sizes, ring_pieces
 from .simulate import COMPUTE, Task
-from .step import MIB, StepReport, dp_group, grad_reduction, p2p_ms, stage_params
+from .params import stage_params
+from .step import MIB, StepReport, dp_group, grad_reduction, p2p_ms
 
 
 class _Lane:

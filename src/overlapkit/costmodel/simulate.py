@@ -9,8 +9,8 @@ speed while the transfer is in flight, which is how SM-driven collectives steal 
 Communication is assumed issued before the compute it overlaps (as CUDA_DEVICE_MAX_CONNECTIONS=1
 makes the GPU honour), so when a compute task is placed, every transfer beside it is known.
 
-The result converts to `overlapkit.timeline.Span`s, so a predicted schedule is drawn with the
-same picture as a measured one.
+The result converts to plain predicted spans (`predicted_spans`), which the tools layer draws with the
+same picture as a measured timeline; the cost model itself never imports the analyzer.
 """
 
 from __future__ import annotations
@@ -138,20 +138,13 @@ def makespan(placed: list[Placed]) -> float:
     return max((p.end_ms for p in placed), default=0.0)
 
 
-def to_spans(placed: list[Placed]):
-    """The simulated schedule as timeline Spans (kind, name, stream, start_ms, end_ms, rank, ...)."""
-    from overlapkit.timeline.spans import Span  # imported late: the timeline package loads torch
-
-    return [Span(kind=p.task.kind, name=p.task.name, stream=p.task.stream, start_ms=p.start_ms,
-                 end_ms=p.end_ms, rank=p.task.rank, nbytes=int(p.task.nbytes),
-                 group_size=p.task.group_size) for p in placed]
+PREDICTED_SPAN_KEYS = ("kind", "name", "stream", "start_ms", "end_ms", "rank", "nbytes", "group_size")
+"""Keys of a predicted span: the fields a measured timeline span has (overlapkit.timeline.Span), so the
+tools layer draws a prediction with the same picture as a measurement."""
 
 
-def plot(placed: list[Placed], path: str, title: str = "predicted") -> str:
-    """Draw the schedule with the timeline's picture; returns the path written."""
-    try:
-        from overlapkit.timeline.plot import plot_spans
-    except ImportError as e:
-        raise RuntimeError(f"cannot draw {path}: overlapkit.timeline.plot.plot_spans is not available ({e})") from None
-    plot_spans(to_spans(placed), path, title=title)
-    return path
+def predicted_spans(placed: list[Placed]) -> list[dict]:
+    """The simulated schedule as plain spans, one dict per task with PREDICTED_SPAN_KEYS."""
+    return [{"kind": p.task.kind, "name": p.task.name, "stream": p.task.stream, "start_ms": p.start_ms,
+             "end_ms": p.end_ms, "rank": p.task.rank, "nbytes": int(p.task.nbytes),
+             "group_size": p.task.group_size} for p in placed]

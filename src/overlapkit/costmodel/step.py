@@ -17,14 +17,14 @@ import math
 from dataclasses import dataclass, field
 
 from . import _validate as v
+from .block import Block
 from .collectives import Collectives, Group
 from .hardware import DTYPE_BYTES, Hardware
 from .layer import Ctx, embedding_backward_ms, grad_accumulation_ms, layer, lm_head
-from .overlap import bucket_sizes, buckets_ms, layered_ms
-from .planner import SiteChoice
+from .params import rank_params, shards, stage_params  # noqa: F401 (stage_params re-exported)
+from .reduction import MIB, data_parallel, dp_group, expert_dp_group, grad_reduction  # noqa: F401 (re-exported)
 from .transformer import ModelConfig, ParallelConfig, validate
 
-MIB = 2**20
 ADAM_BYTES_PER_PARAM = 30
 """Optimizer step traffic: fp32 master, m, v read and written (24), fp32 grad read, bf16 param written."""
 GRAD_NORM_BYTES_PER_PARAM = 8
@@ -34,57 +34,6 @@ FP16_UNSCALE_BYTES_PER_PARAM = 8
 HOST_OPS_PER_LAYER = {False: 20, True: 45}
 """Framework ops the host dispatches for one layer's forward (fused, eager); backward twice as many.
 While the GPU's work per layer is shorter than their dispatch, the GPU waits for the host."""
-
-
-@dataclass
-class Block:
-    """Work of one layer (or the LM head) for one micro-batch, in one phase."""
-
-    compute_ms: float = 0.0
-    """Pure compute: every GEMM, attention and memory-bound op, nothing else."""
-    wall_ms: float = 0.0
-    """Time on the critical path: compute plus what its collectives leave exposed."""
-    comm: dict = field(default_factory=dict)
-    """Communication time per kind."""
-    exposed: dict = field(default_factory=dict)
-    """Exposed time per kind."""
-    rows: list = field(default_factory=list)
-    """Report rows, one per GEMM/site/op."""
-    host_ms: float = 0.0
-    """Time the GPU waits for the host's dispatch (one layer; not in wall_ms)."""
-
-    def add_compute(self, name: str, ms: float) -> None:
-        self.compute_ms += ms
-        self.wall_ms += ms
-        self.rows.append({"op": name, "time_ms": ms, "gemm_ms": ms})
-
-    def add_comm(self, kind: str, comm_ms: float, exposed_ms: float) -> None:
-        self.comm[kind] = self.comm.get(kind, 0.0) + comm_ms
-        self.exposed[kind] = self.exposed.get(kind, 0.0) + exposed_ms
-        self.wall_ms += exposed_ms
-
-    def add_site(self, c: SiteChoice) -> None:
-        self.compute_ms += c.gemm_ms
-        self.wall_ms += c.gemm_ms
-        self.add_comm(c.kind, c.comm_ms, c.exposed_ms)
-        s = c.site
-        self.rows.append({"op": s.name, "m": s.m, "k": s.k, "n": s.n, "gemm_ms": c.gemm_ms,
-                          "comm": c.kind, "comm_ms": c.comm_ms, "pattern": s.pattern, "mode": c.mode,
-                          "chunks": c.chunks, "time_ms": c.time_ms, "exposed_ms": c.exposed_ms, "note": c.note,
-                          "chunk_ms": c.chunk_ms, "piece_ms": c.piece_ms, "contention": c.contention,
-                          "group_size": c.group_size, "nbytes": s.nbytes})
-
-    def scaled(self, times: float) -> "Block":
-        return Block(self.compute_ms * times, self.wall_ms * times,
-                     {k: x * times for k, x in self.comm.items()},
-                     {k: x * times for k, x in self.exposed.items()}, self.rows)
-
-    def __add__(self, other: "Block") -> "Block":
-        keys = set(self.comm) | set(other.comm)
-        return Block(self.compute_ms + other.compute_ms, self.wall_ms + other.wall_ms,
-                     {k: self.comm.get(k, 0.0) + other.comm.get(k, 0.0) for k in keys},
-                     {k: self.exposed.get(k, 0.0) + other.exposed.get(k, 0.0) for k in keys},
-                     self.rows + other.rows)
 
 
 @dataclass
@@ -214,7 +163,8 @@ def predict(model: ModelConfig, par: ParallelConfig, hw: Hardware, coll: Collect
     emb = Block()
     emb.add_compute("embedding gradient (dense, fp32 accumulate)", embedding_backward_ms(ctx))
     layers = par.stage_layers(model.num_layers)
-    params = [stage_params(model, par, i) / par.tp for i in range(par.pp)]
+    ranks = [rank_params(model, par, i) for i in range(par.pp)]
+    params = [r.total for r in ranks]
     stages = []
     for i, n in enumerate(layers):
         f = layer_f.scaled(n) + (head_f if i == par.pp - 1 else Block())
@@ -236,10 +186,11 @@ def predict(model: ModelConfig, par: ParallelConfig, hw: Hardware, coll: Collect
         _pipeline_p2p(ctx, step, notes)
     zero3: dict = {}
     if par.dp * par.cp > 1:
-        zero3 = _data_parallel(ctx, step, params, stages, slowest, layer_f, layer_b, layers[slowest], notes)
-    shards = par.dp * par.cp if par.zero else 1
+        zero3 = data_parallel(ctx, step, ranks, stages, slowest, layer_f, layer_b, layers[slowest], notes)
+    dense_dp, expert_dp = shards(par) if par.zero else (1, 1)
     per_param = ADAM_BYTES_PER_PARAM + GRAD_NORM_BYTES_PER_PARAM + (FP16_UNSCALE_BYTES_PER_PARAM if par.dtype == "fp16" else 0)
-    optimizer = params[slowest] / shards * per_param / (hw.memory.elementwise_gbps * 1e6)
+    stepped = ranks[slowest].dense / dense_dp + ranks[slowest].expert / expert_dp
+    optimizer = stepped * per_param / (hw.memory.elementwise_gbps * 1e6)
     host = m * host_layer * layers[slowest]
     compute = step.compute_ms + optimizer
     exposed = sum(step.exposed.values())
@@ -258,16 +209,6 @@ def predict(model: ModelConfig, par: ParallelConfig, hw: Hardware, coll: Collect
     return report
 
 
-def stage_params(model: ModelConfig, par: ParallelConfig, stage: int | None = None) -> int:
-    """Parameters of a pipeline stage (default: the last, with the LM head), before TP sharding."""
-    stage = par.pp - 1 if stage is None else stage
-    n = par.stage_layers(model.num_layers)[stage] * model.layer_params
-    if par.pp == 1:
-        return n + model.embedding_params
-    table = model.vocab_size * model.hidden
-    return n + (table if stage == 0 else 0) + (table if stage == par.pp - 1 else 0)
-
-
 def p2p_ms(model: ModelConfig, par: ParallelConfig, hw: Hardware, coll: Collectives) -> float:
     """One pipeline send/recv of a micro-batch's activations (SP-sharded, or split over TP and re-gathered)."""
     full = par.micro_batch * model.seq_len // par.cp * model.hidden * DTYPE_BYTES[par.dtype]
@@ -279,16 +220,6 @@ def p2p_ms(model: ModelConfig, par: ParallelConfig, hw: Hardware, coll: Collecti
     return coll.time_ms("send_recv", full, link)
 
 
-def dp_group(par: ParallelConfig, hw: Hardware) -> Group:
-    """The gradient-reduction group: data-parallel and context-parallel ranks, tp apart."""
-    return Group.strided(par.dp * par.cp, par.tp, hw.gpus_per_node)
-
-
-def grad_reduction(par: ParallelConfig) -> tuple[str, str]:
-    """(timeline kind, collective) of the gradient reduction: all-reduce, or reduce-scatter under ZeRO."""
-    return ("dp_all_reduce", "all_reduce") if par.zero == 0 else ("dp_reduce_scatter", "reduce_scatter")
-
-
 def _pipeline_p2p(ctx: Ctx, step: Block, notes: list) -> None:
     par = ctx.par
     t = p2p_ms(ctx.model, par, ctx.hw, ctx.coll)
@@ -298,106 +229,3 @@ def _pipeline_p2p(ctx: Ctx, step: Block, notes: list) -> None:
     step.add_comm("pp_send", t * transfers, exposed)
     if par.overlap.pp != "none" and par.vpp == 1:
         notes.append("pp: Megatron's overlap_p2p_comm needs the interleaved schedule (vpp > 1)")
-
-
-def _reduction_exposed(ctx: Ctx, grad_bytes: float, hide_ms: float, notes: list | None) -> tuple[float, float]:
-    """(comm, exposed) of one stage's bucketed gradient reduction behind `hide_ms` of backward."""
-    par, coll, group = ctx.par, ctx.coll, dp_group(ctx.par, ctx.hw)
-    _, name = grad_reduction(par)
-    sizes = bucket_sizes(grad_bytes, par.bucket_mib * MIB)
-    total = sum(coll.time_ms(name, b, group) for b in sizes)
-    if par.overlap.dp == "none":
-        return total, total
-    exposed = buckets_ms(sizes, hide_ms, lambda b: coll.time_ms(name, b, group), ctx.hw.sm_comm_slowdown) - hide_ms
-    if notes is not None and total > hide_ms:
-        notes.append(f"dp: gradient {name.replace('_', '-')} ({total:.1f} ms) outlasts the backward that "
-                     f"hides it ({hide_ms:.1f} ms): overlap cannot hide more; accumulate more "
-                     f"micro-batches per step or shrink the gradients")
-    return total, exposed
-
-
-def _chunked_reduction_exposed(ctx: Ctx, grad_bytes: float, stage_bwd_ms: float) -> tuple[float, float]:
-    """(comm, exposed) of an interleaved stage's reduction, one model chunk at a time.
-
-    Megatron enables the gradient sync of each model chunk at its own last backward. In the
-    interleaved cool-down the last backwards run chunk by chunk, vpp-1 first and chunk 0 last,
-    each chunk's pp micro-batches apart: chunk c's gradients are complete c·pp chunk-backwards
-    before the stage's end, and its buckets reduce while the later chunks still compute. One
-    comm stream carries the chunks in that order; exposed is what runs past the stage's end."""
-    par = ctx.par
-    chunk_bwd = stage_bwd_ms / par.vpp
-    comm_total, stream_free = 0.0, -math.inf
-    for c in range(par.vpp - 1, -1, -1):
-        start = -(c * par.pp + 1) * chunk_bwd  # the chunk's last backward begins (0 = the stage's end)
-        comm, exposed = _reduction_exposed(ctx, grad_bytes / par.vpp, chunk_bwd, None)
-        comm_total += comm
-        stream_free = max(start + chunk_bwd + exposed, stream_free + comm)
-    return comm_total, max(0.0, stream_free)
-
-
-def _data_parallel(ctx: Ctx, step: Block, params: list, stages: list, slowest: int, layer_f: Block,
-                   layer_b: Block, per_stage: int, notes: list) -> dict:
-    """Gradient reduction, ZeRO gathers: bucketed behind backward, prefetched before forward."""
-    par, hw, coll = ctx.par, ctx.hw, ctx.coll
-    group = dp_group(par, hw)
-    layer_param_bytes = ctx.model.layer_params / par.tp * ctx.db
-    if par.zero == 3:
-        return _zero3(ctx, step, group, layer_f, layer_b, per_stage, notes)
-    kind, _ = grad_reduction(par)
-    # Each stage reduces behind its own last backward. Inside the drain, stage i finishes that
-    # backward before stage 0 does by the last backwards of stages i-1 .. 0, and its reduction may use them.
-    candidates = {0, slowest, par.pp - 1} if par.dp_in_drain else {slowest}
-    worst, total = 0.0, 0.0
-    for i in sorted(candidates):
-        bwd = stages[i][1].wall_ms
-        if par.vpp > 1 and par.overlap.dp != "none":
-            comm, exposed = _chunked_reduction_exposed(ctx, params[i] * par.grad_bytes, bwd)
-        else:
-            comm, exposed = _reduction_exposed(ctx, params[i] * par.grad_bytes, bwd, notes if i == slowest else None)
-        if i == slowest:
-            total = comm
-        slack = sum(stages[j][1].wall_ms for j in range(i)) if par.dp_in_drain else 0.0
-        worst = max(worst, exposed - slack)
-    step.add_comm(kind, total, max(0.0, worst))
-    if par.zero in (1, 2):  # parameters gathered after the sharded step, before the next forward
-        gathers = [coll.time_ms("all_gather", layer_param_bytes, group)] * per_stage
-        t = sum(gathers)
-        if par.overlap.zero == "none":
-            exp = t
-        else:
-            exp = layered_ms(gathers, [layer_f.wall_ms] * per_stage, [0.0] * per_stage, hw.sm_comm_slowdown) \
-                - per_stage * layer_f.wall_ms
-        step.add_comm("zero_all_gather", t, max(0.0, exp))
-    return {}
-
-
-def _zero3(ctx: Ctx, step: Block, group: Group, layer_f: Block, layer_b: Block, per_stage: int, notes: list) -> dict:
-    """ZeRO-3 / FSDP: per unit of `zero3_wrap` layers, gathered in forward and backward, gradients
-    reduce-scattered in backward, gathers issued `zero3_prefetch` units ahead (or chosen)."""
-    from .fsdp import fsdp_prefetch_choice, prefetch_wall_ms
-    from .memory import estimate
-
-    par, coll, slow = ctx.par, ctx.coll, ctx.hw.sm_comm_slowdown
-    wrap = min(par.zero3_wrap, per_stage)
-    units = max(1, per_stage // wrap)
-    unit_params = ctx.model.layer_params / par.tp * wrap
-    ag = coll.time_ms("all_gather", unit_params * ctx.db, group)
-    rs = coll.time_ms("reduce_scatter", unit_params * par.grad_bytes, group)
-    f_ms, b_ms = layer_f.wall_ms * wrap, layer_b.wall_ms * wrap
-    if par.overlap.zero == "none":
-        depth, why = 0, "overlap.zero=none: every gather waits for the previous unit"
-    elif par.zero3_prefetch >= 0:
-        depth, why = par.zero3_prefetch, "as asked (--zero3-prefetch)"
-    else:
-        free = (ctx.hw.hbm_gib * 2**30 - estimate(ctx.model, par, ctx.hw, 0)["total_bytes"])
-        depth, why = fsdp_prefetch_choice(b_ms, ag, unit_params * ctx.db, max(0.0, free), num_layers=units,
-                                          reduce_ms=rs, contention=slow)
-    wall_f = prefetch_wall_ms(f_ms, ag, depth, num_layers=units, contention=slow)
-    wall_b = prefetch_wall_ms(b_ms, ag, depth, num_layers=units, reduce_ms=rs, contention=slow)
-    exp_f, exp_b = wall_f - units * f_ms, wall_b - units * b_ms
-    m = par.micro_batches
-    step.add_comm("zero_all_gather", m * 2 * units * ag, m * max(0.0, exp_f + exp_b * ag / (ag + rs)))
-    step.add_comm("dp_reduce_scatter", m * units * rs, m * max(0.0, exp_b * rs / (ag + rs)))
-    notes.append(f"zero3: prefetch depth {depth}, {wrap} layer(s) per unit: {why}")
-    return {"prefetch": depth, "wrap_layers": wrap, "units": units, "reason": why,
-            "gather_ms": ag, "reduce_scatter_ms": rs}

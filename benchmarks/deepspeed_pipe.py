@@ -14,7 +14,9 @@ so the cost of the pairing is seen rather than assumed.
 
 from __future__ import annotations
 
-from . import _validate as v
+import math
+
+from overlapkit.costmodel import ConfigError
 
 
 def steps(micro_batches: int, stages: int, stage: int) -> list[tuple[bool, int | None]]:
@@ -61,9 +63,11 @@ def makespan_ms(micro_batches: int, fwd_ms: list[float], bwd_ms: list[float], p2
     transfer p2p_ms once both ends have reached it (a blocking send)."""
     stages = len(fwd_ms)
     if len(bwd_ms) != stages or stages < 1:
-        raise v.ConfigError(f"fwd_ms and bwd_ms must give one time per stage (got {len(fwd_ms)} and {len(bwd_ms)})")
-    v.positive_int("makespan_ms", "micro_batches", micro_batches)
-    v.finite("makespan_ms", "p2p_ms", p2p_ms, allow_zero=True)
+        raise ConfigError(f"fwd_ms and bwd_ms must give one time per stage (got {len(fwd_ms)} and {len(bwd_ms)})")
+    if not isinstance(micro_batches, int) or isinstance(micro_batches, bool) or micro_batches < 1:
+        raise ConfigError(f"makespan_ms.micro_batches={micro_batches!r}: must be an integer >= 1")
+    if not isinstance(p2p_ms, int | float) or not math.isfinite(p2p_ms) or p2p_ms < 0:
+        raise ConfigError(f"makespan_ms.p2p_ms={p2p_ms!r}: must be a finite number >= 0")
     progs = [instructions(micro_batches, stages, s) for s in range(stages)]
     pos, clock = [0] * stages, [0.0] * stages
     waiting: dict[tuple, tuple[float, int]] = {}  # (sender, receiver, what) -> (arrival, stage that waits)

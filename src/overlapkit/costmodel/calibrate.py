@@ -1,0 +1,247 @@
+"""The cost model calibrated on a user's own trace: what one traced layout of a job says about its cluster.
+
+A profiler trace of one layout tells, for that job on that machine, how long its GEMMs took (by name,
+hence by shape), how long the rest of its compute took, how long each kind of collective took at the
+sizes it moved, how much of each kind stayed exposed, and how long the ranks sat idle waiting for the
+host. `fit` turns those into a calibrated `Hardware` (the measured GEMM shapes pinned in its table, the
+rest of its compute rates scaled until the traced layout's compute is the measured compute), per-
+collective time factors, the measured exposed fraction per kind and a host time per dispatched op;
+`predict_calibrated` then prices another layout of the same job with them.
+
+The trace is read by the tools layer (the analyzer's reader), which hands over a plain `Measured`: the
+cost model does not import the analyzer.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields, replace
+
+from . import _validate as v
+from .collectives import Collectives, Group
+from .hardware import Hardware
+from .model import ModelConfig
+from .parallel import MODES, Overlap, ParallelConfig
+from .step import HOST_OPS_PER_LAYER, StepReport, predict
+from .transformer import layer_gemms
+
+KIND_COLLECTIVE = {"tp_all_gather": "all_gather", "tp_reduce_scatter": "reduce_scatter", "tp_all_reduce": "all_reduce",
+                   "dp_all_reduce": "all_reduce", "dp_reduce_scatter": "reduce_scatter",
+                   "zero_all_gather": "all_gather", "pp_send": "send_recv", "ep_all_to_all": "all_to_all",
+                   "cp_kv": "send_recv"}
+"""The collective each communication kind of a prediction runs."""
+GEMM_PHASES = ("fwd", "dgrad", "wgrad")
+"""Phases of a layer GEMM a trace may name (forward, input gradient, weight gradient)."""
+FIT_STEPS = 60
+"""Bisection steps (in log scale, over 1e-12..1e6 times the preset's rate) for the compute rate at which the
+traced layout's predicted compute is the measured one: 60 halvings leave a relative error below 1e-7."""
+
+
+@dataclass(frozen=True)
+class Measured:
+    """One traced layout, per step, on its slowest rank (what the tools layer reads from a trace)."""
+
+    step_ms: float
+    """Wall time of one step."""
+    compute_ms: float
+    """Time some computation ran (the union of compute spans)."""
+    idle_ms: float
+    """Time neither computation nor communication ran: the rank waited for its host (or a peer)."""
+    gemm: dict = field(default_factory=dict)
+    """(GEMM name, phase) -> (ms per step, calls per step), for GEMMs the trace names (qkv, proj, fc1, fc2,
+    lm_head; fwd, dgrad, wgrad)."""
+    comm: dict = field(default_factory=dict)
+    """Communication kind -> (comm ms per step, exposed ms per step, calls per step, bytes per call or 0)."""
+    steps: int = 1
+    """Steps averaged."""
+    ranks: int = 1
+    """Ranks read."""
+
+    def __post_init__(self) -> None:
+        for f in ("step_ms", "compute_ms"):
+            v.positive("Measured", f, getattr(self, f))
+        v.positive("Measured", "idle_ms", self.idle_ms, allow_zero=True)
+
+
+class CalibratedCollectives(Collectives):
+    """The model's collectives, each collective's time scaled by what the trace measured against it."""
+
+    def __init__(self, hardware: Hardware, factors: dict) -> None:
+        super().__init__(hardware)
+        self.factors = dict(factors)
+
+    def time_ms(self, kind: str, nbytes: float, group: Group, algo: str = "auto") -> float:
+        return super().time_ms(kind, nbytes, group, algo) * self.factors.get(kind, 1.0)
+
+
+@dataclass
+class Calibration:
+    """What `fit` learned from one traced layout."""
+
+    hardware: Hardware
+    """The base hardware with the job's compute rates and measured GEMM shapes."""
+    comm_factors: dict
+    """Collective -> measured time / the model's time at the traced sizes."""
+    exposed_fraction: dict
+    """Communication kind -> exposed / total, as measured."""
+    host_us_per_op: float
+    """Idle time per dispatched framework op (HOST_OPS_PER_LAYER per layer forward, twice backward)."""
+    compute_scale: float
+    """The job's compute rate relative to the base hardware's (1: as the preset; 0.01: 100x slower)."""
+    traced: ParallelConfig
+    """The traced layout."""
+    gemm_points: tuple = ()
+    """(m, k, n, ms) of every GEMM the trace named, pinned in the hardware's table."""
+    notes: list = field(default_factory=list)
+    """Measured kinds the model has no counterpart for, and other things assumed."""
+
+    @property
+    def collectives(self) -> Collectives:
+        return CalibratedCollectives(self.hardware, self.comm_factors)
+
+    def traced_summary(self) -> str:
+        p = self.traced
+        return (f"tp={p.tp} pp={p.pp} dp={p.dp} cp={p.cp} ep={p.ep} micro_batch={p.micro_batch} "
+                f"global_batch={p.global_batch}")
+
+    def to_dict(self) -> dict:
+        return {"compute_scale": self.compute_scale, "comm_factors": dict(self.comm_factors),
+                "exposed_fraction": dict(self.exposed_fraction), "host_us_per_op": self.host_us_per_op,
+                "gemm_points": [list(p) for p in self.gemm_points], "notes": list(self.notes)}
+
+    def summary(self) -> str:
+        comm = ", ".join(f"{k} x{f:.3g}" for k, f in self.comm_factors.items()) or "none traced"
+        exp = ", ".join(f"{k} {100 * f:.0f}%" for k, f in self.exposed_fraction.items()) or "none traced"
+        return (f"fitted: compute at {self.compute_scale:.3g}x the {self.hardware.name} preset's rate "
+                f"({len(self.gemm_points)} GEMM shapes pinned); collective time vs the model: {comm}; exposed: {exp}; "
+                f"host {self.host_us_per_op:.1f} us per op" + "".join(f"\n  note: {n}" for n in self.notes))
+
+
+def traced_layout(asked: ParallelConfig, spec: str) -> ParallelConfig:
+    """The traced layout: `asked` with the fields of `spec` ('tp=2,dp=2,micro_batch=1,overlap_tp=bulk')."""
+    if not spec.strip():
+        return asked
+    names = {f.name: f for f in fields(ParallelConfig)}
+    changes, overlap = {}, {}
+    for item in filter(None, (x.strip() for x in spec.split(","))):
+        key, sep, value = item.partition("=")
+        key = key.strip().replace("-", "_")
+        if not sep:
+            raise v.ConfigError(f"--traced {spec!r}: {item!r} is not field=value")
+        if key.startswith("overlap_") and key[8:] in vars(Overlap()):
+            overlap[key[8:]] = value
+        elif key == "overlap":
+            overlap.update(dict.fromkeys(vars(Overlap()), value))
+        elif key in names and key != "overlap":
+            default = getattr(ParallelConfig(), key)
+            try:
+                changes[key] = (value.lower() in ("1", "true", "yes")) if isinstance(default, bool) else \
+                    type(default)(value)
+            except ValueError:
+                raise v.ConfigError(f"--traced {spec!r}: {key}={value!r} is not a {type(default).__name__}") from None
+        else:
+            raise v.ConfigError(f"--traced {spec!r}: unknown field {key!r}; known: "
+                                f"{', '.join(n for n in names if n != 'overlap')}, overlap, overlap_<engine>")
+    for mode in overlap.values():
+        v.one_of("--traced", "overlap", mode, MODES)
+    if overlap:
+        changes["overlap"] = replace(asked.overlap, **overlap)
+    if ("dp" in changes or "micro_batch" in changes) and "global_batch" not in changes:
+        m = asked.micro_batches  # keep the micro-batch count per replica unless it is given
+        changes["global_batch"] = changes.get("micro_batch", asked.micro_batch) * changes.get("dp", asked.dp) * m
+    return replace(asked, **changes)
+
+
+def _scaled(hw: Hardware, scale: float, table: tuple) -> Hardware:
+    """`hw` running its compute `scale` times as fast (peaks and memory rates; launches unchanged)."""
+    return replace(hw, name=f"{hw.name} (calibrated)", bf16_tflops=hw.bf16_tflops * scale,
+                   fp8_tflops=hw.fp8_tflops * scale, fp32_tflops=hw.fp32_tflops * scale, hbm_gbps=hw.hbm_gbps * scale,
+                   gemm=replace(hw.gemm, mem_gbps=hw.gemm.mem_gbps * scale, table=table),
+                   memory=replace(hw.memory, elementwise_gbps=hw.memory.elementwise_gbps * scale,
+                                  norm_gbps=hw.memory.norm_gbps * scale),
+                   sustained_clock=1.0, host_us_per_op=0.0, source=f"calibrated on a trace from {hw.name}")
+
+
+def gemm_points(measured: Measured, model: ModelConfig, traced: ParallelConfig) -> tuple:
+    """(m, k, n, ms per call) of each GEMM the trace names, at the traced layout's shapes on one rank."""
+    shapes = {g.name: g for g in layer_gemms(model, traced)}
+    tokens = traced.micro_batch * model.seq_len // traced.cp
+    points = []
+    for (name, phase), (ms, calls) in sorted(measured.gemm.items()):
+        if calls <= 0 or ms <= 0 or phase not in GEMM_PHASES:
+            continue
+        if name == "lm_head":
+            m, k, n = tokens, model.hidden, model.vocab_size // traced.tp
+        elif name in shapes:
+            g = shapes[name]
+            m, k, n = g.m, g.k, g.n
+        else:
+            continue
+        shape = {"fwd": (m, k, n), "dgrad": (m, n, k), "wgrad": (k, m, n)}[phase]
+        points.append((*shape, ms / calls))
+    return tuple(points)
+
+
+def _model_kind(kind: str, predicted: dict) -> str | None:
+    """The prediction's kind for a measured one: the same name, or the one kind ending in _<collective>."""
+    if kind in KIND_COLLECTIVE:
+        return kind
+    matches = [k for k in predicted if k.endswith("_" + kind)]
+    return matches[0] if len(matches) == 1 else None
+
+
+def fit(measured: Measured, model: ModelConfig, traced: ParallelConfig, base: Hardware) -> Calibration:
+    """Calibrate `base` on one traced layout (see the module docstring)."""
+    notes: list[str] = []
+    points = gemm_points(measured, model, traced)
+    lo, hi = math.log(1e-12), math.log(1e6)  # predicted compute falls as the rate rises: bisect on it
+    for _ in range(FIT_STEPS):  # the pinned GEMM shapes stay put while the rest of the compute rate moves
+        mid = (lo + hi) / 2
+        if predict(model, traced, _scaled(base, math.exp(mid), points)).compute_ms > measured.compute_ms:
+            lo = mid
+        else:
+            hi = mid
+    scale = math.exp((lo + hi) / 2)
+    hw = _scaled(base, scale, points)
+    r = predict(model, traced, hw)
+    by_kind: dict[str, list[float]] = {}  # the model's kind -> [comm ms, exposed ms] measured per step
+    waits = measured.idle_ms  # time no compute ran that the model has no collective for: the host's
+    for kind, (comm_ms, exposed_ms, _calls, _nbytes) in measured.comm.items():
+        ours = _model_kind(kind, r.comm_by_kind)
+        if ours is None or r.comm_by_kind.get(ours, 0.0) <= 0 or comm_ms <= 0:
+            notes.append(f"traced {kind} ({comm_ms:.3g} ms per step, {exposed_ms:.3g} exposed) has no counterpart "
+                         f"in the model of this layout: its exposed time counts as host time")
+            waits += exposed_ms
+            continue
+        got = by_kind.setdefault(ours, [0.0, 0.0])
+        got[0] += comm_ms
+        got[1] += exposed_ms
+    factors: dict[str, list[tuple[float, float]]] = {}
+    for kind, (comm_ms, _) in by_kind.items():
+        factors.setdefault(KIND_COLLECTIVE[kind], []).append((comm_ms, r.comm_by_kind[kind]))
+    comm_factors = {c: sum(m for m, _ in xs) / sum(p for _, p in xs) for c, xs in factors.items()}
+    exposed = {k: min(1.0, max(0.0, e / c)) for k, (c, e) in by_kind.items()}
+    ops = ops_per_step(model, traced)
+    return Calibration(hw, comm_factors, exposed, 1e3 * waits / ops, scale, traced, points, notes)
+
+
+def ops_per_step(model: ModelConfig, par: ParallelConfig) -> int:
+    """Framework ops the slowest stage's host dispatches in one step (forward and twice that backward)."""
+    layers = max(par.stage_layers(model.num_layers))
+    return 3 * HOST_OPS_PER_LAYER[par.eager] * layers * par.micro_batches
+
+
+def predict_calibrated(cal: Calibration, model: ModelConfig, par: ParallelConfig) -> StepReport:
+    """One step of `par` priced with what `cal` measured: the calibrated hardware and collectives, the
+    measured exposed fraction of every traced kind (the model's own overlap for the others) and the
+    measured host time per op."""
+    r = predict(model, par, cal.hardware, cal.collectives)
+    exposed = {k: (c * cal.exposed_fraction[k] if k in cal.exposed_fraction else r.exposed_by_kind.get(k, 0.0))
+               for k, c in r.comm_by_kind.items()}
+    r.exposed_by_kind, r.exposed_ms = exposed, sum(exposed.values())
+    r.host_ms = cal.host_us_per_op * 1e-3 * ops_per_step(model, par)
+    r.step_ms = r.compute_ms + r.exposed_ms + r.bubble_ms + r.host_ms
+    if not math.isfinite(r.step_ms):
+        raise v.ConfigError(f"the calibrated step is {r.step_ms}: the trace's numbers are out of range")
+    r.notes.append(f"calibrated: {cal.summary().splitlines()[0]}")
+    return r

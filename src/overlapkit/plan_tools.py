@@ -1,0 +1,52 @@
+"""Where `overlapkit plan` meets the timeline: predicted spans drawn with the measured picture, and a
+user's profiler traces read into the plain numbers the cost model calibrates on.
+
+The cost model and the trace analyzer do not import each other; this tools-layer module joins them.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+
+GEMM_NAME = re.compile(r"(?:^|[./_ ])(qkv|proj|fc1|fc2|lm_head)[./_ ](fwd|dgrad|wgrad)\b")
+"""A compute range naming one layer GEMM and its phase (overlapkit's `blocks.0.attn.qkv.fwd.gemm`)."""
+
+
+def draw_spans(spans: list[dict], path: str, title: str) -> str:
+    """Draw predicted spans (costmodel.simulate.predicted_spans) with the timeline's picture."""
+    from overlapkit.timeline import Span, plot_spans
+
+    plot_spans([Span(**s) for s in spans], path, title=title)
+    return path
+
+
+def read_measured(trace_dir: str):
+    """One traced layout's numbers per step on its slowest rank (costmodel.calibrate.Measured), read with
+    the analyzer's reader and report. Raises ValueError (one line) on traces it cannot use."""
+    from overlapkit.costmodel.calibrate import Measured
+    from overlapkit.timeline import read_traces, report_traces
+
+    traces = read_traces([trace_dir])
+    report = report_traces(traces)
+    rows = []
+    for rank in report.ranks:
+        times = [t for _, t in rank.steps] or [rank.total]
+        rows.append((sum(t.step_ms for t in times) / len(times), rank, times))
+    step_ms, rank, times = max(rows, key=lambda r: r[0])
+    n = len(times)
+    if not rank.compute_known:
+        raise ValueError(f"{rank.source}: the trace records no computation; calibration needs compute spans "
+                         f"(profile with CPU ops or CUDA kernels)")
+    spans = [s for t in traces for s in t.spans if s.rank == rank.rank and (s.step is not None or not rank.steps)]
+    gemm: dict = defaultdict(lambda: [0.0, 0])
+    for s in spans:
+        if s.is_compute and (m := GEMM_NAME.search(s.name)):
+            gemm[m.groups()][0] += s.duration_ms / n
+            gemm[m.groups()][1] += 1
+    comm = {r.kind: (r.comm_ms / n, (r.exposed_ms or 0.0) / n, r.count / n, r.nbytes // max(1, r.count))
+            for r in rank.by_kind}
+    return Measured(step_ms=step_ms, compute_ms=sum(t.compute_ms for t in times) / n,
+                    idle_ms=sum(t.idle_ms for t in times) / n,
+                    gemm={k: (ms, calls / n) for k, (ms, calls) in gemm.items()}, comm=comm, steps=n,
+                    ranks=len(report.ranks))

@@ -1,0 +1,122 @@
+"""`overlapkit plan --calibrate TRACE_DIR`: the model fitted on one traced layout, predicting others."""
+
+import json
+import shutil
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from overlapkit.costmodel import ConfigError, ModelConfig, ParallelConfig, predict, preset
+from overlapkit.costmodel.calibrate import (CalibratedCollectives, Measured, _scaled, fit, predict_calibrated,
+                                            traced_layout)
+from overlapkit.plan_tools import read_measured
+
+DATA = Path(__file__).resolve().parents[1] / "data" / "timeline"
+# overlapkit demo's GPT at tp = 2 (models/gpt.py via demo.py: hidden 16·tp, 2·tp heads, ffn 32·tp, vocab 16·tp,
+# seq 8·tp, 2 layers), 2 sequences per replica in one micro-batch
+DEMO = {"hidden": 32, "ffn_hidden": 64, "num_layers": 2, "num_heads": 4, "seq_len": 16, "vocab_size": 32,
+        "gated_mlp": False, "tied_embeddings": False}
+
+
+@pytest.fixture
+def demo(tmp_path):
+    traces = tmp_path / "traces"
+    traces.mkdir()
+    shutil.copy(DATA / "demo_tp2dp2_rank0.json.gz", traces)
+    model = tmp_path / "gpt.json"
+    model.write_text(json.dumps(DEMO))
+    return str(traces), str(model)
+
+
+def plan(argv, capsys):
+    from overlapkit.cli import main
+
+    code = main(["plan", *argv])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_the_traced_layout_is_reproduced_and_its_measured_step_is_the_traces(demo, capsys):
+    from overlapkit.timeline import read_traces, report_traces
+
+    traces, model = demo
+    code, out, err = plan(["--model", model, "--tp", "2", "--dp", "2", "--micro-batch", "2", "--calibrate", traces,
+                           "--json"], capsys)
+    assert code == 0, err
+    d = json.loads(out)
+    steps = report_traces(read_traces([traces])).ranks[0].steps
+    measured = sum(t.step_ms for _, t in steps) / len(steps) * 1e-3
+    assert d["measured_step_s"] == pytest.approx(measured, rel=1e-9)
+    # compute, every traced kind's exposure and the host's waits are the measured ones at the traced layout
+    assert d["step_time_s"] == pytest.approx(measured, rel=0.01)
+    assert d["traced_predicted_step_s"] == d["step_time_s"]
+    assert len(d["calibration"]["gemm_points"]) == 4  # qkv, proj, fc1, fc2 forward, named by the engines
+
+
+def test_other_layouts_are_predicted_from_the_traced_one(demo, capsys):
+    traces, model = demo
+    base = ["--model", model, "--calibrate", traces, "--traced", "tp=2,dp=2,micro_batch=2,global_batch=4", "--json"]
+    out = {}
+    for name, layout in {"traced": ["--tp", "2", "--dp", "2", "--micro-batch", "2", "--global-batch", "4"],
+                         "tp4": ["--tp", "4", "--micro-batch", "2", "--global-batch", "2"],
+                         "mb4": ["--tp", "2", "--dp", "2", "--micro-batch", "4", "--global-batch", "8"]}.items():
+        code, text, err = plan(base + layout, capsys)
+        assert code == 0, err
+        out[name] = json.loads(text)
+    assert out["tp4"]["measured_step_s"] == out["traced"]["measured_step_s"]  # the trace, whatever is asked
+    assert out["tp4"]["parallel"]["tp"] == 4 and "dp_all_reduce" not in out["tp4"]["by_kind"]
+    # twice the tokens per micro-batch: more compute (launch-bound GEMMs and the optimizer step do not double),
+    # the same host time per op and micro-batch count
+    assert 1.2 * out["traced"]["compute_s"] < out["mb4"]["compute_s"] < 2 * out["traced"]["compute_s"]
+    assert out["mb4"]["host_s"] == pytest.approx(out["traced"]["host_s"], rel=1e-9)
+    code, text, err = plan(["--model", model, "--tp", "2", "--dp", "2", "--calibrate", traces], capsys)
+    assert code == 0 and "measured" in text and "predicted" in text and "fitted:" in text
+
+
+def test_fit_recovers_a_known_machine():
+    """A 'trace' made by the model itself on a machine 3x slower in compute and with all-gathers 5x slower:
+    the calibrated model of another layout prices compute and communication as that machine does."""
+    model = ModelConfig(hidden=1024, ffn_hidden=4096, num_layers=4, num_heads=16, seq_len=1024, vocab_size=8192,
+                        gated_mlp=False)
+    base = preset("h200-sxm")
+    truth_hw = _scaled(base, 1 / 3, ())
+    truth = CalibratedCollectives(truth_hw, {"all_gather": 5.0})
+    traced, other = ParallelConfig(tp=2, dp=2, global_batch=4), ParallelConfig(tp=4, dp=2, global_batch=8)
+    r = predict(model, traced, truth_hw, truth)
+    comm = {k: (c, r.exposed_by_kind[k], 1.0, 0) for k, c in r.comm_by_kind.items()}
+    cal = fit(Measured(step_ms=r.step_ms, compute_ms=r.compute_ms, idle_ms=0.0, comm=comm), model, traced, base)
+    assert cal.compute_scale == pytest.approx(1 / 3, rel=1e-4)
+    assert cal.comm_factors["all_gather"] == pytest.approx(5.0, rel=1e-6)
+    assert cal.comm_factors["reduce_scatter"] == pytest.approx(1.0, rel=1e-6)
+    want, got = predict(model, other, truth_hw, truth), predict_calibrated(cal, model, other)
+    assert got.compute_ms == pytest.approx(want.compute_ms, rel=1e-4)
+    for kind, ms in want.comm_by_kind.items():
+        assert got.comm_by_kind[kind] == pytest.approx(ms, rel=1e-4), kind
+
+
+def test_named_gemms_are_pinned_at_their_measured_time():
+    model = ModelConfig(hidden=1024, ffn_hidden=4096, num_layers=4, num_heads=16, seq_len=1024, vocab_size=8192,
+                        gated_mlp=False)
+    traced = ParallelConfig(tp=2)
+    r = predict(model, traced, preset("h200-sxm"))
+    gemm = {("fc1", "fwd"): (4 * 0.5, 4.0)}  # four layers, 0.5 ms a call: far slower than the curve
+    cal = fit(Measured(step_ms=r.step_ms * 3, compute_ms=r.compute_ms * 3, idle_ms=0.0, gemm=gemm), model, traced,
+              preset("h200-sxm"))
+    (m, k, n, ms), = cal.gemm_points
+    assert (m, k, n) == (1024, 1024, 2048) and ms == 0.5
+    assert cal.hardware.gemm_ms(m, k, n) == pytest.approx(0.5, rel=1e-9)
+
+
+@pytest.mark.parametrize("spec,field", [("tp=x", "tp='x' is not a int"), ("colour=2", "unknown field 'colour'"),
+                                        ("tp", "is not field=value"), ("overlap_tp=fast", "overlap")])
+def test_bad_traced_layouts_are_one_line(spec, field):
+    with pytest.raises(ConfigError, match=field):
+        traced_layout(ParallelConfig(), spec)
+
+
+def test_traced_layout_keeps_the_micro_batch_count():
+    asked = ParallelConfig(tp=4, dp=1, micro_batch=1, global_batch=3)
+    got = traced_layout(asked, "tp=2,dp=2")
+    assert (got.tp, got.dp, got.micro_batches) == (2, 2, 3)
+    assert replace(got, tp=4, dp=1, global_batch=3) == asked
