@@ -183,7 +183,7 @@ def predict(model: ModelConfig, par: ParallelConfig, hw: Hardware, coll: Collect
     # once (uniform stages: (pp - 1)/vpp micro-batch times).
     bubble = (sum(times) - times[slowest]) / par.vpp
     if par.pp > 1:
-        _pipeline_p2p(ctx, step, notes)
+        bubble += _pipeline_p2p(ctx, step, notes)
     zero3: dict = {}
     if par.dp * par.cp > 1:
         zero3 = data_parallel(ctx, step, ranks, stages, slowest, layer_f, layer_b, layers[slowest], notes)
@@ -220,12 +220,25 @@ def p2p_ms(model: ModelConfig, par: ParallelConfig, hw: Hardware, coll: Collecti
     return coll.time_ms("send_recv", full, link)
 
 
-def _pipeline_p2p(ctx: Ctx, step: Block, notes: list) -> None:
+def _pipeline_p2p(ctx: Ctx, step: Block, notes: list) -> float:
+    """Price the pipeline's sends into `step`; returns what they add to the bubble (without overlap the
+    steady-state transfers are exposed on the stage itself, and the fill and drain wait for theirs too)."""
     par = ctx.par
     t = p2p_ms(ctx.model, par, ctx.hw, ctx.coll)
     transfers = 2 * par.vpp * par.micro_batches  # activation in, gradient in, per model chunk
-    # With overlap only the warm-up and cool-down transfers stay on the critical path.
-    exposed = t * transfers if par.overlap.pp == "none" else 2 * (par.pp - 1) * t
+    # The fill and the drain pass each activation down and each gradient up through pp - 1 hops that no
+    # stage's compute hides (1F1B's warm-up waits on them, Megatron's schedules.py); with overlap the
+    # steady-state transfers hide behind the other micro-batch, without it each is paid once more.
+    fill_drain = 2 * (par.pp - 1) * t
+    exposed = t * transfers if par.overlap.pp == "none" else fill_drain
     step.add_comm("pp_send", t * transfers, exposed)
+    if ctx.model.tied_embeddings:
+        # the first stage's embedding and the last stage's head are one weight: Megatron all-reduces its
+        # gradient between the two stages after the flush (finalize_model_grads, the embedding group)
+        table = ctx.model.vocab_size * ctx.model.hidden / par.tp * max(par.grad_bytes, ctx.db)
+        ends = Group.strided(2, par.tp * par.cp * par.dp * (par.pp - 1), ctx.hw.gpus_per_node)
+        ms = ctx.coll.time_ms("all_reduce", table, ends)
+        step.add_comm("pp_embedding_all_reduce", ms, ms)
     if par.overlap.pp != "none" and par.vpp == 1:
         notes.append("pp: Megatron's overlap_p2p_comm needs the interleaved schedule (vpp > 1)")
+    return fill_drain if par.overlap.pp == "none" else 0.0
