@@ -8,11 +8,12 @@ same sequences per step except the micro-batch row (twice as many). CUDA mode (o
 GPT traced at one micro-batch size predicts the others (no collective runs at world size 1, so the TP
 overlap modes are the same program there; the rows say so).
 
-    python benchmarks/calibrate_validation.py --device cpu --world 4                # the 16-core host
-    python benchmarks/calibrate_validation.py --device cuda                         # the H200, world size 1
-    python benchmarks/calibrate_validation.py --device cpu --world 4 --smoke        # tiny sizes (a CI-sized run)
+    python benchmarks/calibrate_validation.py --device cpu                  # the 16-core host, overlapkit's GPT
+    python benchmarks/calibrate_validation.py --device cpu --model llama    # HF Llama through parallelize (no pp)
+    python benchmarks/calibrate_validation.py --device cuda                 # the H200, world size 1
+    python benchmarks/calibrate_validation.py --device cpu --smoke          # tiny sizes, two steps (a smoke run)
 
-Writes benchmarks/results/calibrate_validation_<device>[_smoke].{json,md}. Targets: every predicted
+Writes benchmarks/results/calibrate_validation_<device>_<model>[_smoke].{json,md}. Targets: every predicted
 layout within 10 % (16 cores) and 5 % (H200, world size 1) of its measured step.
 """
 
@@ -34,21 +35,40 @@ SIZES = {"smoke": dict(hidden=64, num_heads=4, ffn_hidden=256, num_layers=2, seq
 """GPT sizes and sequences per step of each run kind."""
 
 
-def layouts(batch: int) -> dict:
-    """name -> (tp, pp, dp, micro_batch, micro-batches): the traced layout first, then the predicted ones."""
-    return {"dp2 x tp2 (traced)": (2, 1, 2, batch // 2, 1), "tp4": (4, 1, 1, batch, 1),
-            "dp4": (1, 1, 4, batch // 4, 1), "pp2 x tp2": (2, 2, 1, batch // 2, 2),
-            "dp2 x tp2, micro-batch x2": (2, 1, 2, batch, 1)}
+def layouts(batch: int, arch: str = "gpt") -> dict:
+    """name -> (tp, pp, dp, micro_batch, micro-batches): the traced layout first, then the predicted ones
+    (no pipeline for the HF Llama: overlapkit's stage cutter knows its own GPT only)."""
+    out = {"dp2 x tp2 (traced)": (2, 1, 2, batch // 2, 1), "tp4": (4, 1, 1, batch, 1),
+           "dp4": (1, 1, 4, batch // 4, 1), "pp2 x tp2": (2, 2, 1, batch // 2, 2),
+           "dp2 x tp2, micro-batch x2": (2, 1, 2, batch, 1)}
+    if arch == "llama":
+        del out["pp2 x tp2"]
+    return out
 
 
-def run_rank(sizes: dict, layout: tuple, steps: int, trace_dir: str, overlap: str, device: str) -> dict:
+def build(arch: str, sizes: dict):
+    """The model of one run: overlapkit's GPT, or a Hugging Face Llama of the same widths (SwiGLU, GQA 2:1)."""
+    if arch == "gpt":
+        from overlapkit.models import GPT, GPTConfig
+
+        return GPT(GPTConfig(**{k: v for k, v in sizes.items() if k != "batch"}))
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return LlamaForCausalLM(LlamaConfig(
+        hidden_size=sizes["hidden"], intermediate_size=sizes["ffn_hidden"], num_hidden_layers=sizes["num_layers"],
+        num_attention_heads=sizes["num_heads"], num_key_value_heads=sizes["num_heads"] // 2,
+        vocab_size=sizes["vocab_size"], max_position_embeddings=sizes["seq_len"], attn_implementation="sdpa"))
+
+
+def run_rank(sizes: dict, layout: tuple, steps: int, trace_dir: str, overlap: str, device: str,
+             arch: str = "gpt") -> dict:
     """One rank of one layout: train `steps` steps under the profiler (one warm-up step first)."""
     import torch
     from torch.profiler import ProfilerActivity, profile, schedule
 
     from overlapkit.data_parallel import DataParallel
     from overlapkit.groups import ParallelGroups
-    from overlapkit.models import GPT, GPTConfig, lm_loss, parallelize
+    from overlapkit.models import lm_loss, parallelize
     from overlapkit.optim import optim_param_groups
     from overlapkit.timeline import record
 
@@ -58,9 +78,9 @@ def run_rank(sizes: dict, layout: tuple, steps: int, trace_dir: str, overlap: st
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     groups = ParallelGroups.build(tp=tp, dp=dp, pp=pp)
     dev = torch.device("cuda" if device == "cuda" else "cpu")
-    cfg = GPTConfig(**{k: v for k, v in sizes.items() if k != "batch"})
     torch.manual_seed(0)
-    model = GPT(cfg).to(dev)
+    model = build(arch, sizes).to(dev)
+    vocab, seq = sizes["vocab_size"], sizes["seq_len"]
     if tp > 1:
         model = parallelize(model, groups, sequence_parallel=True, overlap=overlap)
     if pp > 1:
@@ -81,12 +101,14 @@ def run_rank(sizes: dict, layout: tuple, steps: int, trace_dir: str, overlap: st
                    on_trace_ready=lambda p: p.export_chrome_trace(path))
     with record(device=dev), prof:
         for _ in range(steps + 2):  # warm-up, the measured steps, one the reader drops
-            idx = torch.randint(0, cfg.vocab_size, (mb * m, cfg.seq_len), generator=gen).to(dev)
-            tgt = torch.randint(0, cfg.vocab_size, (mb * m, cfg.seq_len), generator=gen).to(dev)
+            idx = torch.randint(0, vocab, (mb * m, seq), generator=gen).to(dev)
+            tgt = torch.randint(0, vocab, (mb * m, seq), generator=gen).to(dev)
             for c in chunks:
                 c.zero_grad(set_to_none=False)
             if pp > 1:
                 engine.step(idx, tgt)
+            elif arch == "llama":
+                model(input_ids=idx, labels=tgt).loss.backward()
             else:
                 lm_loss(model(idx), tgt).backward()
             opt.step()
@@ -96,23 +118,30 @@ def run_rank(sizes: dict, layout: tuple, steps: int, trace_dir: str, overlap: st
     return {"rank": groups.rank}
 
 
-def measure(sizes: dict, layout: tuple, steps: int, overlap: str, device: str, timeout_s: float) -> str:
-    """Run one layout on its ranks; returns the folder of its traces."""
+def measure(sizes: dict, layout: tuple, steps: int, overlap: str, device: str, timeout_s: float,
+            folder: str | None = None, arch: str = "gpt") -> str:
+    """Run one layout on its ranks (unless `folder` already holds its traces); returns the traces' folder."""
     from overlapkit.launch import spawn
 
     tp, pp, dp, _, _ = layout
-    folder = tempfile.mkdtemp(prefix="calibrate_validation_")
+    if folder and Path(folder).is_dir() and any(Path(folder).glob("rank*.json")):
+        return folder  # --reuse: traced before
+    folder = folder or tempfile.mkdtemp(prefix="calibrate_validation_")
+    os.makedirs(folder, exist_ok=True)
     if device == "cuda":
-        spawn(run_rank, 1, sizes, layout, steps, folder, overlap, device, backend="nccl", timeout_s=timeout_s)
+        spawn(run_rank, 1, sizes, layout, steps, folder, overlap, device, arch, backend="nccl", timeout_s=timeout_s)
     else:
-        spawn(run_rank, tp * pp * dp, sizes, layout, steps, folder, overlap, device, timeout_s=timeout_s)
+        spawn(run_rank, tp * pp * dp, sizes, layout, steps, folder, overlap, device, arch, timeout_s=timeout_s)
     return folder
 
 
-def model_json(sizes: dict) -> dict:
+def model_json(sizes: dict, arch: str = "gpt") -> dict:
+    """The run's model in the cost model's keys."""
+    llama = arch == "llama"
     return {"hidden": sizes["hidden"], "ffn_hidden": sizes["ffn_hidden"], "num_layers": sizes["num_layers"],
-            "num_heads": sizes["num_heads"], "seq_len": sizes["seq_len"], "vocab_size": sizes["vocab_size"],
-            "gated_mlp": False, "tied_embeddings": False, "name": "overlapkit GPT"}
+            "num_heads": sizes["num_heads"], "num_kv_heads": sizes["num_heads"] // 2 if llama else 0,
+            "seq_len": sizes["seq_len"], "vocab_size": sizes["vocab_size"], "gated_mlp": llama,
+            "tied_embeddings": False, "name": "HF Llama" if llama else "overlapkit GPT"}
 
 
 def par_of(layout: tuple, overlap: str):
@@ -123,22 +152,24 @@ def par_of(layout: tuple, overlap: str):
                           overlap=Overlap(tp=overlap, dp="bulk", pp="bulk"))
 
 
-def run(device: str, kind: str, steps: int, overlap: str, timeout_s: float) -> dict:
+def run(device: str, kind: str, steps: int, overlap: str, timeout_s: float, traces: str | None = None,
+        arch: str = "gpt") -> dict:
     from overlapkit.costmodel import ModelConfig, preset
     from overlapkit.costmodel.calibrate import fit, predict_calibrated
     from overlapkit.plan_tools import read_measured
 
     sizes = SIZES[kind]
-    model = ModelConfig(**model_json(sizes))
+    model = ModelConfig(**model_json(sizes, arch))
     if device == "cuda":
         b = sizes["batch"]
         plan = {f"micro-batch {b} (traced)": (1, 1, 1, b, 1), **{f"micro-batch {x}": (1, 1, 1, x, 1)
                                                                  for x in (b // 4, b // 2, 2 * b) if x >= 1}}
     else:
-        plan = layouts(sizes["batch"])
+        plan = layouts(sizes["batch"], arch)
     rows, cal = [], None
     for i, (name, layout) in enumerate(plan.items()):
-        measured = read_measured(measure(sizes, layout, steps, overlap, device, timeout_s))
+        keep = os.path.join(traces, "".join(c if c.isalnum() else "_" for c in name)) if traces else None
+        measured = read_measured(measure(sizes, layout, steps, overlap, device, timeout_s, keep, arch))
         par = par_of(layout, overlap)
         if i == 0:
             cal = fit(measured, model, par, preset("h200-sxm"))
@@ -151,7 +182,7 @@ def run(device: str, kind: str, steps: int, overlap: str, timeout_s: float) -> d
                      "predicted_host_ms": r.host_ms, "traced": i == 0})
         print(f"{name}: measured {measured.step_ms:.1f} ms, predicted {r.step_ms:.1f} ms ({err:+.1f}%)", flush=True)
     others = [abs(r["error_pct"]) for r in rows[1:]]
-    return {"device": device, "kind": kind, "model": model_json(sizes), "steps": steps, "overlap": overlap,
+    return {"device": device, "kind": kind, "arch": arch, "model": model_json(sizes, arch), "steps": steps, "overlap": overlap,
             "cores": os.cpu_count(), "calibration": cal.to_dict(), "rows": rows,
             "summary": {"mean_abs_pct": statistics.mean(others), "max_abs_pct": max(others),
                         "target_pct": 5.0 if device == "cuda" else 10.0}}
@@ -160,7 +191,7 @@ def run(device: str, kind: str, steps: int, overlap: str, timeout_s: float) -> d
 def markdown(res: dict) -> str:
     s = res["summary"]
     out = [f"Calibrated on one traced layout ({res['rows'][0]['layout']}), {res['device']}, {res['cores']} cores, "
-           f"GPT {res['model']['hidden']} wide x {res['model']['num_layers']} layers, seq {res['model']['seq_len']}, "
+           f"{res['model']['name']} {res['model']['hidden']} wide x {res['model']['num_layers']} layers, seq {res['model']['seq_len']}, "
            f"TP overlap {res['overlap']}, {res['steps']} measured steps per layout: the other layouts' |error| "
            f"mean {s['mean_abs_pct']:.1f}%, max {s['max_abs_pct']:.1f}% (target: each within {s['target_pct']:.0f}%).", "",
            "| layout | tp | pp | dp | micro-batch x count | measured ms | predicted ms | error % | compute ms measured / predicted |",
@@ -177,20 +208,25 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument("--world", type=int, default=4, help="ranks of the CPU layouts (4: the layouts above)")
+    ap.add_argument("--model", choices=("gpt", "llama"), default="gpt",
+                    help="overlapkit's GPT, or a Hugging Face Llama through overlapkit.parallelize")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes and two steps")
     ap.add_argument("--steps", type=int, default=None, help="measured steps per layout (default 5; smoke 2)")
     ap.add_argument("--overlap", default="bulk", choices=("none", "bulk", "pipelined"))
     ap.add_argument("--timeout", type=float, default=300.0, help="process-group timeout per layout, s")
+    ap.add_argument("--traces", metavar="DIR", help="keep each layout's traces in DIR/<layout>; a layout whose "
+                    "folder already holds traces is not run again (re-analysis)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     args = ap.parse_args(argv)
     if args.device == "cpu" and args.world != 4:
         print("--world: the CPU layouts (dp2 x tp2, tp4, dp4, pp2 x tp2) need 4 ranks", file=sys.stderr)
         return 2
     kind = "smoke" if args.smoke else args.device
-    res = run(args.device, kind, args.steps or (2 if args.smoke else 5), args.overlap, args.timeout)
+    res = run(args.device, kind, args.steps or (2 if args.smoke else 5), args.overlap, args.timeout, args.traces,
+              args.model)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    stem = f"calibrate_validation_{args.device}" + ("_smoke" if args.smoke else "")
+    stem = f"calibrate_validation_{args.device}_{args.model}" + ("_smoke" if args.smoke else "")
     (out / f"{stem}.json").write_text(json.dumps(res, indent=1))
     (out / f"{stem}.md").write_text(markdown(res))
     print(markdown(res))

@@ -354,7 +354,7 @@ def markdown(rows: list[dict], summary: dict, extra: list[dict], fp32: list[dict
         out += ["", "The Megatron README rows with fp32 gradient reduction instead (r0.8's default): "
                 + ", ".join(f"{r['case']} {r['error_pct']:+.1f}%" for r in fp32) + "."]
     if deepspeed:
-        out += ["", "MT-NLG's pipeline replayed under DeepSpeed's TrainSchedule (costmodel.deepspeed_pipe: step-paired, "
+        out += ["", "MT-NLG's pipeline replayed under DeepSpeed's TrainSchedule (benchmarks/deepspeed_pipe.py: step-paired, "
                 "blocking, unbatched sends) with the model's stage times, against the model's 1F1B pricing of the "
                 "same (slowest stage x m + fill/drain + exposed p2p): "
                 + ", ".join(f"{r['case']} {r['deepspeed_s']:.2f} s vs {r['model_1f1b_s']:.2f} s" for r in deepspeed)

@@ -80,13 +80,13 @@ def test_fit_recovers_a_known_machine():
     model = ModelConfig(hidden=1024, ffn_hidden=4096, num_layers=4, num_heads=16, seq_len=1024, vocab_size=8192,
                         gated_mlp=False)
     base = preset("h200-sxm")
-    truth_hw = _scaled(base, 1 / 3, ())
+    truth_hw = _scaled(base, 1 / 3, 1 / 3, ())
     truth = CalibratedCollectives(truth_hw, {"all_gather": 5.0})
     traced, other = ParallelConfig(tp=2, dp=2, global_batch=4), ParallelConfig(tp=4, dp=2, global_batch=8)
     r = predict(model, traced, truth_hw, truth)
     comm = {k: (c, r.exposed_by_kind[k], 1.0, 0) for k, c in r.comm_by_kind.items()}
     cal = fit(Measured(step_ms=r.step_ms, compute_ms=r.compute_ms, idle_ms=0.0, comm=comm), model, traced, base)
-    assert cal.compute_scale == pytest.approx(1 / 3, rel=1e-4)
+    assert cal.compute_scale == pytest.approx(1 / 3, rel=1e-4) and cal.matmul_scale == cal.compute_scale
     assert cal.comm_factors["all_gather"] == pytest.approx(5.0, rel=1e-6)
     assert cal.comm_factors["reduce_scatter"] == pytest.approx(1.0, rel=1e-6)
     want, got = predict(model, other, truth_hw, truth), predict_calibrated(cal, model, other)
@@ -106,6 +106,11 @@ def test_named_gemms_are_pinned_at_their_measured_time():
     (m, k, n, ms), = cal.gemm_points
     assert (m, k, n) == (1024, 1024, 2048) and ms == 0.5
     assert cal.hardware.gemm_ms(m, k, n) == pytest.approx(0.5, rel=1e-9)
+    # the matrix rate is that GEMM's speed against the preset's curve; the memory rate absorbs the rest
+    assert cal.matmul_scale == pytest.approx(preset("h200-sxm").gemm_ms(m, k, n) / 0.5, rel=1e-9)
+    # every GEMM at that GEMM's rate outlasts the whole traced compute (3x the preset's): the fit says so
+    assert predict_calibrated(cal, model, traced).compute_ms > r.compute_ms * 3
+    assert any("cannot be met" in n for n in cal.notes)
 
 
 @pytest.mark.parametrize("spec,field", [("tp=x", "tp='x' is not a int"), ("colour=2", "unknown field 'colour'"),

@@ -87,13 +87,15 @@ class Calibration:
     host_us_per_op: float
     """Idle time per dispatched framework op (HOST_OPS_PER_LAYER per layer forward, twice backward)."""
     compute_scale: float
-    """The job's compute rate relative to the base hardware's (1: as the preset; 0.01: 100x slower)."""
+    """The job's memory-bound rate relative to the base hardware's (1: as the preset; 0.01: 100x slower)."""
     traced: ParallelConfig
     """The traced layout."""
     gemm_points: tuple = ()
     """(m, k, n, ms) of every GEMM the trace named, pinned in the hardware's table."""
     notes: list = field(default_factory=list)
     """Measured kinds the model has no counterpart for, and other things assumed."""
+    matmul_scale: float = 1.0
+    """The job's matrix rate relative to the base hardware's (from the named GEMMs; compute_scale without)."""
 
     @property
     def collectives(self) -> Collectives:
@@ -105,15 +107,15 @@ class Calibration:
                 f"global_batch={p.global_batch}")
 
     def to_dict(self) -> dict:
-        return {"compute_scale": self.compute_scale, "comm_factors": dict(self.comm_factors),
+        return {"compute_scale": self.compute_scale, "matmul_scale": self.matmul_scale, "comm_factors": dict(self.comm_factors),
                 "exposed_fraction": dict(self.exposed_fraction), "host_us_per_op": self.host_us_per_op,
                 "gemm_points": [list(p) for p in self.gemm_points], "notes": list(self.notes)}
 
     def summary(self) -> str:
         comm = ", ".join(f"{k} x{f:.3g}" for k, f in self.comm_factors.items()) or "none traced"
         exp = ", ".join(f"{k} {100 * f:.0f}%" for k, f in self.exposed_fraction.items()) or "none traced"
-        return (f"fitted: compute at {self.compute_scale:.3g}x the {self.hardware.name} preset's rate "
-                f"({len(self.gemm_points)} GEMM shapes pinned); collective time vs the model: {comm}; exposed: {exp}; "
+        return (f"fitted: matrix rate {self.matmul_scale:.3g}x and memory rate {self.compute_scale:.3g}x the "
+                f"preset's ({len(self.gemm_points)} GEMM shapes pinned); collective time vs the model: {comm}; exposed: {exp}; "
                 f"host {self.host_us_per_op:.1f} us per op" + "".join(f"\n  note: {n}" for n in self.notes))
 
 
@@ -152,13 +154,14 @@ def traced_layout(asked: ParallelConfig, spec: str) -> ParallelConfig:
     return replace(asked, **changes)
 
 
-def _scaled(hw: Hardware, scale: float, table: tuple) -> Hardware:
-    """`hw` running its compute `scale` times as fast (peaks and memory rates; launches unchanged)."""
-    return replace(hw, name=f"{hw.name} (calibrated)", bf16_tflops=hw.bf16_tflops * scale,
-                   fp8_tflops=hw.fp8_tflops * scale, fp32_tflops=hw.fp32_tflops * scale, hbm_gbps=hw.hbm_gbps * scale,
-                   gemm=replace(hw.gemm, mem_gbps=hw.gemm.mem_gbps * scale, table=table),
-                   memory=replace(hw.memory, elementwise_gbps=hw.memory.elementwise_gbps * scale,
-                                  norm_gbps=hw.memory.norm_gbps * scale),
+def _scaled(hw: Hardware, matmul: float, memory: float, table: tuple) -> Hardware:
+    """`hw` with its matrix rates (GEMMs, attention) `matmul` times and its memory rates (HBM, memory-bound
+    ops, GEMM operand streaming) `memory` times as fast; launches unchanged; `table` pinned GEMM shapes."""
+    return replace(hw, name=f"{hw.name} (calibrated)", bf16_tflops=hw.bf16_tflops * matmul,
+                   fp8_tflops=hw.fp8_tflops * matmul, fp32_tflops=hw.fp32_tflops * matmul, hbm_gbps=hw.hbm_gbps * memory,
+                   gemm=replace(hw.gemm, mem_gbps=hw.gemm.mem_gbps * memory, table=table),
+                   memory=replace(hw.memory, elementwise_gbps=hw.memory.elementwise_gbps * memory,
+                                  norm_gbps=hw.memory.norm_gbps * memory),
                    sustained_clock=1.0, host_us_per_op=0.0, source=f"calibrated on a trace from {hw.name}")
 
 
@@ -194,15 +197,27 @@ def fit(measured: Measured, model: ModelConfig, traced: ParallelConfig, base: Ha
     """Calibrate `base` on one traced layout (see the module docstring)."""
     notes: list[str] = []
     points = gemm_points(measured, model, traced)
+    # The named GEMMs give the job's matrix rate (their geometric-mean speed against the base curve) and
+    # stay pinned at their measured times; the rest of the compute (memory-bound ops, the optimizer) sets
+    # the memory rate. Without named GEMMs one rate scales both.
+    matmul = None
+    if points:
+        plain = base.for_training()
+        matmul = math.exp(sum(math.log(plain.gemm_ms(m, k, n) / ms) for m, k, n, ms in points) / len(points))
+
+    def compute_ms(log_rate: float) -> float:
+        rate = math.exp(log_rate)
+        return predict(model, traced, _scaled(base, matmul or rate, rate, points)).compute_ms
+
     lo, hi = math.log(1e-12), math.log(1e6)  # predicted compute falls as the rate rises: bisect on it
-    for _ in range(FIT_STEPS):  # the pinned GEMM shapes stay put while the rest of the compute rate moves
+    for _ in range(FIT_STEPS):
         mid = (lo + hi) / 2
-        if predict(model, traced, _scaled(base, math.exp(mid), points)).compute_ms > measured.compute_ms:
-            lo = mid
-        else:
-            hi = mid
+        lo, hi = (mid, hi) if compute_ms(mid) > measured.compute_ms else (lo, mid)
     scale = math.exp((lo + hi) / 2)
-    hw = _scaled(base, scale, points)
+    if abs(compute_ms(math.log(scale)) - measured.compute_ms) > 0.01 * measured.compute_ms:
+        notes.append(f"the traced compute ({measured.compute_ms:.3g} ms) cannot be met by the memory rate alone "
+                     f"beside the named GEMMs: the fit stops at {scale:.3g}x")
+    hw = _scaled(base, matmul or scale, scale, points)
     r = predict(model, traced, hw)
     by_kind: dict[str, list[float]] = {}  # the model's kind -> [comm ms, exposed ms] measured per step
     waits = measured.idle_ms  # time no compute ran that the model has no collective for: the host's
@@ -222,7 +237,8 @@ def fit(measured: Measured, model: ModelConfig, traced: ParallelConfig, base: Ha
     comm_factors = {c: sum(m for m, _ in xs) / sum(p for _, p in xs) for c, xs in factors.items()}
     exposed = {k: min(1.0, max(0.0, e / c)) for k, (c, e) in by_kind.items()}
     ops = ops_per_step(model, traced)
-    return Calibration(hw, comm_factors, exposed, 1e3 * waits / ops, scale, traced, points, notes)
+    return Calibration(hw, comm_factors, exposed, 1e3 * waits / ops, scale, traced, points, notes,
+                       matmul_scale=matmul or scale)
 
 
 def ops_per_step(model: ModelConfig, par: ParallelConfig) -> int:
