@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from overlapkit.costmodel import ConfigError, ModelConfig, ParallelConfig, predict, preset
-from overlapkit.costmodel.calibrate import (CalibratedCollectives, Measured, _scaled, fit, predict_calibrated,
+from overlapkit.costmodel.calibrate import (CalibratedCollectives, Measured, fit, predict_calibrated, rescaled,
                                             traced_layout)
 from overlapkit.plan_tools import read_measured
 
@@ -80,7 +80,7 @@ def test_fit_recovers_a_known_machine():
     model = ModelConfig(hidden=1024, ffn_hidden=4096, num_layers=4, num_heads=16, seq_len=1024, vocab_size=8192,
                         gated_mlp=False)
     base = preset("h200-sxm")
-    truth_hw = _scaled(base, 1 / 3, 1 / 3, ())
+    truth_hw = rescaled(base, 1 / 3, 1 / 3, ())
     truth = CalibratedCollectives(truth_hw, {"all_gather": 5.0})
     traced, other = ParallelConfig(tp=2, dp=2, global_batch=4), ParallelConfig(tp=4, dp=2, global_batch=8)
     r = predict(model, traced, truth_hw, truth)

@@ -154,7 +154,7 @@ def traced_layout(asked: ParallelConfig, spec: str) -> ParallelConfig:
     return replace(asked, **changes)
 
 
-def _scaled(hw: Hardware, matmul: float, memory: float, table: tuple) -> Hardware:
+def rescaled(hw: Hardware, matmul: float, memory: float, table: tuple) -> Hardware:
     """`hw` with its matrix rates (GEMMs, attention) `matmul` times and its memory rates (HBM, memory-bound
     ops, GEMM operand streaming) `memory` times as fast; launches unchanged; `table` pinned GEMM shapes."""
     return replace(hw, name=f"{hw.name} (calibrated)", bf16_tflops=hw.bf16_tflops * matmul,
@@ -207,7 +207,7 @@ def fit(measured: Measured, model: ModelConfig, traced: ParallelConfig, base: Ha
 
     def compute_ms(log_rate: float) -> float:
         rate = math.exp(log_rate)
-        return predict(model, traced, _scaled(base, matmul or rate, rate, points)).compute_ms
+        return predict(model, traced, rescaled(base, matmul or rate, rate, points)).compute_ms
 
     lo, hi = math.log(1e-12), math.log(1e6)  # predicted compute falls as the rate rises: bisect on it
     for _ in range(FIT_STEPS):
@@ -217,7 +217,7 @@ def fit(measured: Measured, model: ModelConfig, traced: ParallelConfig, base: Ha
     if abs(compute_ms(math.log(scale)) - measured.compute_ms) > 0.01 * measured.compute_ms:
         notes.append(f"the traced compute ({measured.compute_ms:.3g} ms) cannot be met by the memory rate alone "
                      f"beside the named GEMMs: the fit stops at {scale:.3g}x")
-    hw = _scaled(base, matmul or scale, scale, points)
+    hw = rescaled(base, matmul or scale, scale, points)
     r = predict(model, traced, hw)
     by_kind: dict[str, list[float]] = {}  # the model's kind -> [comm ms, exposed ms] measured per step
     waits = measured.idle_ms  # time no compute ran that the model has no collective for: the host's
