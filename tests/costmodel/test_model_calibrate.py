@@ -125,3 +125,13 @@ def test_traced_layout_keeps_the_micro_batch_count():
     got = traced_layout(asked, "tp=2,dp=2")
     assert (got.tp, got.dp, got.micro_batches) == (2, 2, 3)
     assert replace(got, tp=4, dp=1, global_batch=3) == asked
+
+
+def test_a_traced_layout_whose_collectives_the_trace_lacks_is_named():
+    model = ModelConfig(hidden=1024, ffn_hidden=4096, num_layers=4, num_heads=16, seq_len=1024, vocab_size=8192,
+                        gated_mlp=False)
+    traced = ParallelConfig(tp=2, dp=2, global_batch=4)
+    r = predict(model, traced, preset("h200-sxm"))
+    cal = fit(Measured(step_ms=r.step_ms, compute_ms=r.compute_ms, idle_ms=0.0), model, traced, preset("h200-sxm"))
+    assert any("tp_all_gather" in n and "does not show" in n for n in cal.notes)
+    assert cal.comm_factors == {} and cal.exposed_fraction == {}

@@ -231,6 +231,10 @@ def fit(measured: Measured, model: ModelConfig, traced: ParallelConfig, base: Ha
         got = by_kind.setdefault(ours, [0.0, 0.0])
         got[0] += comm_ms
         got[1] += exposed_ms
+    for kind, ms in r.comm_by_kind.items():
+        if kind not in by_kind and ms > 0:
+            notes.append(f"the traced layout's model has {kind} ({ms:.3g} ms per step) that the trace does not show: "
+                         f"priced as the model does (does --traced describe the traces?)")
     factors: dict[str, list[tuple[float, float]]] = {}
     for kind, (comm_ms, _) in by_kind.items():
         factors.setdefault(KIND_COLLECTIVE[kind], []).append((comm_ms, r.comm_by_kind[kind]))
