@@ -28,7 +28,7 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SIZES = {"smoke": dict(hidden=64, num_heads=4, ffn_hidden=256, num_layers=2, seq_len=32, vocab_size=256, batch=4),
+SIZES = {"smoke": dict(hidden=64, num_heads=8, ffn_hidden=256, num_layers=2, seq_len=32, vocab_size=256, batch=4),
          "cpu": dict(hidden=512, num_heads=8, ffn_hidden=2048, num_layers=4, seq_len=256, vocab_size=4096, batch=8),
          "cuda": dict(hidden=2048, num_heads=16, ffn_hidden=8192, num_layers=8, seq_len=2048, vocab_size=32768,
                       batch=4)}
@@ -105,12 +105,14 @@ def run_rank(sizes: dict, layout: tuple, steps: int, trace_dir: str, overlap: st
             tgt = torch.randint(0, vocab, (mb * m, seq), generator=gen).to(dev)
             for c in chunks:
                 c.zero_grad(set_to_none=False)
-            if pp > 1:
-                engine.step(idx, tgt)
-            elif arch == "llama":
-                model(input_ids=idx, labels=tgt).loss.backward()
-            else:
-                lm_loss(model(idx), tgt).backward()
+            # bf16 autocast on the GPU (what the cost model prices); fp32 on the CPU, whose bf16 GEMMs are slow
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device == "cuda"):
+                if pp > 1:
+                    engine.step(idx, tgt)
+                elif arch == "llama":
+                    model(input_ids=idx, labels=tgt).loss.backward()
+                else:
+                    lm_loss(model(idx), tgt).backward()
             opt.step()
             if device == "cuda":
                 torch.cuda.synchronize()
