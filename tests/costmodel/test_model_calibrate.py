@@ -70,8 +70,11 @@ def test_other_layouts_are_predicted_from_the_traced_one(demo, capsys):
     # the same host time per op and micro-batch count
     assert 1.2 * out["traced"]["compute_s"] < out["mb4"]["compute_s"] < 2 * out["traced"]["compute_s"]
     assert out["mb4"]["host_s"] == pytest.approx(out["traced"]["host_s"], rel=1e-9)
-    code, text, err = plan(["--model", model, "--tp", "2", "--dp", "2", "--calibrate", traces], capsys)
+    png = Path(traces).parent / "calibrated.png"
+    code, text, err = plan(["--model", model, "--tp", "2", "--dp", "2", "--calibrate", traces, "--plot", str(png)],
+                           capsys)
     assert code == 0 and "measured" in text and "predicted" in text and "fitted:" in text
+    assert png.stat().st_size > 1000  # the calibrated prediction drawn
 
 
 def test_fit_recovers_a_known_machine():

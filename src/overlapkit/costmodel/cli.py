@@ -210,10 +210,10 @@ def _run_calibrated(args, par: ParallelConfig) -> int:
         print(cal.summary())
         print()
         print(format_report(report))
-    return 0
+    return _plot(report, args, cal.hardware, cal.collectives) if args.plot else 0
 
 
-def _plot(report, args) -> int:
+def _plot(report, args, hw=None, coll=None) -> int:
     from .hardware import load_hardware
     from .schedule import layer_tasks, step_tasks
     from .simulate import predicted_spans, simulate
@@ -221,12 +221,12 @@ def _plot(report, args) -> int:
     if args.draw is None:
         print("overlapkit plan: --plot needs overlapkit's timeline picture: run it as `overlapkit plan`", file=sys.stderr)
         return 2
-    hw = load_hardware(args.hardware)
+    hw = hw or load_hardware(args.hardware)
     path = Path(args.plot)
     layer_path = path.with_name(f"{path.stem}_layer{path.suffix or '.png'}")
     name = f"{report.model.name} on {report.hardware}"
     try:
-        args.draw(predicted_spans(simulate(step_tasks(report, hw))), str(path), f"predicted step: {name}")
+        args.draw(predicted_spans(simulate(step_tasks(report, hw, coll))), str(path), f"predicted step: {name}")
         args.draw(predicted_spans(simulate(layer_tasks(report))), str(layer_path),
                   f"predicted layer (one micro-batch): {name}")
     except RuntimeError as e:
