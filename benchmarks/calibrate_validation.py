@@ -193,7 +193,10 @@ def run(device: str, kind: str, steps: int, overlap: str, timeout_s: float, trac
                      "micro_batches": layout[4], "measured_ms": measured.step_ms, "predicted_ms": r.step_ms,
                      "error_pct": err, "measured_compute_ms": measured.compute_ms, "predicted_compute_ms": r.compute_ms,
                      "predicted_exposed_ms": r.exposed_ms, "predicted_bubble_ms": r.bubble_ms,
-                     "predicted_host_ms": r.host_ms, "traced": i == 0})
+                     "predicted_host_ms": r.host_ms, "traced": i == 0, "measured_idle_ms": measured.idle_ms,
+                     # kind -> [comm ms, exposed ms, calls] per step: where a miss comes from
+                     "measured_comm": {k: list(v[:3]) for k, v in measured.comm.items()},
+                     "predicted_comm": {k: [c, r.exposed_by_kind.get(k, 0.0)] for k, c in r.comm_by_kind.items()}})
         print(f"{name}: measured {measured.step_ms:.1f} ms, predicted {r.step_ms:.1f} ms ({err:+.1f}%)", flush=True)
     others = [abs(r["error_pct"]) for r in rows[1:]] or [float("nan")]
     return {"failed": failed, "device": device, "kind": kind, "arch": arch, "model": model_json(sizes, arch), "steps": steps, "overlap": overlap,
