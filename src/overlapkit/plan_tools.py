@@ -9,8 +9,9 @@ from __future__ import annotations
 import re
 from collections import defaultdict
 
-GEMM_NAME = re.compile(r"(?:^|[./_ ])(qkv|proj|fc1|fc2|lm_head)[./_ ](fwd|dgrad|wgrad)\b")
-"""A compute range naming one layer GEMM and its phase (overlapkit's `blocks.0.attn.qkv.fwd.gemm`)."""
+GEMM_NAME = re.compile(r"(?:^|[./_ ])(qkv|proj|fc1|fc2|lm_head|head)[./_ ](?:bwd[./_ ])?(fwd|dgrad|wgrad)\b")
+"""A compute range naming one layer GEMM and its phase (overlapkit's `blocks.0.attn.qkv.fwd.gemm`,
+`blocks.1.mlp.fc1.bwd.wgrad`, `head.bwd.dgrad`)."""
 
 
 def draw_spans(spans: list[dict], path: str, title: str) -> str:
@@ -42,8 +43,9 @@ def read_measured(trace_dir: str):
     gemm: dict = defaultdict(lambda: [0.0, 0])
     for s in spans:
         if s.is_compute and (m := GEMM_NAME.search(s.name)):
-            gemm[m.groups()][0] += s.duration_ms / n
-            gemm[m.groups()][1] += 1
+            key = ("lm_head" if m.group(1) == "head" else m.group(1), m.group(2))
+            gemm[key][0] += s.duration_ms / n
+            gemm[key][1] += 1
     comm = {r.kind: (r.comm_ms / n, (r.exposed_ms or 0.0) / n, r.count / n, r.nbytes // max(1, r.count))
             for r in rank.by_kind}
     return Measured(step_ms=step_ms, compute_ms=sum(t.compute_ms for t in times) / n,

@@ -83,7 +83,7 @@ class Calibration:
     comm_factors: dict
     """Collective -> measured time / the model's time at the traced sizes."""
     exposed_fraction: dict
-    """Communication kind -> exposed / total, as measured."""
+    """Communication kind -> exposed / total, as measured (waits inside compute ranges included)."""
     host_us_per_op: float
     """Idle time per dispatched framework op (HOST_OPS_PER_LAYER per layer forward, twice backward)."""
     compute_scale: float
@@ -181,8 +181,12 @@ def gemm_points(measured: Measured, model: ModelConfig, traced: ParallelConfig) 
         else:
             continue
         shape = {"fwd": (m, k, n), "dgrad": (m, n, k), "wgrad": (k, m, n)}[phase]
-        points.append((*shape, ms / calls))
-    return tuple(points)
+        points.append((shape, ms, calls))
+    merged: dict = {}  # GEMMs of one shape (a square layer's fwd and dgrad): their calls' mean time
+    for shape, ms, calls in points:
+        t, c = merged.get(shape, (0.0, 0.0))
+        merged[shape] = (t + ms, c + calls)
+    return tuple((*shape, t / c) for shape, (t, c) in sorted(merged.items()))
 
 
 def _model_kind(kind: str, predicted: dict) -> str | None:
@@ -193,56 +197,90 @@ def _model_kind(kind: str, predicted: dict) -> str | None:
     return matches[0] if len(matches) == 1 else None
 
 
-def fit(measured: Measured, model: ModelConfig, traced: ParallelConfig, base: Hardware) -> Calibration:
-    """Calibrate `base` on one traced layout (see the module docstring)."""
-    notes: list[str] = []
-    points = gemm_points(measured, model, traced)
-    # The named GEMMs give the job's matrix rate (their geometric-mean speed against the base curve) and
-    # stay pinned at their measured times; the rest of the compute (memory-bound ops, the optimizer) sets
-    # the memory rate. Without named GEMMs one rate scales both.
-    matmul = None
-    if points:
-        plain = base.for_training()
-        matmul = math.exp(sum(math.log(plain.gemm_ms(m, k, n) / ms) for m, k, n, ms in points) / len(points))
+def _matmul_rate(points: tuple, base: Hardware) -> float | None:
+    """The job's matrix rate against `base`: the named GEMMs' geometric-mean speed against its curve."""
+    if not points:
+        return None
+    plain = base.for_training()
+    return math.exp(sum(math.log(plain.gemm_ms(m, k, n) / ms) for m, k, n, ms in points) / len(points))
 
+
+def _memory_rate(target_ms: float, model: ModelConfig, traced: ParallelConfig, base: Hardware, matmul,
+                 points: tuple) -> float:
+    """The memory rate (bisected) at which the traced layout's predicted compute is `target_ms`."""
     def compute_ms(log_rate: float) -> float:
         rate = math.exp(log_rate)
         return predict(model, traced, rescaled(base, matmul or rate, rate, points)).compute_ms
 
-    lo, hi = math.log(1e-12), math.log(1e6)  # predicted compute falls as the rate rises: bisect on it
+    lo, hi = math.log(1e-12), math.log(1e6)  # predicted compute falls as the rate rises
     for _ in range(FIT_STEPS):
         mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if compute_ms(mid) > measured.compute_ms else (lo, mid)
-    scale = math.exp((lo + hi) / 2)
-    if abs(compute_ms(math.log(scale)) - measured.compute_ms) > 0.01 * measured.compute_ms:
-        notes.append(f"the traced compute ({measured.compute_ms:.3g} ms) cannot be met by the memory rate alone "
-                     f"beside the named GEMMs: the fit stops at {scale:.3g}x")
-    hw = rescaled(base, matmul or scale, scale, points)
-    r = predict(model, traced, hw)
-    by_kind: dict[str, list[float]] = {}  # the model's kind -> [comm ms, exposed ms] measured per step
-    waits = measured.idle_ms  # time no compute ran that the model has no collective for: the host's
+        lo, hi = (mid, hi) if compute_ms(mid) > target_ms else (lo, mid)
+    return math.exp((lo + hi) / 2)
+
+
+def _traced_comm(measured: Measured, predicted: dict, notes: list) -> tuple[dict, float]:
+    """({the model's kind: [comm ms, exposed ms]} measured per step, exposed ms of kinds the model lacks)."""
+    by_kind: dict[str, list[float]] = {}
+    unmatched = 0.0
     for kind, (comm_ms, exposed_ms, _calls, _nbytes) in measured.comm.items():
-        ours = _model_kind(kind, r.comm_by_kind)
-        if ours is None or r.comm_by_kind.get(ours, 0.0) <= 0 or comm_ms <= 0:
+        ours = _model_kind(kind, predicted)
+        if ours is None or predicted.get(ours, 0.0) <= 0 or comm_ms <= 0:
             notes.append(f"traced {kind} ({comm_ms:.3g} ms per step, {exposed_ms:.3g} exposed) has no counterpart "
                          f"in the model of this layout: its exposed time counts as host time")
-            waits += exposed_ms
+            unmatched += exposed_ms
             continue
         got = by_kind.setdefault(ours, [0.0, 0.0])
         got[0] += comm_ms
         got[1] += exposed_ms
-    for kind, ms in r.comm_by_kind.items():
+    for kind, ms in predicted.items():
         if kind not in by_kind and ms > 0:
             notes.append(f"the traced layout's model has {kind} ({ms:.3g} ms per step) that the trace does not show: "
                          f"priced as the model does (does --traced describe the traces?)")
+    return by_kind, unmatched
+
+
+def fit(measured: Measured, model: ModelConfig, traced: ParallelConfig, base: Hardware) -> Calibration:
+    """Calibrate `base` on one traced layout (see the module docstring).
+
+    The named GEMMs set the job's matrix rate and stay pinned. What the measured compute holds beyond what
+    that rate predicts is either the rest of the compute running slower than the preset's ratio says, or the
+    ranks sitting inside compute ranges while a collective they wait for is in flight (a CPU trace's forward
+    and backward ranges hold the synchronous TP collectives' waits). The second is at most the time the trace
+    shows collectives hidden under compute: that much is counted as exposed time of those collectives (in
+    proportion to each one's hidden time), and the memory rate is bisected to meet the rest. Without named
+    GEMMs one rate scales all compute and nothing is counted as waiting."""
+    notes: list[str] = []
+    points = gemm_points(measured, model, traced)
+    matmul = _matmul_rate(points, base)
+    base_report = predict(model, traced, rescaled(base, matmul or 1.0, matmul or 1.0, points))
+    by_kind, unmatched = _traced_comm(measured, base_report.comm_by_kind, notes)
+    hidden = {k: max(0.0, c - e) for k, (c, e) in by_kind.items()}
+    waiting = 0.0
+    if matmul is not None:
+        waiting = min(max(0.0, measured.compute_ms - base_report.compute_ms), sum(hidden.values()))
+    target = measured.compute_ms - waiting
+    scale = matmul if matmul is not None and abs(base_report.compute_ms - target) <= 1e-9 * target else \
+        _memory_rate(target, model, traced, base, matmul, points)
+    hw = rescaled(base, matmul or scale, scale, points)
+    r = predict(model, traced, hw)
+    if abs(r.compute_ms - target) > 0.01 * target:
+        notes.append(f"the traced compute ({target:.3g} ms) cannot be met by the memory rate beside the named "
+                     f"GEMMs: the fit stops at {scale:.3g}x")
+    if waiting > 0:
+        total = sum(hidden.values())
+        for k in by_kind:
+            by_kind[k][1] += waiting * hidden[k] / total
+        notes.append(f"{waiting:.3g} ms per step inside compute ranges, while collectives were in flight, is beyond "
+                     f"what the named GEMMs' rate predicts: counted as waiting for those collectives")
     factors: dict[str, list[tuple[float, float]]] = {}
     for kind, (comm_ms, _) in by_kind.items():
         factors.setdefault(KIND_COLLECTIVE[kind], []).append((comm_ms, r.comm_by_kind[kind]))
     comm_factors = {c: sum(m for m, _ in xs) / sum(p for _, p in xs) for c, xs in factors.items()}
-    exposed = {k: min(1.0, max(0.0, e / c)) for k, (c, e) in by_kind.items()}
+    exposed = {k: min(1.0, e / c) for k, (c, e) in by_kind.items()}
     ops = ops_per_step(model, traced)
-    return Calibration(hw, comm_factors, exposed, 1e3 * waits / ops, scale, traced, points, notes,
-                       matmul_scale=matmul or scale)
+    return Calibration(hw, comm_factors, exposed, 1e3 * (measured.idle_ms + unmatched) / ops, scale, traced, points,
+                       notes, matmul_scale=matmul or scale)
 
 
 def ops_per_step(model: ModelConfig, par: ParallelConfig) -> int:
