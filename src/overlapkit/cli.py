@@ -8,7 +8,7 @@ import os
 import sys
 
 # Subcommands that live with their concern; each module exposes register(subparsers).
-_REGISTERED = ("overlapkit.timeline.cli", "overlapkit.costmodel.cli")
+_REGISTERED = ("overlapkit.analyze_tool", "overlapkit.costmodel.cli")
 
 
 def _demo(args) -> int:

@@ -1,0 +1,396 @@
+"""The cross-rank critical path of a step: the chain of work that set its length, and why each piece.
+
+Walked backward from the step's last end (all ranks on one clock, `timeline/collectives.py`):
+each piece of work started when the latest of its causes let it —
+
+- the previous work on its lane (a CUDA stream, a CPU thread, gloo's worker thread);
+- its launch (a kernel) or issue (a gloo transfer): when it came later, the lane waited for
+  the host, and the path moves to the launching thread, which ran (its outermost op names the
+  piece) back to the last time it blocked on the GPU (cudaStreamSynchronize, ...), where the
+  path moves to the GPU work that sync waited for;
+- work on another lane of the same rank that ended just before it (an event wait between
+  streams; on a CPU thread, the transfer its `wait()` was blocked on);
+- for a collective: the last member to be ready (ready = the later of its issue and its lane's
+  previous work). The others sat in the collective until then; the path continues on that member.
+
+Kernels a CUDA graph replays share its launch, so a graph runs as one stretch of the path.
+Each piece is a segment {rank, op, ms, why} with why one of
+
+| why | the path was on |
+|---|---|
+| compute | a computation (kernel or CPU op) |
+| exposed comm | a transfer after its last member was ready, or a copy-engine/SM transfer on its lane |
+| waiting for rank k | rank k's own work (or idleness) while the other members of the next collective waited for it |
+| host launch gap | a GPU rank's host thread: the GPU waited for its launches |
+| copy | a memcpy or memset that is not communication |
+| idle | nothing traced ran (an untraced stall, a sleep, Python between ops) |
+
+The segments tile the window from its start to its end, so `path_ms` is the step as this chain
+explains it; the share marked idle is what the trace does not explain.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+from .collectives import Instance
+
+GAP_MS = 0.02
+"""A gap shorter than this between a piece of work and its cause is latency, counted with the work."""
+RELEASE_MS = 0.05
+"""A GPU stream that resumes within this of another lane's end is taken to have waited for it (an event)."""
+RELEASE_LATE_MS = 50.0
+"""A CPU thread's wait may end up to this long before the traced end of the gloo transfer it waited for."""
+LOOKBACK = 64
+"""How many earlier-ending spans of a rank are searched for a cross-lane cause."""
+WHYS = ("compute", "exposed comm", "waiting for rank", "host launch gap", "copy", "idle")
+
+
+@dataclass
+class Segment:
+    """One piece of the path."""
+
+    rank: int
+    op: str
+    start_ms: float
+    end_ms: float
+    why: str
+    kind: str = ""
+    """The span's kind (compute, a collective, memcpy, host, idle)."""
+
+    @property
+    def ms(self) -> float:
+        return self.end_ms - self.start_ms
+
+    def to_dict(self) -> dict:
+        return {"rank": self.rank, "op": self.op, "ms": self.ms, "why": self.why, "start_ms": self.start_ms,
+                "end_ms": self.end_ms, "kind": self.kind}
+
+
+@dataclass
+class Path:
+    """The critical path of one step (or of the whole window when the traces mark no steps)."""
+
+    step: int | None
+    start_ms: float
+    end_ms: float
+    segments: list
+    crossings: list = field(default_factory=list)
+    """Crossing rows: the collectives at which the path moved to the member the others waited for."""
+
+    @property
+    def path_ms(self) -> float:
+        return sum(s.ms for s in self.segments)
+
+    @property
+    def window_ms(self) -> float:
+        return self.end_ms - self.start_ms
+
+    def ms_by(self, why: str) -> float:
+        return sum(s.ms for s in self.segments if s.why.startswith(why))
+
+    def to_dict(self) -> dict:
+        return {"step": self.step, "window_ms": self.window_ms, "path_ms": self.path_ms,
+                "segments": [s.to_dict() for s in self.segments]}
+
+
+def size_text(n: int) -> str:
+    if n <= 0:
+        return "?"
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} B"
+
+
+class _Rank:
+    """One rank's spans indexed for the walk: by lane, by end, and its host threads."""
+
+    def __init__(self, trace, keep) -> None:
+        self.t, self.rank = trace, trace.rank
+        self.idx = [i for i, s in enumerate(trace.spans) if keep(s)]
+        self.lane_of, self.pos, lanes = {}, {}, {}
+        for i in self.idx:
+            lanes.setdefault(trace.spans[i].stream, []).append(i)
+        self.lanes = lanes
+        self.lane_starts = {}
+        for lane, ids in lanes.items():
+            ids.sort(key=lambda i: (trace.spans[i].start_ms, trace.spans[i].end_ms))
+            self.lane_starts[lane] = [trace.spans[i].start_ms for i in ids]
+            for p, i in enumerate(ids):
+                self.lane_of[i], self.pos[i] = lane, p
+        self.by_end = sorted(self.idx, key=lambda i: trace.spans[i].end_ms)
+        self.ends = [trace.spans[i].end_ms for i in self.by_end]
+        self.syncs = _per_thread((tid, b, a) for tid, a, b in trace.host_syncs)
+        self.blocked = _per_thread((f"thread {tid}", b, a) for tid, a, b in trace.blocked)
+        self.ops = _per_thread(trace.host_ops)
+        self.ops.update({f"thread {tid}": v for tid, v in list(self.ops.items())})
+        self.op_starts = {tid: [o[0] for o in v] for tid, v in self.ops.items()}
+        self.start = min((trace.spans[i].start_ms for i in self.idx), default=0.0)
+
+    def span(self, i):
+        return self.t.spans[i]
+
+    def lane_prev(self, i):
+        p = self.pos[i]
+        return self.lanes[self.lane_of[i]][p - 1] if p > 0 else None
+
+    def issue(self, i):
+        return self.t.issue[i] if i < len(self.t.issue) else None
+
+    def ended_before(self, t: float, lo: float, skip_lane=None, comm_only: bool = False):
+        """The span (index) of this rank ending latest in (lo, t], not on `skip_lane`."""
+        k = bisect.bisect_right(self.ends, t + 1e-9) - 1
+        for j in range(k, max(-1, k - LOOKBACK), -1):
+            i = self.by_end[j]
+            if self.ends[j] <= lo:
+                return None
+            if self.lane_of[i] != skip_lane and (not comm_only or self.t.spans[i].is_comm):
+                return i
+        return None
+
+    def lane_at(self, lane, t: float):
+        """On `lane`: the last span starting before t (it holds t, or ended before it), or None."""
+        k = bisect.bisect_left(self.lane_starts.get(lane, []), t) - 1
+        return self.lanes[lane][k] if k >= 0 else None
+
+    def released(self, lane, a: float, b: float):
+        """What let `lane` go on at b after standing still since a: a wait that ended at b (CPU threads:
+        the transfer it waited for), or work on another lane ending just before b; None: nothing did."""
+        waits = self.blocked.get(lane)
+        if waits is not None:
+            k = bisect.bisect_right(waits, (b + GAP_MS, float("inf"))) - 1
+            if k >= 0 and waits[k][0] >= b - GAP_MS and waits[k][0] > a:
+                # gloo closes its range just after completing the work the thread waited on
+                return self.ended_before(waits[k][0] + RELEASE_LATE_MS, max(a, waits[k][1]), lane, comm_only=True)
+            return None
+        return self.ended_before(b, max(a, b - RELEASE_MS), lane)
+
+    def host_op(self, tid, t: float):
+        """(start, end, name) of the outermost op of thread tid starting before t, or None."""
+        k = bisect.bisect_left(self.op_starts.get(tid, []), t) - 1
+        return (k, self.ops[tid][k]) if k >= 0 else (None, None)
+
+    def last_sync(self, tid, t: float, lo: float):
+        v = self.syncs.get(tid)
+        if not v:
+            return None
+        k = bisect.bisect_right(v, (t + 1e-9, float("inf"))) - 1
+        return v[k][0] if k >= 0 and v[k][0] > lo else None
+
+
+def _per_thread(rows) -> dict:
+    out: dict = {}
+    for row in rows:
+        out.setdefault(row[0], []).append(tuple(row[1:]))
+    for v in out.values():
+        v.sort()
+    return out
+
+
+def _op(s, R=None) -> str:
+    if R is not None and s.name == "cpu ops":  # a CPU trace's op time: name it by the outermost op
+        _, op = R.host_op(s.stream, s.start_ms + 1e-9)
+        if op is not None and op[1] >= s.start_ms:
+            return op[2][:80]
+    if s.is_comm:
+        return f"{s.kind} {size_text(s.nbytes)}" + (f" {s.group}" if s.group else "")
+    return s.name[:80] or s.kind
+
+
+def _why(s) -> str:
+    if s.is_compute:
+        return "compute"
+    return "exposed comm" if s.is_comm else "copy"
+
+
+@dataclass
+class Crossing:
+    """Where the path crossed to the member a collective waited for."""
+
+    op: str
+    rank: int
+    """The member that was ready last."""
+    ready_ms: float
+    """When it was ready."""
+    others_ms: float
+    """When the last of the other members had issued it (their own progress, not their waits)."""
+    median_ms: float
+    """When it would have been ready at the median pace of the others (from its step's start)."""
+
+
+class _Walk:
+    def __init__(self, ranks: dict, found: list[Instance], start: float) -> None:
+        self.ranks, self.start = ranks, start
+        self.inst = {}
+        for inst in found:
+            if all(r in ranks and i in ranks[r].pos for r, i in inst.members.items()):
+                for r, i in inst.members.items():
+                    self.inst[(r, i)] = inst
+        self.out: list[Segment] = []
+        self.crossings: list[Crossing] = []
+        self.mark: tuple[int, float] | None = None  # (rank k, others ready): the path waits for k above it
+
+    def emit(self, rank, op, a, b, why, kind=""):
+        a = max(a, self.start)
+        if b <= a:
+            return
+        if self.mark is not None and self.mark[0] == rank and b > self.mark[1] and why != "exposed comm":
+            cut = max(a, self.mark[1])
+            self._add(Segment(rank, op, cut, b, f"waiting for rank {rank}", kind))
+            b = cut
+            if b <= a:
+                return
+        self._add(Segment(rank, op, a, b, why, kind))
+
+    def _add(self, seg: Segment) -> None:
+        last = self.out[-1] if self.out else None
+        if last is not None and (last.rank, last.op, last.why) == (seg.rank, seg.op, seg.why) and \
+                abs(last.start_ms - seg.end_ms) < 1e-9:
+            last.start_ms = seg.start_ms
+        else:
+            self.out.append(seg)
+
+    def ready(self, R: _Rank, i: int) -> tuple[float, str, object, float]:
+        """(when span i could start, what held it: 'lane'/'issue'/'none', the cause, its issue time)."""
+        s, prev, iss = R.span(i), R.lane_prev(i), R.issue(i)
+        e_p = R.span(prev).end_ms if prev is not None else None
+        L = min(iss[1], s.start_ms) if iss is not None else None
+        if L is not None and (e_p is None or L > e_p):
+            return L, "issue", iss, L
+        if e_p is not None:
+            return min(e_p, s.start_ms), "lane", prev, L if L is not None else s.start_ms
+        return s.start_ms, "none", None, s.start_ms
+
+    def run(self, r: int, i: int, limit: int) -> None:
+        state = ("span", r, i, self.ranks[r].span(i).end_ms)
+        for _ in range(limit):
+            if state is None or state[-1] <= self.start + 1e-9:
+                return
+            state = self.host(*state[1:]) if state[0] == "host" else self.step(*state[1:])
+
+    def step(self, r, i, t):
+        R = self.ranks[r]
+        s = R.span(i)
+        if self.mark is not None and self.mark[0] != r:
+            self.mark = None
+        inst = self.inst.get((r, i))
+        if inst is not None:
+            return self.collective(r, i, t, inst)
+        at, how, cause, _ = self.ready(R, i)
+        lane = R.lane_of[i]
+        if s.start_ms - at > GAP_MS and (x := R.released(lane, at, s.start_ms)) is not None:
+            x_end = min(R.span(x).end_ms, s.start_ms)
+            self.emit(r, _op(s, R), x_end, t, _why(s), s.kind)  # with the wake-up latency after the release
+            return ("span", r, x, x_end)
+        if s.start_ms - at > GAP_MS:
+            self.emit(r, _op(s, R), s.start_ms, t, _why(s), s.kind)
+            self.emit(r, "nothing traced", at, s.start_ms, "idle", "idle")
+        else:
+            self.emit(r, _op(s, R), at, t, _why(s), s.kind)
+        return self.follow(r, i, at, how, cause)
+
+    def collective(self, r, i, t, inst):
+        s = self.ranks[r].span(i)
+        readiness = {m: self.ready(self.ranks[m], j) for m, j in inst.members.items()}
+        last = max(readiness, key=lambda m: (readiness[m][0], m == r))
+        at, how, cause, _ = readiness[last]
+        at = min(at, t)
+        self.emit(r, _op(s), at, t, "exposed comm", s.kind)
+        if how == "issue" and len(readiness) > 1:
+            others = max(v[3] for m, v in readiness.items() if m != last)
+            if others < at:
+                anchor = {m: self._anchor(m) for m in readiness}
+                paces = sorted(readiness[m][3] - anchor[m] for m in readiness if m != last)
+                median = paces[len(paces) // 2] if len(paces) % 2 else (paces[len(paces) // 2 - 1]
+                                                                          + paces[len(paces) // 2]) / 2
+                self.crossings.append(Crossing(op=_op(s), rank=last, ready_ms=at, others_ms=others,
+                                               median_ms=anchor[last] + median))
+                self.mark = (last, others)
+        return self.follow(last, inst.members[last], at, how, cause)
+
+    def _anchor(self, rank) -> float:
+        """The start of a rank's step: its ProfilerStep range when known, else its first span."""
+        R = self.ranks[rank]
+        step = R.span(R.idx[0]).step
+        rng = R.t.step_ranges.get(step) if step is not None else None
+        return rng[0] if rng is not None else R.start
+
+    def follow(self, r, i, at, how, cause):
+        R = self.ranks[r]
+        if how == "lane":
+            return ("span", r, cause, min(at, R.span(cause).end_ms))
+        if how == "issue":
+            lane = f"thread {cause[0]}"
+            if lane in R.lanes:  # a CPU trace: the issuing thread's own spans
+                j = R.lane_at(lane, at)
+                if j is None:
+                    return None
+                e = R.span(j).end_ms
+                if e >= at - GAP_MS:
+                    return ("span", r, j, min(at, e))
+                if (x := R.released(lane, e, at)) is not None:
+                    x_end = min(R.span(x).end_ms, at)
+                    self.emit(r, "nothing traced", x_end, at, "idle", "idle")
+                    return ("span", r, x, x_end)
+                self.emit(r, "nothing traced", e, at, "idle", "idle")
+                return ("span", r, j, e)
+            return ("host", r, cause[0], at)
+        x = R.ended_before(R.span(i).start_ms, self.start)  # nothing before it on its lane, no issue
+        if x is None:
+            return None
+        x_end = R.span(x).end_ms
+        self.emit(r, "nothing traced", x_end, R.span(i).start_ms, "idle", "idle")
+        return ("span", r, x, x_end)
+
+    def host(self, r, tid, t):
+        """A GPU rank's host thread ran from its last wait for the GPU to t: the path's host stretch."""
+        R = self.ranks[r]
+        e_s = R.last_sync(tid, t, self.start)
+        lo = e_s if e_s is not None else self.start
+        cur = t
+        k, op = R.host_op(tid, cur)
+        while cur > lo + 1e-9 and op is not None and op[1] > lo:
+            a, b, name = op
+            if b < cur:
+                self.emit(r, "host (between ops)", max(b, lo), cur, "host launch gap", "host")
+                cur = max(b, lo)
+            if cur > lo:
+                self.emit(r, name[:80], max(a, lo), cur, "host launch gap", "host")
+                cur = max(a, lo)
+            k -= 1
+            op = R.ops[tid][k] if k >= 0 else None
+        if cur > lo:
+            self.emit(r, "host", lo, cur, "host launch gap", "host")
+        if e_s is None:
+            return None
+        x = R.ended_before(e_s + GAP_MS, self.start)
+        return None if x is None else ("span", r, x, min(e_s, R.span(x).end_ms))
+
+
+def critical_path(traces, found: list[Instance], step: int | None = None) -> Path | None:
+    """The critical path of `step` (None: every span, for traces without steps) over all ranks."""
+    keep = (lambda s: s.step == step) if step is not None else (lambda s: True)
+    ranks = {t.rank: _Rank(t, keep) for t in traces}
+    ranks = {r: R for r, R in ranks.items() if R.idx}
+    if not ranks:
+        return None
+    start = min(R.start for R in ranks.values())
+    last_r = max(ranks, key=lambda r: ranks[r].ends[-1])
+    last_i, end = ranks[last_r].by_end[-1], ranks[last_r].ends[-1]
+    w = _Walk(ranks, found, start)
+    w.run(last_r, last_i, limit=4 * sum(len(R.idx) for R in ranks.values()) + 1000)
+    covered = w.out[-1].start_ms if w.out else end
+    if covered > start + 1e-9:  # the chain reached work nothing earlier explains: the rest is untraced
+        w.emit(w.out[-1].rank if w.out else last_r, "nothing traced", start, covered, "idle", "idle")
+    return Path(step=step, start_ms=start, end_ms=end, segments=w.out[::-1], crossings=w.crossings[::-1])
+
+
+def critical_paths(traces, found: list[Instance]) -> list[Path]:
+    """One path per step the traces hold (or one for the whole window when none marks steps)."""
+    steps = sorted({s.step for t in traces for s in t.spans if s.step is not None})
+    if not steps:
+        p = critical_path(traces, found, None)
+        return [p] if p is not None else []
+    return [p for n in steps if (p := critical_path(traces, found, n)) is not None]
