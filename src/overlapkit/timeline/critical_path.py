@@ -35,6 +35,7 @@ import bisect
 from dataclasses import dataclass, field
 
 from .collectives import Instance
+from .framework import GRAPH_LAUNCHES
 
 GAP_MS = 0.02
 """A gap shorter than this between a piece of work and its cause is latency, counted with the work."""
@@ -128,6 +129,9 @@ class _Rank:
         self.ops.update({f"thread {tid}": v for tid, v in list(self.ops.items())})
         self.op_starts = {tid: [o[0] for o in v] for tid, v in self.ops.items()}
         self.start = min((trace.spans[i].start_ms for i in self.idx), default=0.0)
+        self.graph_launch = {id(trace.spans[i]): trace.issue[i][1] for i in self.idx
+                             if i < len(trace.issue) and trace.issue[i] is not None
+                             and trace.issue[i][2] in GRAPH_LAUNCHES}
 
     def span(self, i):
         return self.t.spans[i]
@@ -190,6 +194,8 @@ def _per_thread(rows) -> dict:
 
 
 def _op(s, R=None) -> str:
+    if R is not None and s.is_compute and (i := R.graph_launch.get(id(s))) is not None:
+        return f"CUDA graph launched at {i:.3f} ms"  # its kernels share the launch: one stretch of the path
     if R is not None and s.name == "cpu ops":  # a CPU trace's op time: name it by the outermost op
         _, op = R.host_op(s.stream, s.start_ms + 1e-9)
         if op is not None and op[1] >= s.start_ms:
@@ -252,25 +258,43 @@ class _Walk:
         else:
             self.out.append(seg)
 
-    def ready(self, R: _Rank, i: int) -> tuple[float, str, object, float]:
-        """(when span i could start, what held it: 'lane'/'issue'/'none', the cause, its issue time)."""
+    def ready(self, R: _Rank, i: int) -> tuple[float, str, object]:
+        """(when span i could start, what held it: 'lane'/'issue'/'none', the cause)."""
         s, prev, iss = R.span(i), R.lane_prev(i), R.issue(i)
         e_p = R.span(prev).end_ms if prev is not None else None
         L = min(iss[1], s.start_ms) if iss is not None else None
         if L is not None and (e_p is None or L > e_p):
-            return L, "issue", iss, L
+            return L, "issue", iss
         if e_p is not None:
-            return min(e_p, s.start_ms), "lane", prev, L if L is not None else s.start_ms
-        return s.start_ms, "none", None, s.start_ms
+            return min(e_p, s.start_ms), "lane", prev
+        return s.start_ms, "none", None
+
+    def own_ready(self, R: _Rank, i: int) -> float:
+        """When a member's own work let it join collective span i: its start, or, when its lane was still
+        busy with an earlier transfer (itself waiting, maybe for the late rank), its issue or the end of
+        its last computation before it, whichever is later."""
+        s, prev = R.span(i), R.lane_prev(i)
+        if prev is None or not R.span(prev).is_comm or R.span(prev).end_ms < s.start_ms - GAP_MS:
+            return s.start_ms
+        iss = R.issue(i)
+        own = iss[1] if iss is not None else R.start
+        k = bisect.bisect_right(R.ends, s.start_ms + 1e-9) - 1
+        for j in range(k, max(-1, k - LOOKBACK), -1):
+            if R.t.spans[R.by_end[j]].is_compute:
+                own = max(own, R.ends[j])
+                break
+        return min(own, s.start_ms)
 
     def run(self, r: int, i: int, limit: int) -> None:
         state = ("span", r, i, self.ranks[r].span(i).end_ms)
         for _ in range(limit):
-            if state is None or state[-1] <= self.start + 1e-9:
+            if state is None or (state[0] != "cause" and state[-1] <= self.start + 1e-9):
                 return
-            state = self.host(*state[1:]) if state[0] == "host" else self.step(*state[1:])
+            kind, args = state[0], state[1:]
+            state = self.host(*args) if kind == "host" else self.cause(*args) if kind == "cause" else self.step(*args)
 
     def step(self, r, i, t):
+        """The path is in span i of rank r at t: its part up to t, then what let it start."""
         R = self.ranks[r]
         s = R.span(i)
         if self.mark is not None and self.mark[0] != r:
@@ -278,37 +302,44 @@ class _Walk:
         inst = self.inst.get((r, i))
         if inst is not None:
             return self.collective(r, i, t, inst)
-        at, how, cause, _ = self.ready(R, i)
-        lane = R.lane_of[i]
-        if s.start_ms - at > GAP_MS and (x := R.released(lane, at, s.start_ms)) is not None:
-            x_end = min(R.span(x).end_ms, s.start_ms)
-            self.emit(r, _op(s, R), x_end, t, _why(s), s.kind)  # with the wake-up latency after the release
-            return ("span", r, x, x_end)
+        self.emit(r, _op(s, R), s.start_ms, t, _why(s), s.kind)
+        return self.cause(r, i)
+
+    def cause(self, r, i):
+        """What let span i of rank r start: the path's next state (the gap before it is emitted)."""
+        R = self.ranks[r]
+        s = R.span(i)
+        at, how, cause = self.ready(R, i)
         if s.start_ms - at > GAP_MS:
-            self.emit(r, _op(s, R), s.start_ms, t, _why(s), s.kind)
+            if (x := R.released(R.lane_of[i], at, s.start_ms)) is not None:
+                x_end = min(R.span(x).end_ms, s.start_ms)
+                self.emit(r, _op(s, R), x_end, s.start_ms, _why(s), s.kind)  # the wake-up after the release
+                return ("span", r, x, x_end)
             self.emit(r, "nothing traced", at, s.start_ms, "idle", "idle")
         else:
-            self.emit(r, _op(s, R), at, t, _why(s), s.kind)
+            self.emit(r, _op(s, R), at, s.start_ms, _why(s), s.kind)  # launch latency, with the work
         return self.follow(r, i, at, how, cause)
 
     def collective(self, r, i, t, inst):
+        """A collective ends for all once its last member started it: the transfer after that is on the
+        path, and before it the path follows that member."""
         s = self.ranks[r].span(i)
-        readiness = {m: self.ready(self.ranks[m], j) for m, j in inst.members.items()}
-        last = max(readiness, key=lambda m: (readiness[m][0], m == r))
-        at, how, cause, _ = readiness[last]
-        at = min(at, t)
+        starts = {m: self.ranks[m].span(j).start_ms for m, j in inst.members.items()}
+        last = max(starts, key=lambda m: (starts[m], m == r))
+        at = min(starts[last], t)
         self.emit(r, _op(s), at, t, "exposed comm", s.kind)
-        if how == "issue" and len(readiness) > 1:
-            others = max(v[3] for m, v in readiness.items() if m != last)
-            if others < at:
-                anchor = {m: self._anchor(m) for m in readiness}
-                paces = sorted(readiness[m][3] - anchor[m] for m in readiness if m != last)
+        if last != r or len(starts) > 1:
+            own = {m: self.own_ready(self.ranks[m], j) for m, j in inst.members.items() if m != last}
+            others = max(own.values()) if own else at
+            if others < at - GAP_MS:
+                anchor = {m: self._anchor(m) for m in inst.members}
+                paces = sorted(own[m] - anchor[m] for m in own)
                 median = paces[len(paces) // 2] if len(paces) % 2 else (paces[len(paces) // 2 - 1]
                                                                           + paces[len(paces) // 2]) / 2
                 self.crossings.append(Crossing(op=_op(s), rank=last, ready_ms=at, others_ms=others,
                                                median_ms=anchor[last] + median))
                 self.mark = (last, others)
-        return self.follow(last, inst.members[last], at, how, cause)
+        return ("cause", last, inst.members[last])
 
     def _anchor(self, rank) -> float:
         """The start of a rank's step: its ProfilerStep range when known, else its first span."""
@@ -366,7 +397,11 @@ class _Walk:
         if e_s is None:
             return None
         x = R.ended_before(e_s + GAP_MS, self.start)
-        return None if x is None else ("span", r, x, min(e_s, R.span(x).end_ms))
+        if x is None:
+            return None
+        x_end = min(e_s, R.span(x).end_ms)
+        self.emit(r, "host sync", x_end, e_s, "host launch gap", "host")  # the sync's return after the GPU work
+        return ("span", r, x, x_end)
 
 
 def critical_path(traces, found: list[Instance], step: int | None = None) -> Path | None:
