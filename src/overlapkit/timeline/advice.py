@@ -61,8 +61,8 @@ def switch(phase: str, kind: str, bound: str | None, job: Job, hidden_pct: float
         return _data_parallel(bound, job, hidden_pct)
     if kind in ("all_gather", "zero_all_gather") or phase == "optimizer":
         if job.has("fsdp_prefetch"):
-            return ("FSDP2 already prefetches explicitly: prefetch more modules ahead "
-                    "(set_modules_to_forward_prefetch / set_modules_to_backward_prefetch with two or more)")
+            return ("FSDP2 already prefetches forward gathers explicitly: prefetch more modules ahead "
+                    "(set_modules_to_forward_prefetch with two or more)")
         return ("ZeRO/FSDP: prefetch parameter gathers behind earlier layers (" + _fw(
             job, overlapkit="overlap.zero=pipelined, fully_shard(prefetch=...)",
             megatron="Megatron overlap_param_gather", deepspeed="DeepSpeed overlap_comm",

@@ -143,14 +143,17 @@ class _Rank:
     def issue(self, i):
         return self.t.issue[i] if i < len(self.t.issue) else None
 
-    def ended_before(self, t: float, lo: float, skip_lane=None, comm_only: bool = False):
-        """The span (index) of this rank ending latest in (lo, t], not on `skip_lane`."""
+    def ended_before(self, t: float, lo: float, skip_lane=None, comm_only: bool = False, started_by=None):
+        """The span (index) of this rank ending latest in (lo, t], not on `skip_lane` (and, with
+        `started_by`, starting before that time)."""
         k = bisect.bisect_right(self.ends, t + 1e-9) - 1
         for j in range(k, max(-1, k - LOOKBACK), -1):
             i = self.by_end[j]
             if self.ends[j] <= lo:
                 return None
-            if self.lane_of[i] != skip_lane and (not comm_only or self.t.spans[i].is_comm):
+            s = self.t.spans[i]
+            if self.lane_of[i] != skip_lane and (not comm_only or s.is_comm) and \
+                    (started_by is None or s.start_ms < started_by):
                 return i
         return None
 
@@ -167,8 +170,14 @@ class _Rank:
             k = bisect.bisect_right(waits, (b + GAP_MS, float("inf"))) - 1
             if k >= 0 and waits[k][0] >= b - GAP_MS and waits[k][0] > a:
                 # gloo closes its range just after completing the work the thread waited on
-                return self.ended_before(waits[k][0] + RELEASE_LATE_MS, max(a, waits[k][1]), lane, comm_only=True)
-            return None
+                x = self.ended_before(waits[k][0] + RELEASE_LATE_MS, max(a, waits[k][1]), lane, comm_only=True,
+                                      started_by=waits[k][0])
+                if x is not None:
+                    return x
+        if lane.startswith("thread "):
+            # A CPU thread that ran nothing traced while a transfer of its rank was in flight waited for it
+            # in a call the profiler does not see (DDP's reducer waits for its buckets in C++).
+            return self.ended_before(b, a, lane, comm_only=True, started_by=b)
         return self.ended_before(b, max(a, b - RELEASE_MS), lane)
 
     def host_op(self, tid, t: float):
@@ -287,9 +296,13 @@ class _Walk:
 
     def run(self, r: int, i: int, limit: int) -> None:
         state = ("span", r, i, self.ranks[r].span(i).end_ms)
+        seen = set()
         for _ in range(limit):
             if state is None or (state[0] != "cause" and state[-1] <= self.start + 1e-9):
                 return
+            if state in seen or (self.out and state[0] != "cause" and state[-1] > self.out[-1].start_ms + 1e-9):
+                return  # the walk would go round or forward in time: stop; the rest of the window is untraced
+            seen.add(state)
             kind, args = state[0], state[1:]
             state = self.host(*args) if kind == "host" else self.cause(*args) if kind == "cause" else self.step(*args)
 
@@ -360,6 +373,7 @@ class _Walk:
                     return None
                 e = R.span(j).end_ms
                 if e >= at - GAP_MS:
+                    self.emit(r, _op(R.span(j), R), min(at, e), at, _why(R.span(j)), R.span(j).kind)
                     return ("span", r, j, min(at, e))
                 if (x := R.released(lane, e, at)) is not None:
                     x_end = min(R.span(x).end_ms, at)

@@ -128,7 +128,8 @@ def walk(a: Analysis) -> list[dict]:
     if not known:
         out.append(dict(check="compute saturated", verdict="unknown",
                         evidence="the trace records no computation beside its transfers: " + "; ".join(rows[0].notes),
-                        **{"try": "profile with CPU ops (or CUDA kernels) recorded"}))
+                        **{"try": "profile with CPU ops recorded (ProfilerActivity.CPU)" if not a.job.gpu else
+                           "profile with CPU ops and CUDA kernels recorded (ProfilerActivity.CPU, .CUDA)"}))
         return out
     saturated = idle <= IDLE_SHARE
     share, ops = _path_shares(a)

@@ -9,7 +9,7 @@ the CPU ranges and launches it meets (`tag`), counting each tag per trace (`Trac
 |---|---|---|
 | ddp | `torch::distributed::reducer::*`, `torch.distributed.ddp.reducer::*`, `DistributedDataParallel.forward` | torch DDP: its reducer all-reduces gradient buckets during backward |
 | fsdp | `FSDP::*` ranges, `FullyShardedDataParallel.*` | torch FSDP (FSDP2's `fully_shard`, or FSDP1) |
-| fsdp_prefetch | `FSDP::forward_prefetch …`, `FSDP::backward_prefetch …` | FSDP2 explicit prefetch is on |
+| fsdp_prefetch | `FSDP::forward_prefetch …` | FSDP2 explicit forward prefetch is on (`FSDP::backward_prefetch …` is FSDP2's default) |
 | overlapkit | `overlapkit.comm.*`, `overlapkit.compute.*`, `overlapkit.wait` | overlapkit's engines |
 | deepspeed | a name holding `deepspeed` | DeepSpeed |
 | megatron | a name holding `megatron` | Megatron-LM / Megatron-Core |
@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 _PREFIXES = (
     ("torch::distributed::reducer::", "ddp"), ("torch.distributed.ddp.reducer::", "ddp"),
     ("DistributedDataParallel.forward", "ddp"),
-    ("FSDP::forward_prefetch", "fsdp_prefetch"), ("FSDP::backward_prefetch", "fsdp_prefetch"),
+    ("FSDP::forward_prefetch", "fsdp_prefetch"),
     ("FSDP::", "fsdp"), ("FullyShardedDataParallel", "fsdp"),
     ("overlapkit.", "overlapkit"),
     ("Torch-Compiled Region", "compiled"), ("CompiledFunction", "compiled"), ("## Call CompiledFxGraph", "compiled"),
@@ -93,6 +93,6 @@ class Job:
                  "deepspeed": "DeepSpeed", "megatron": "Megatron"}
         what = ", ".join(names[f] for f in self.frameworks) or "no framework recognised"
         extra = [x for x, on in (("CUDA graphs", self.has("cuda_graph")), ("torch.compile", self.has("compiled")),
-                                 ("FSDP2 explicit prefetch", self.has("fsdp_prefetch")),
+                                 ("FSDP2 forward prefetch", self.has("fsdp_prefetch")),
                                  ("DataLoader workers", self.has("loader_workers"))) if on]
         return f"{self.device.upper()} job; {what}" + (f"; already on: {', '.join(extra)}" if extra else "")

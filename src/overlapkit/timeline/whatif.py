@@ -46,9 +46,22 @@ def launch_gaps(paths) -> float:
 
 
 def rank_at_median(paths, rank: int) -> float:
-    """Mean ms per step saved if `rank` arrived at its collectives at the others' median pace."""
-    return _mean(sum(max(0.0, c.ready_ms - max(c.others_ms, c.median_ms)) for c in p.crossings if c.rank == rank)
-                 for p in paths)
+    """Mean ms per step saved if `rank` arrived at its collectives at the others' median pace.
+
+    Crossings are taken latest first; one that falls inside a stretch already saved (its rank was
+    ready after the new start of a later one) is part of that saving, not another: under DDP the
+    others' own progress does not wait for the earlier buckets, so the later bucket's lateness holds
+    the earlier ones. One before that new start adds (the others blocked on it before going on)."""
+    def saved(p) -> float:
+        total, floor = 0.0, float("inf")
+        for c in sorted((c for c in p.crossings if c.rank == rank), key=lambda c: -c.ready_ms):
+            if c.ready_ms > floor + 1e-9:
+                continue
+            start = max(c.others_ms, c.median_ms)
+            total += max(0.0, c.ready_ms - start)
+            floor = min(floor, start)
+        return total
+    return _mean(saved(p) for p in paths)
 
 
 def base_kind(kind: str) -> str:
