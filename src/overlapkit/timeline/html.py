@@ -21,6 +21,7 @@ h1 { font-size: 22px; } h2 { font-size: 17px; margin-top: 28px; border-bottom: 1
 table { border-collapse: collapse; margin: 8px 0 18px; font-size: 13px; }
 th, td { padding: 3px 9px; border-bottom: 1px solid #eee; text-align: right; white-space: nowrap; }
 th { background: #f4f4f6; cursor: pointer; user-select: none; }
+th.l { text-align: left; }
 td:first-child, th:first-child, td.l { text-align: left; }
 caption { text-align: left; font-weight: 600; padding: 4px 0; }
 .why-exposed { color: #b22; } .why-waiting { color: #c55; } .why-host { color: #8c564b; }
@@ -53,12 +54,14 @@ def _e(x) -> str:
 
 def _table(title: str, head: list[str], rows: list[list[str]], left: int = 2) -> str:
     out = [f"<table><caption>{_e(title)}</caption><thead><tr>"]
-    out += [f"<th>{_e(h)}</th>" for h in head]
+    wide = ("op", "why", "kind", "stream", "source", "if", "verdict")
+    out += [f"<th class=\"l\">{_e(h)}</th>" if i < left or h in wide else f"<th>{_e(h)}</th>"
+            for i, h in enumerate(head)]
     out.append("</tr></thead><tbody>")
     for row in rows:
         cells = []
         for i, c in enumerate(row):
-            cls = ["l"] if i < left or head[i] in ("op", "why", "kind", "stream", "source", "if", "verdict") else []
+            cls = ["l"] if i < left or head[i] in wide else []
             text = str(c)
             if text.startswith("exposed"):
                 cls.append("why-exposed")
