@@ -23,6 +23,7 @@ import bisect
 import gc
 import math
 import os
+from sys import intern
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -208,7 +209,7 @@ def read_trace(path: str | Path, rank: int | None = None, last_step: bool = Fals
             elif name.startswith("gloo:"):
                 gloo.append((tid, ts, ts + dur, name, keep(args)))
             elif cat in CPU_OP_CATEGORIES:
-                ops.append((tid, ts, ts + dur, name))
+                ops.append((tid, ts, ts + dur, intern(name)))  # op names repeat: keep one copy of each
             if cat in MARKER_CATEGORIES and (phase := marker_phase(name)) is not None:
                 markers.add(tid, ts, ts + dur, {"phase": phase})
     except TraceFileError as e:
