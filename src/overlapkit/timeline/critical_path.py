@@ -35,16 +35,8 @@ import bisect
 from dataclasses import dataclass, field
 
 from .collectives import Instance
-from .framework import GRAPH_LAUNCHES
+from .path_index import GAP_MS, LOOKBACK, RankIndex
 
-GAP_MS = 0.02
-"""A gap shorter than this between a piece of work and its cause is latency, counted with the work."""
-RELEASE_MS = 0.05
-"""A GPU stream that resumes within this of another lane's end is taken to have waited for it (an event)."""
-RELEASE_LATE_MS = 50.0
-"""A CPU thread's wait may end up to this long before the traced end of the gloo transfer it waited for."""
-LOOKBACK = 64
-"""How many earlier-ending spans of a rank are searched for a cross-lane cause."""
 WHYS = ("compute", "exposed comm", "waiting for rank", "host launch gap", "copy", "idle")
 
 
@@ -105,103 +97,6 @@ def size_text(n: int) -> str:
     return f"{n} B"
 
 
-class _Rank:
-    """One rank's spans indexed for the walk: by lane, by end, and its host threads."""
-
-    def __init__(self, trace, keep) -> None:
-        self.t, self.rank = trace, trace.rank
-        self.idx = [i for i, s in enumerate(trace.spans) if keep(s)]
-        self.lane_of, self.pos, lanes = {}, {}, {}
-        for i in self.idx:
-            lanes.setdefault(trace.spans[i].stream, []).append(i)
-        self.lanes = lanes
-        self.lane_starts = {}
-        for lane, ids in lanes.items():
-            ids.sort(key=lambda i: (trace.spans[i].start_ms, trace.spans[i].end_ms))
-            self.lane_starts[lane] = [trace.spans[i].start_ms for i in ids]
-            for p, i in enumerate(ids):
-                self.lane_of[i], self.pos[i] = lane, p
-        self.by_end = sorted(self.idx, key=lambda i: trace.spans[i].end_ms)
-        self.ends = [trace.spans[i].end_ms for i in self.by_end]
-        self.syncs = _per_thread((tid, b, a) for tid, a, b in trace.host_syncs)
-        self.blocked = _per_thread((f"thread {tid}", b, a) for tid, a, b in trace.blocked)
-        self.ops = _per_thread(trace.host_ops)
-        self.ops.update({f"thread {tid}": v for tid, v in list(self.ops.items())})
-        self.op_starts = {tid: [o[0] for o in v] for tid, v in self.ops.items()}
-        self.start = min((trace.spans[i].start_ms for i in self.idx), default=0.0)
-        self.graph_launch = {id(trace.spans[i]): trace.issue[i][1] for i in self.idx
-                             if i < len(trace.issue) and trace.issue[i] is not None
-                             and trace.issue[i][2] in GRAPH_LAUNCHES}
-
-    def span(self, i):
-        return self.t.spans[i]
-
-    def lane_prev(self, i):
-        p = self.pos[i]
-        return self.lanes[self.lane_of[i]][p - 1] if p > 0 else None
-
-    def issue(self, i):
-        return self.t.issue[i] if i < len(self.t.issue) else None
-
-    def ended_before(self, t: float, lo: float, skip_lane=None, comm_only: bool = False, started_by=None):
-        """The span (index) of this rank ending latest in (lo, t], not on `skip_lane` (and, with
-        `started_by`, starting before that time)."""
-        k = bisect.bisect_right(self.ends, t + 1e-9) - 1
-        for j in range(k, max(-1, k - LOOKBACK), -1):
-            i = self.by_end[j]
-            if self.ends[j] <= lo:
-                return None
-            s = self.t.spans[i]
-            if self.lane_of[i] != skip_lane and (not comm_only or s.is_comm) and \
-                    (started_by is None or s.start_ms < started_by):
-                return i
-        return None
-
-    def lane_at(self, lane, t: float):
-        """On `lane`: the last span starting before t (it holds t, or ended before it), or None."""
-        k = bisect.bisect_left(self.lane_starts.get(lane, []), t) - 1
-        return self.lanes[lane][k] if k >= 0 else None
-
-    def released(self, lane, a: float, b: float):
-        """What let `lane` go on at b after standing still since a: a wait that ended at b (CPU threads:
-        the transfer it waited for), or work on another lane ending just before b; None: nothing did."""
-        waits = self.blocked.get(lane)
-        if waits is not None:
-            k = bisect.bisect_right(waits, (b + GAP_MS, float("inf"))) - 1
-            if k >= 0 and waits[k][0] >= b - GAP_MS and waits[k][0] > a:
-                # gloo closes its range just after completing the work the thread waited on
-                x = self.ended_before(waits[k][0] + RELEASE_LATE_MS, max(a, waits[k][1]), lane, comm_only=True,
-                                      started_by=waits[k][0])
-                if x is not None:
-                    return x
-        if lane.startswith("thread "):
-            # A CPU thread that ran nothing traced while a transfer of its rank was in flight waited for it
-            # in a call the profiler does not see (DDP's reducer waits for its buckets in C++).
-            return self.ended_before(b, a, lane, comm_only=True, started_by=b)
-        return self.ended_before(b, max(a, b - RELEASE_MS), lane)
-
-    def host_op(self, tid, t: float):
-        """(start, end, name) of the outermost op of thread tid starting before t, or None."""
-        k = bisect.bisect_left(self.op_starts.get(tid, []), t) - 1
-        return (k, self.ops[tid][k]) if k >= 0 else (None, None)
-
-    def last_sync(self, tid, t: float, lo: float):
-        v = self.syncs.get(tid)
-        if not v:
-            return None
-        k = bisect.bisect_right(v, (t + 1e-9, float("inf"))) - 1
-        return v[k][0] if k >= 0 and v[k][0] > lo else None
-
-
-def _per_thread(rows) -> dict:
-    out: dict = {}
-    for row in rows:
-        out.setdefault(row[0], []).append(tuple(row[1:]))
-    for v in out.values():
-        v.sort()
-    return out
-
-
 def _op(s, R=None) -> str:
     if R is not None and s.is_compute and (i := R.graph_launch.get(id(s))) is not None:
         return f"CUDA graph launched at {i:.3f} ms"  # its kernels share the launch: one stretch of the path
@@ -245,6 +140,7 @@ class _Walk:
                     self.inst[(r, i)] = inst
         self.out: list[Segment] = []
         self.crossings: list[Crossing] = []
+        self.crossed: set[int] = set()
         self.mark: tuple[int, float] | None = None  # (rank k, others ready): the path waits for k above it
 
     def emit(self, rank, op, a, b, why, kind=""):
@@ -267,7 +163,7 @@ class _Walk:
         else:
             self.out.append(seg)
 
-    def ready(self, R: _Rank, i: int) -> tuple[float, str, object]:
+    def ready(self, R: RankIndex, i: int) -> tuple[float, str, object]:
         """(when span i could start, what held it: 'lane'/'issue'/'none', the cause)."""
         s, prev, iss = R.span(i), R.lane_prev(i), R.issue(i)
         e_p = R.span(prev).end_ms if prev is not None else None
@@ -278,7 +174,7 @@ class _Walk:
             return min(e_p, s.start_ms), "lane", prev
         return s.start_ms, "none", None
 
-    def own_ready(self, R: _Rank, i: int) -> float:
+    def own_ready(self, R: RankIndex, i: int) -> float:
         """When a member's own work let it join collective span i: its start, or, when its lane was still
         busy with an earlier transfer (itself waiting, maybe for the late rank), its issue or the end of
         its last computation before it, whichever is later."""
@@ -341,18 +237,46 @@ class _Walk:
         last = max(starts, key=lambda m: (starts[m], m == r))
         at = min(starts[last], t)
         self.emit(r, _op(s), at, t, "exposed comm", s.kind)
-        if last != r or len(starts) > 1:
-            own = {m: self.own_ready(self.ranks[m], j) for m, j in inst.members.items() if m != last}
-            others = max(own.values()) if own else at
-            if others < at - GAP_MS:
-                anchor = {m: self._anchor(m) for m in inst.members}
-                paces = sorted(own[m] - anchor[m] for m in own)
-                median = paces[len(paces) // 2] if len(paces) % 2 else (paces[len(paces) // 2 - 1]
-                                                                          + paces[len(paces) // 2]) / 2
-                self.crossings.append(Crossing(op=_op(s), rank=last, ready_ms=at, others_ms=others,
-                                               median_ms=anchor[last] + median))
-                self.mark = (last, others)
+        crossing = self.crossing(inst, last, at)
+        if crossing is not None:
+            self.crossings.append(crossing)
+            self.mark = (last, crossing.others_ms)
         return ("cause", last, inst.members[last])
+
+    def crossing(self, inst, last, at):
+        """The Crossing of collective `inst` whose last member `last` started it at `at`, or None when the
+        others' own work was not ready before it (nobody waited for `last`)."""
+        own = {m: self.own_ready(self.ranks[m], j) for m, j in inst.members.items() if m != last}
+        others = max(own.values()) if own else at
+        if not own or others >= at - GAP_MS:
+            return None
+        self.crossed.add(id(inst))
+        anchor = {m: self._anchor(m) for m in inst.members}
+        paces = sorted(own[m] - anchor[m] for m in own)
+        half = len(paces) // 2
+        median = paces[half] if len(paces) % 2 else (paces[half - 1] + paces[half]) / 2
+        return Crossing(op=_op(self.ranks[last].span(inst.members[last])), rank=last, ready_ms=at,
+                        others_ms=others, median_ms=anchor[last] + median)
+
+    def late_on_path(self, segments: list) -> None:
+        """Collectives the path did not cross at because it was already on their last member (that rank's
+        own chain ended the step): the others waited for it all the same. Record them, and mark the path's
+        stretch on that rank after the others were ready as waiting for it."""
+        starts = [seg.start_ms for seg in segments]
+        seen = set()
+        for inst in self.inst.values():
+            if id(inst) in seen or id(inst) in self.crossed:
+                continue
+            seen.add(id(inst))
+            at = {m: self.ranks[m].span(j).start_ms for m, j in inst.members.items()}
+            last = max(at, key=at.get)
+            k = bisect.bisect_right(starts, at[last] - 1e-9) - 1
+            if k < 0 or segments[k].rank != last or segments[k].end_ms < at[last] - 1e-9:
+                continue
+            c = self.crossing(inst, last, at[last])
+            if c is not None:
+                self.crossings.append(c)
+                _relabel(segments, last, c.others_ms, c.ready_ms, f"waiting for rank {last}")
 
     def _anchor(self, rank) -> float:
         """The start of a rank's step: its ProfilerStep range when known, else its first span."""
@@ -421,7 +345,7 @@ class _Walk:
 def critical_path(traces, found: list[Instance], step: int | None = None) -> Path | None:
     """The critical path of `step` (None: every span, for traces without steps) over all ranks."""
     keep = (lambda s: s.step == step) if step is not None else (lambda s: True)
-    ranks = {t.rank: _Rank(t, keep) for t in traces}
+    ranks = {t.rank: RankIndex(t, keep) for t in traces}
     ranks = {r: R for r, R in ranks.items() if R.idx}
     if not ranks:
         return None
@@ -433,7 +357,24 @@ def critical_path(traces, found: list[Instance], step: int | None = None) -> Pat
     covered = w.out[-1].start_ms if w.out else end
     if covered > start + 1e-9:  # the chain reached work nothing earlier explains: the rest is untraced
         w.emit(w.out[-1].rank if w.out else last_r, "nothing traced", start, covered, "idle", "idle")
-    return Path(step=step, start_ms=start, end_ms=end, segments=w.out[::-1], crossings=w.crossings[::-1])
+    segments = w.out[::-1]
+    w.late_on_path(segments)
+    return Path(step=step, start_ms=start, end_ms=end, segments=segments,
+                crossings=sorted(w.crossings, key=lambda c: c.ready_ms))
+
+
+def _relabel(segments: list, rank: int, a: float, b: float, why: str) -> None:
+    """Give the segments of `rank` inside [a, b] the why `why` (splitting those that straddle a or b), in place."""
+    out = []
+    for seg in segments:
+        if seg.rank != rank or seg.end_ms <= a or seg.start_ms >= b or seg.why == "exposed comm":
+            out.append(seg)
+            continue
+        for lo, hi, w in ((seg.start_ms, max(seg.start_ms, a), seg.why), (max(seg.start_ms, a), min(seg.end_ms, b), why),
+                          (min(seg.end_ms, b), seg.end_ms, seg.why)):
+            if hi > lo:
+                out.append(Segment(seg.rank, seg.op, lo, hi, w, seg.kind))
+    segments[:] = out
 
 
 def critical_paths(traces, found: list[Instance]) -> list[Path]:
