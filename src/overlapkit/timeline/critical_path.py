@@ -34,13 +34,14 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass, field
 
+from . import intervals as iv
 from .collectives import Instance
-from .path_index import GAP_MS, LOOKBACK, RankIndex
+from .path_index import GAP_MS, LOOKBACK, RankIndex, TraceIndex
 
 WHYS = ("compute", "exposed comm", "waiting for rank", "host launch gap", "copy", "idle")
 
 
-@dataclass
+@dataclass(slots=True)
 class Segment:
     """One piece of the path."""
 
@@ -71,6 +72,8 @@ class Path:
     segments: list
     crossings: list = field(default_factory=list)
     """Crossing rows: the collectives at which the path moved to the member the others waited for."""
+    busy_ms: float = 0.0
+    """The most time any one rank's lanes were busy in the step (the step cannot be shorter)."""
 
     @property
     def path_ms(self) -> float:
@@ -97,8 +100,8 @@ def size_text(n: int) -> str:
     return f"{n} B"
 
 
-def _op(s, R=None) -> str:
-    if R is not None and s.is_compute and (i := R.graph_launch.get(id(s))) is not None:
+def _op(s, R=None, index=None) -> str:
+    if R is not None and s.is_compute and (i := R.graph_launch.get(index)) is not None:
         return f"CUDA graph launched at {i:.3f} ms"  # its kernels share the launch: one stretch of the path
     if R is not None and s.name == "cpu ops":  # a CPU trace's op time: name it by the outermost op
         _, op = R.host_op(s.stream, s.start_ms + 1e-9)
@@ -211,7 +214,11 @@ class _Walk:
         inst = self.inst.get((r, i))
         if inst is not None:
             return self.collective(r, i, t, inst)
-        self.emit(r, _op(s, R), s.start_ms, t, _why(s), s.kind)
+        at, how, cause = self.ready(R, i)
+        if s.start_ms - at <= GAP_MS:  # the usual case: straight on from its cause, latency with the work
+            self.emit(r, _op(s, R, i), at, t, _why(s), s.kind)
+            return self.follow(r, i, at, how, cause)
+        self.emit(r, _op(s, R, i), s.start_ms, t, _why(s), s.kind)
         return self.cause(r, i)
 
     def cause(self, r, i):
@@ -222,11 +229,11 @@ class _Walk:
         if s.start_ms - at > GAP_MS:
             if (x := R.released(R.lane_of[i], at, s.start_ms)) is not None:
                 x_end = min(R.span(x).end_ms, s.start_ms)
-                self.emit(r, _op(s, R), x_end, s.start_ms, _why(s), s.kind)  # the wake-up after the release
+                self.emit(r, _op(s, R, i), x_end, s.start_ms, _why(s), s.kind)  # the wake-up after the release
                 return ("span", r, x, x_end)
             self.emit(r, "nothing traced", at, s.start_ms, "idle", "idle")
         else:
-            self.emit(r, _op(s, R), at, s.start_ms, _why(s), s.kind)  # launch latency, with the work
+            self.emit(r, _op(s, R, i), at, s.start_ms, _why(s), s.kind)  # launch latency, with the work
         return self.follow(r, i, at, how, cause)
 
     def collective(self, r, i, t, inst):
@@ -297,7 +304,7 @@ class _Walk:
                     return None
                 e = R.span(j).end_ms
                 if e >= at - GAP_MS:
-                    self.emit(r, _op(R.span(j), R), min(at, e), at, _why(R.span(j)), R.span(j).kind)
+                    self.emit(r, _op(R.span(j), R, j), min(at, e), at, _why(R.span(j)), R.span(j).kind)
                     return ("span", r, j, min(at, e))
                 if (x := R.released(lane, e, at)) is not None:
                     x_end = min(R.span(x).end_ms, at)
@@ -342,10 +349,11 @@ class _Walk:
         return ("span", r, x, x_end)
 
 
-def critical_path(traces, found: list[Instance], step: int | None = None) -> Path | None:
-    """The critical path of `step` (None: every span, for traces without steps) over all ranks."""
-    keep = (lambda s: s.step == step) if step is not None else (lambda s: True)
-    ranks = {t.rank: RankIndex(t, keep) for t in traces}
+def critical_path(traces, found: list[Instance], step: int | None = None, shared: dict | None = None) -> Path | None:
+    """The critical path of `step` (None: every span, for traces without steps) over all ranks.
+    `shared`: rank -> TraceIndex, when the caller walks several steps of the same traces."""
+    shared = shared or {t.rank: TraceIndex(t) for t in traces}
+    ranks = {t.rank: RankIndex(shared[t.rank], step, every_step=step is None) for t in traces}
     ranks = {r: R for r, R in ranks.items() if R.idx}
     if not ranks:
         return None
@@ -359,8 +367,20 @@ def critical_path(traces, found: list[Instance], step: int | None = None) -> Pat
         w.emit(w.out[-1].rank if w.out else last_r, "nothing traced", start, covered, "idle", "idle")
     segments = w.out[::-1]
     w.late_on_path(segments)
+    busy = max(iv.length(iv.union((R.t.spans[i].start_ms, R.t.spans[i].end_ms) for i in R.idx))
+               for R in ranks.values())
     return Path(step=step, start_ms=start, end_ms=end, segments=segments,
-                crossings=sorted(w.crossings, key=lambda c: c.ready_ms))
+                crossings=sorted(w.crossings, key=lambda c: c.ready_ms), busy_ms=busy)
+
+
+def critical_paths(traces, found: list[Instance]) -> list[Path]:
+    """One path per step the traces hold (or one for the whole window when none marks steps)."""
+    steps = sorted({s.step for t in traces for s in t.spans if s.step is not None})
+    shared = {t.rank: TraceIndex(t) for t in traces}
+    if not steps:
+        p = critical_path(traces, found, None, shared)
+        return [p] if p is not None else []
+    return [p for n in steps if (p := critical_path(traces, found, n, shared)) is not None]
 
 
 def _relabel(segments: list, rank: int, a: float, b: float, why: str) -> None:
@@ -377,10 +397,3 @@ def _relabel(segments: list, rank: int, a: float, b: float, why: str) -> None:
     segments[:] = out
 
 
-def critical_paths(traces, found: list[Instance]) -> list[Path]:
-    """One path per step the traces hold (or one for the whole window when none marks steps)."""
-    steps = sorted({s.step for t in traces for s in t.spans if s.step is not None})
-    if not steps:
-        p = critical_path(traces, found, None)
-        return [p] if p is not None else []
-    return [p for n in steps if (p := critical_path(traces, found, n)) is not None]

@@ -17,33 +17,45 @@ RELEASE_LATE_MS = 50.0
 LOOKBACK = 64
 """How many earlier-ending spans of a rank are searched for a cross-lane cause."""
 
-class RankIndex:
-    """One rank's spans indexed for the walk: by lane, by end, and its host threads."""
+class TraceIndex:
+    """What the walk needs of one trace whatever the step, built once: its spans by step, host syncs,
+    waits, outermost host ops and graph launches."""
 
-    def __init__(self, trace, keep) -> None:
-        self.t, self.rank = trace, trace.rank
-        self.idx = [i for i, s in enumerate(trace.spans) if keep(s)]
-        self.lane_of, self.pos, lanes = {}, {}, {}
-        for i in self.idx:
-            lanes.setdefault(trace.spans[i].stream, []).append(i)
-        self.lanes = lanes
-        self.lane_starts = {}
-        for lane, ids in lanes.items():
-            ids.sort(key=lambda i: (trace.spans[i].start_ms, trace.spans[i].end_ms))
-            self.lane_starts[lane] = [trace.spans[i].start_ms for i in ids]
-            for p, i in enumerate(ids):
-                self.lane_of[i], self.pos[i] = lane, p
-        self.by_end = sorted(self.idx, key=lambda i: trace.spans[i].end_ms)
-        self.ends = [trace.spans[i].end_ms for i in self.by_end]
+    def __init__(self, trace) -> None:
+        self.trace = trace
+        self.by_step: dict = {}
+        for i, s in enumerate(trace.spans):
+            self.by_step.setdefault(s.step, []).append(i)
         self.syncs = _per_thread((tid, b, a) for tid, a, b in trace.host_syncs)
         self.blocked = _per_thread((f"thread {tid}", b, a) for tid, a, b in trace.blocked)
         self.ops = _per_thread(trace.host_ops)
         self.ops.update({f"thread {tid}": v for tid, v in list(self.ops.items())})
         self.op_starts = {tid: [o[0] for o in v] for tid, v in self.ops.items()}
-        self.start = min((trace.spans[i].start_ms for i in self.idx), default=0.0)
-        self.graph_launch = {id(trace.spans[i]): trace.issue[i][1] for i in self.idx
-                             if i < len(trace.issue) and trace.issue[i] is not None
-                             and trace.issue[i][2] in GRAPH_LAUNCHES}
+        self.graph_launch = {i: iss[1] for i, iss in enumerate(trace.issue)
+                             if iss is not None and iss[2] in GRAPH_LAUNCHES}
+
+
+class RankIndex:
+    """One rank's spans of one step indexed for the walk: by lane, by end, and its host threads."""
+
+    def __init__(self, shared: TraceIndex, step, every_step: bool = False) -> None:
+        trace = shared.trace
+        self.t, self.rank = trace, trace.rank
+        self.idx = list(range(len(trace.spans))) if every_step else shared.by_step.get(step, [])
+        spans = trace.spans
+        self.lane_of, self.pos, lanes = {}, {}, {}
+        for i in self.idx:  # spans are sorted by (start, end): so is each lane
+            lane = spans[i].stream
+            ids = lanes.setdefault(lane, [])
+            self.lane_of[i], self.pos[i] = lane, len(ids)
+            ids.append(i)
+        self.lanes = lanes
+        self.lane_starts = {lane: [spans[i].start_ms for i in ids] for lane, ids in lanes.items()}
+        self.by_end = sorted(self.idx, key=lambda i: spans[i].end_ms)
+        self.ends = [spans[i].end_ms for i in self.by_end]
+        self.syncs, self.blocked, self.ops = shared.syncs, shared.blocked, shared.ops
+        self.op_starts, self.graph_launch = shared.op_starts, shared.graph_launch
+        self.start = spans[self.idx[0]].start_ms if self.idx else 0.0
 
     def span(self, i):
         return self.t.spans[i]

@@ -4,7 +4,8 @@ From the per-step paths of `timeline/critical_path.py` (means over the steps):
 
 - **collective X fully hidden**: the path's exposed-comm segments of X are gone;
 - **launch gaps removed**: the path's host-launch-gap segments are gone (the GPU never waits for
-  the host: CUDA graphs, a leaner host loop);
+  the host: CUDA graphs, a leaner host loop), but the step is never shorter than the busiest rank's
+  own work (`Path.busy_ms`);
 - **rank k as fast as the median of the others**: at every collective where the path crossed to
   rank k because it was ready last, the collective starts instead at the later of when the last
   other member had issued it and when k would have, at the others' median pace from its step's
@@ -41,8 +42,9 @@ def hidden(paths, kind: str) -> float:
 
 
 def launch_gaps(paths) -> float:
-    """Mean ms per step the path spends on the host while the GPU waited."""
-    return _mean(p.ms_by("host launch gap") for p in paths)
+    """Mean ms per step saved if the GPU never waited for the host: the path's host-launch-gap segments,
+    but never below the busiest rank's own work (its lanes' busy time: then the GPU is the path)."""
+    return _mean(max(0.0, min(p.ms_by("host launch gap"), p.path_ms - p.busy_ms)) for p in paths)
 
 
 def rank_at_median(paths, rank: int) -> float:
