@@ -253,9 +253,16 @@ def _topology(a: Analysis) -> dict:
 
 
 def _what_to_change(a: Analysis, checks: list[dict]) -> dict:
-    first = next((c for c in checks if c["try"]), None)
-    evidence = f"first open check: {first['check']}" if first else "every check passed"
+    path = next((c for c in checks if c["check"] == "critical path" and c["try"]), None)
+    first = path or next((c for c in checks if c["try"]), None)
+    if path is not None:  # the path measured what set the step: its largest what-if comes first
+        best = a.what_if[0]
+        evidence = f"the critical path's largest what-if: {best['question']} saves {best['saving_ms']:.2f} ms per step"
+    else:
+        evidence = f"first open check: {first['check']}" if first else "every check passed"
     verdict = first["try"].split(":")[0] if first else "nothing"
+    if path is not None and a.what_if[0]["question"].startswith("rank "):
+        verdict = f"{' '.join(a.what_if[0]['question'].split()[:2])}: the others wait for it"
     if a.plan is not None:
         recs = getattr(a.plan, "recommendations", []) or []
         if recs:
