@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 
 from . import intervals as iv
 from .collectives import Instance
+from .messages import size_text
 from .path_index import GAP_MS, LOOKBACK, RankIndex, TraceIndex
 
 WHYS = ("compute", "exposed comm", "waiting for rank", "host launch gap", "copy", "idle")
@@ -89,15 +90,6 @@ class Path:
     def to_dict(self) -> dict:
         return {"step": self.step, "window_ms": self.window_ms, "path_ms": self.path_ms,
                 "segments": [s.to_dict() for s in self.segments]}
-
-
-def size_text(n: int) -> str:
-    if n <= 0:
-        return "?"
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= scale:
-            return f"{n / scale:.1f} {unit}"
-    return f"{n} B"
 
 
 def _op(s, R=None, index=None) -> str:

@@ -26,6 +26,7 @@ from .bandwidth import bandwidth_rows
 from .collectives import align, instances
 from .critical_path import critical_paths
 from .framework import Job
+from .messages import size_text
 from .phases import exposed_by_phase
 from .report import Report, report_traces
 
@@ -86,10 +87,7 @@ def analyze(traces, links=None, peak_gbps: float | None = None, plan=None, criti
 
 
 def _size(n: int) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= scale:
-            return f"{n / scale:.1f} {unit}"
-    return f"{n} B" if n > 0 else "? B"
+    return size_text(n) if n > 0 else "? B"
 
 
 def _top(a: Analysis, n: int = 3) -> list[dict]:

@@ -71,6 +71,16 @@ def message(meta: dict) -> tuple[int, int, str]:
     return nbytes, _int(meta.get("Group size")), process_group(meta)
 
 
+def size_text(n: int) -> str:
+    """A message size as the tables print it: '7.8 MiB', '424 B', '?' when unknown."""
+    if n <= 0:
+        return "?"
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} B"
+
+
 def keep(args: dict) -> dict:
     """The part of an event's args a collective's size and group need (kernel args carry many more)."""
     return {k: args[k] for k in METADATA_KEYS if k in args}

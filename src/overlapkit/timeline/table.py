@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 
+from .messages import size_text
 from .report import Report, Times
 
 FOLD_IDLE_SHARE = 0.01
@@ -24,14 +25,6 @@ def _ms(x: float | None) -> str:
 def _pct(x: float | None) -> str:
     return "—" if x is None else f"{x:.1f}"
 
-
-def _size(n: int) -> str:
-    if n <= 0:
-        return "?"
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= scale:
-            return f"{n / scale:.1f} {unit}"
-    return f"{n} B"
 
 
 def _times(t: Times, step_ms: float) -> list[str]:
@@ -50,12 +43,12 @@ def tables(report: Report, detail: bool = True) -> list[tuple[str, list[str], li
         out.append(("Per step", ["rank", "step"] + _TIME_HEAD, steps))
     if not detail:
         return out
-    kinds = [[str(r.rank), k.kind, str(k.count), _size(k.nbytes), _ms(k.comm_ms), _ms(k.exposed_ms),
+    kinds = [[str(r.rank), k.kind, str(k.count), size_text(k.nbytes), _ms(k.comm_ms), _ms(k.exposed_ms),
               _pct(k.overlap_pct)] for r in report.ranks for k in r.by_kind]
     if kinds:
         out.append(("Communication by kind", ["rank", "kind", "count", "bytes", "comm ms", "exposed ms",
                                               "overlap %"], kinds))
-    sizes = [[str(r.rank), k.kind, _size(k.nbytes), str(k.count), _ms(k.comm_ms), _ms(k.exposed_ms),
+    sizes = [[str(r.rank), k.kind, size_text(k.nbytes), str(k.count), _ms(k.comm_ms), _ms(k.exposed_ms),
               _ms(k.comm_ms / k.count)] for r in report.ranks for k in r.by_size]
     if sizes:
         out.append(("Communication by kind and message size",
@@ -143,13 +136,13 @@ def diagnosis_tables(analysis, top: int = 12) -> list[tuple[str, list[str], list
         out.append(("Collectives: bandwidth (nccl-tests algbw/busbw) against the link's peak, most time first",
                     ["rank", "kind", "message", "ranks", "count", "median ms", "algbw GB/s", "busbw GB/s", "% of peak",
                      "bound"],
-                    [[str(b.rank), b.kind, _size(b.nbytes), str(b.group_size or "?"), str(b.count), _ms(b.median_ms),
+                    [[str(b.rank), b.kind, size_text(b.nbytes), str(b.group_size or "?"), str(b.count), _ms(b.median_ms),
                       _gbps(b.algbw_gbps), _gbps(b.busbw_gbps), _pct(b.pct_of_peak), b.bound or "?"] for b in bw]))
     ex = [r for r in analysis.exposed_by_phase if r["exposed_ms"] > 0]
     if ex:
         out.append(("Top exposed collectives by phase", ["rank", "phase", "kind", "message", "count", "comm ms",
                                                          "exposed ms"],
-                    [[str(r["rank"]), r["phase"], r["kind"], _size(r["nbytes"]), str(r["count"]), _ms(r["comm_ms"]),
+                    [[str(r["rank"]), r["phase"], r["kind"], size_text(r["nbytes"]), str(r["count"]), _ms(r["comm_ms"]),
                       _ms(r["exposed_ms"])] for r in ex]))
     if analysis.waits:
         behind = {s["rank"]: s["behind_ms"] for s in analysis.stragglers}
