@@ -144,3 +144,17 @@ def test_analysis_carries_the_paths_and_offsets(tmp_path):
     a = analyze(read_traces(_gpu_straggler(tmp_path, skew_us=(0, 1_000)), last_step=True))
     assert a.clock_offsets[1] == pytest.approx(-1.0) and len(a.paths) == 1
     assert a.what_if[0]["question"] == "rank 1 as fast as the median of the others"
+
+
+def test_a_copy_engine_transfer_the_gemm_waited_for_is_on_the_path(tmp_path):
+    # overlapkit's symmetric-memory pull: a peer copy issued inside overlapkit.comm.tp_all_gather on its
+    # own stream; the GEMM that needs it waits (an event) and starts as it lands
+    b = TraceBuilder(rank=0, world_size=1)
+    b.cpu("ProfilerStep#1", 0, 2_000)
+    b.cpu("overlapkit.comm.tp_all_gather:fc1", 0, 20)
+    b.launch("Memcpy PtoP (Device -> Device)", 10, 800, at=5, stream=30, cat="gpu_memcpy", bytes=1 << 20)
+    b.launch("sm90_gemm_fc1", 820, 300, at=30)
+    traces = read_traces([b.write(tmp_path / "t.json")], last_step=True)
+    (path,) = critical_paths(traces, instances(traces))
+    assert [(s.why, s.kind) for s in path.segments] == [("exposed comm", "tp_all_gather"), ("compute", "compute")]
+    assert path.segments[0].op.startswith("tp_all_gather 1.0 MiB") and path.path_ms == pytest.approx(1.11)
