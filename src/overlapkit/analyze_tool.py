@@ -31,13 +31,13 @@ ENGINES = ("tp", "dp", "zero", "pp", "ep", "cp")
 
 def hardware_links(gpu_name: str | None, hardware: str | None = None) -> Links | None:
     """The links of a preset name, or of the preset a trace's GPU name picks; None when neither is known."""
-    from .costmodel import load_hardware
-
     name = hardware
     if not name:
         name = next((preset for needle, preset in GPU_PRESETS if gpu_name and needle in gpu_name.upper()), None)
     if not name:
         return None
+    from .costmodel import load_hardware  # only when there is a preset to load
+
     hw = load_hardware(name)
     return Links(name=hw.name, gpus_per_node=hw.gpus_per_node,
                  intra=Link(hw.intra.name, hw.intra.bandwidth_gbps, hw.intra.alpha_us),
