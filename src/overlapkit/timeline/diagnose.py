@@ -107,7 +107,8 @@ def _top(a: Analysis, n: int = 3) -> list[dict]:
 
 def _bw_text(b) -> str:
     if b is None or b.busbw_gbps is None:
-        return "bus bandwidth unknown (no message size)"
+        why = "no group size" if b is not None and b.nbytes > 0 else "no message size"
+        return f"bus bandwidth unknown ({why})"
     peak = f", {b.pct_of_peak:.0f}% of {b.link} peak, {b.bound}-bound" if b.pct_of_peak is not None else \
         " (peak unknown: give --hardware or --peak-gbps)"
     return f"busbw {b.busbw_gbps:.1f} GB/s{peak}"
