@@ -1,7 +1,8 @@
 """`overlapkit analyze` on every job of the third-party trace corpus, against HolisticTraceAnalysis.
 
 For each folder of ../shared/traces/corpus: our overlap % per rank (read + report + the
-diagnosis's analysis, timed, best of --repeat), HTA 0.5.0's figure from the corpus's
+diagnosis's analysis with the cross-rank critical path and its what-ifs, timed, best of --repeat),
+the critical path's length against the step's (the shortest ratio over the steps) and its untraced share, HTA 0.5.0's figure from the corpus's
 hta_reference.json, the difference, and — when HTA is importable (`--hta-path` to where it is
 installed) — HTA's own time for `TraceAnalysis(trace_dir=...).get_comm_comp_overlap()`.
 
@@ -41,13 +42,17 @@ def _ours(folder: Path, repeat: int):
                 rank, note = 0, "no rank in the trace: read as rank 0 (as HTA does)"
                 traces = read_traces(files, rank=0)
             else:
-                return None, time.perf_counter() - t0, str(e).split(": ", 1)[-1]
+                return None, time.perf_counter() - t0, str(e).split(": ", 1)[-1], None
         a = analyze(traces)
         best = min(best, time.perf_counter() - t0)
         result = {r.rank: r.total.overlap_pct for r in a.report.ranks}
+        path = {"steps": len(a.paths),
+                "path_over_step": min((p.path_ms / p.window_ms for p in a.paths if p.window_ms > 0), default=None),
+                "untraced_share": max((p.ms_by("idle") / p.path_ms for p in a.paths if p.path_ms > 0), default=None),
+                "top_what_if": a.what_if[0]["question"] if a.what_if else None}
         if not all(t.compute_known for t in traces):
             note = "compute unknown: " + traces[0].notes[0]
-    return result, best, note
+    return result, best, note, path
 
 
 def _hta(folder: Path, repeat: int):
@@ -90,14 +95,14 @@ def main() -> None:
         # The two alternate, best of --repeat each: a machine shared with other jobs slows one run, not both.
         seconds = hta_s = float("inf")
         for _ in range(args.repeat):
-            ours, s, note = _ours(folder, 1)
+            ours, s, note, path = _ours(folder, 1)
             seconds = min(seconds, s)
             if hta_ok:
                 hta_measured, s = _hta(folder, 1)
                 hta_s = min(hta_s, s)
         ref = reference.get(folder.name, {})
         hta_ref = ref.get("hta_by_rank") or ({str(ref.get("rank", 0)): ref["hta"]} if "hta" in ref else {})
-        row = dict(job=folder.name, ours=ours, ours_s=seconds, hta_reference=hta_ref, note=note)
+        row = dict(job=folder.name, ours=ours, ours_s=seconds, hta_reference=hta_ref, note=note, critical_path=path)
         if hta_ok:
             row["hta_measured"], row["hta_s"] = hta_measured, hta_s
         rows.append(row)
@@ -115,8 +120,9 @@ def _fmt(x) -> str:
 
 
 def _markdown(result: dict) -> str:
-    lines = ["| job | rank | HTA 0.5.0 % | overlapkit % | diff | overlapkit s | HTA s | note |",
-             "|---|---:|---:|---:|---:|---:|---:|---|"]
+    lines = ["| job | rank | HTA 0.5.0 % | overlapkit % | diff | overlapkit s | HTA s | critical path / step (min) | "
+             "untraced share (max) | note |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     if result["hta_timed"]:
         slower = [r["job"] for r in result["rows"] if "hta_s" in r and r["ours_s"] > r["hta_s"]]
         lines.insert(0, f"overlapkit slower than HTA on: {', '.join(slower) or 'no trace'} (best of each; the same "
@@ -129,8 +135,11 @@ def _markdown(result: dict) -> str:
             h = r["hta_reference"].get(str(rank))
             diff = o - h if o is not None and h is not None else None
             hta_s = f"{r['hta_s']:.2f}" if "hta_s" in r and i == 0 else ""
+            cp = r.get("critical_path") or {}
+            cov = "" if i or cp.get("path_over_step") is None else f"{cp['path_over_step']:.4f}"
+            idle = "" if i or cp.get("untraced_share") is None else f"{cp['untraced_share']:.3f}"
             lines.append(f"| {r['job'] if i == 0 else ''} | {rank} | {_fmt(h)} | {_fmt(o)} | {_fmt(diff)} | "
-                         f"{r['ours_s']:.2f} | {hta_s} | {r['note'] if i == 0 else ''} |")
+                         f"{r['ours_s']:.2f} | {hta_s} | {cov} | {idle} | {r['note'] if i == 0 else ''} |")
     return "\n".join(lines) + "\n"
 
 

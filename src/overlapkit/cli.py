@@ -9,8 +9,8 @@ import sys
 
 from . import __version__
 
-# Subcommands live with their concern (timeline/cli.py: analyze; costmodel/cli.py: plan, bench); each module
-# exposes register(subparsers).
+# Subcommands live with their concern (analyze_tool.py: analyze, joining the trace analyzer and the
+# cost model; costmodel/cli.py: plan, bench); each module exposes register(subparsers).
 
 
 def _demo(args) -> int:
@@ -110,7 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     from .plan_tools import draw_spans, read_measured
 
-    importlib.import_module("overlapkit.timeline.cli").register(sub)
+    importlib.import_module("overlapkit.analyze_tool").register(sub)
     # the cost model draws and calibrates through the tools layer: it imports no timeline code itself
     importlib.import_module("overlapkit.costmodel.cli").register(sub, draw=draw_spans, calibrate=read_measured)
     return parser

@@ -73,7 +73,10 @@ def test_diagnosis_of_one_a100_rank(traces):
     from overlapkit.timeline.diagnose import analyze, walk
 
     # A100 (deviceProperties) -> the a100-sxm-80g preset; all-reduces of 2 ranks on NVLink 3 (300 GB/s)
-    a = analyze([traces["hta_allreduce_2ranks.json.gz"]])
+    from overlapkit.analyze_tool import hardware_links
+
+    t = traces["hta_allreduce_2ranks.json.gz"]
+    a = analyze([t], links=hardware_links(t.gpu_name))
     assert a.hardware == "a100-sxm-80g"
     big = next(b for b in a.bandwidth if b.kind == "all_reduce" and b.nbytes == 4 * 6637568)
     assert big.busbw_gbps == pytest.approx(big.algbw_gbps) and big.peak_gbps == 300.0  # factor 2(n-1)/n = 1 at n=2

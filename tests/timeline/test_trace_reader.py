@@ -124,3 +124,22 @@ def test_innermost_range_wins_however_many_came_before(tmp_path):
     spans = read_trace(b.write(tmp_path / "nested.json")).spans
     assert [s.kind for s in spans].count("dp_all_reduce") == 40
     assert spans[-1].kind == "compute" and spans[-1].name == "backward"
+
+
+def test_sizes_and_groups_from_older_collective_records(tmp_path):
+    # param's DLRM traces: record_param_comms with only the shapes it was recorded with (Input Dims/type)
+    # around the NCCL launch; newer ones name the group by Process Group Name when they give no ranks
+    b = TraceBuilder()
+    b.cpu("record_param_comms", 95, 10, cat="cpu_op", **{"Input Dims": [[6144], [], []],
+                                                          "Input type": ["float", "Scalar", ""]})
+    b.launch("ncclKernel_SendRecv_RING_SIMPLE_Sum_int8_t(ncclDevComm*, unsigned long, ncclWork*)", 100, 10,
+             at=100, stream=20)
+    b.cpu("record_param_comms", 195, 10, cat="cpu_op", **{"Input Dims": [[]], "Input type": ["TensorList"]})
+    b.launch("ncclKernel_AllReduce_RING_LL_Sum_float(ncclWorkElem)", 200, 10, at=200, stream=20)
+    b.cpu("record_param_comms", 295, 10, cat="cpu_op", **{"Collective name": "allgather", "In msg nelems": 8,
+                                                           "Out msg nelems": 16, "dtype": "BFloat16",
+                                                           "Group size": 2, "Process Group Name": "3"})
+    b.launch("ncclDevKernel_AllGather_RING_LL(x)", 300, 10, at=300, stream=20)
+    spans = [s for s in read_trace(b.write(tmp_path / "t.json")).spans if s.is_comm]
+    assert [(s.kind, s.nbytes, s.group_size, s.group) for s in spans] == [
+        ("send_recv", 6144 * 4, 0, ""), ("all_reduce", 0, 0, ""), ("all_gather", 32, 2, "pg 3")]

@@ -17,6 +17,7 @@ _WHERE = {
     "Trace": "trace", "TraceError": "trace", "read_trace": "trace", "read_traces": "trace",
     "on_trace_ready": "hooks", "tensorboard_scalars": "hooks",
     "Analysis": "diagnose", "analyze": "diagnose", "walk": "diagnose",
+    "critical_paths": "critical_path", "Job": "framework", "compare": "compare", "write_html": "html",
 }
 
 __all__ = list(_WHERE)

@@ -21,8 +21,9 @@ includes any time it waited for a late rank, so busbw is a lower bound on what t
 Bound, by message size, from the alpha-beta model of the link (latency α per algorithm step,
 bandwidth B): latency-bound when steps(n)·α > S·factor(n)/B, i.e. the fixed cost outweighs
 the bytes (steps: all_reduce 2(n−1), all_gather/reduce_scatter/all_to_all n−1, others 1).
-The link is the cost model's hardware preset (intra-node when the group fits in one node,
-else the network), `--peak-gbps` overrides B; with neither, peak and bound are unknown.
+The link comes from `Links` (intra-node when the group fits in one node, else the network),
+which the caller fills — `overlapkit analyze` from the cost model's hardware preset for the
+trace's GPU; `--peak-gbps` overrides B; with neither, peak and bound are unknown.
 """
 
 from __future__ import annotations
@@ -35,9 +36,6 @@ from .spans import Span
 
 DEFAULT_ALPHA_US = 5.0
 """Latency per algorithm step assumed when only a peak is given (NCCL's per-step cost on NVLink/IB is 2–10 µs)."""
-GPU_PRESETS = (("H200", "h200-sxm"), ("H100", "h100-sxm"), ("H800", "h800-sxm"), ("A800", "a800-sxm-80g"),
-               ("A100", "a100-sxm-80g"))
-"""Substrings of a trace's GPU name -> the cost model's hardware preset."""
 
 
 def bus_factor(kind: str, n: int) -> float:
@@ -69,24 +67,23 @@ class Link:
     alpha_us: float
 
 
-def hardware_for(gpu_name: str | None, hardware: str | None = None):
-    """The cost model's Hardware for a preset name, or for a trace's GPU name; None when not known."""
-    from overlapkit.costmodel import load_hardware  # read-only use of the cost model's presets
+@dataclass(frozen=True)
+class Links:
+    """The links of a machine: inside a node (groups of up to `gpus_per_node` ranks) and between nodes."""
 
-    if hardware:
-        return load_hardware(hardware)
-    for needle, preset in GPU_PRESETS:
-        if gpu_name and needle in gpu_name.upper():
-            return load_hardware(preset)
-    return None
+    name: str
+    """The hardware's name (a cost-model preset name when it came from one)."""
+    gpus_per_node: int
+    intra: Link
+    inter: Link
 
 
-def link_for(group_size: int, hw=None, peak_gbps: float | None = None) -> Link | None:
+def link_for(group_size: int, hw: Links | None = None, peak_gbps: float | None = None) -> Link | None:
     """The link of a group of `group_size` ranks: intra-node if it fits in a node, else the network."""
     if hw is not None:
         tier = hw.intra if group_size <= hw.gpus_per_node else hw.inter
         return Link(tier.name + (" (peak from --peak-gbps)" if peak_gbps else ""),
-                    peak_gbps or tier.bandwidth_gbps, tier.alpha_us)
+                    peak_gbps or tier.peak_gbps, tier.alpha_us)
     if peak_gbps:
         return Link(f"--peak-gbps {peak_gbps:g}", peak_gbps, DEFAULT_ALPHA_US)
     return None
@@ -114,7 +111,7 @@ class BandwidthRow:
     link: str | None
 
 
-def bandwidth_rows(rank: int, spans: list[Span], hw=None, peak_gbps: float | None = None) -> list[BandwidthRow]:
+def bandwidth_rows(rank: int, spans: list[Span], hw: Links | None = None, peak_gbps: float | None = None) -> list[BandwidthRow]:
     """Bandwidth of every (kind, size, group size) of one rank's communication spans."""
     groups: dict[tuple[str, int, int], list[float]] = defaultdict(list)
     for s in spans:

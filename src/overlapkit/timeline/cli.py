@@ -1,10 +1,14 @@
-"""`overlapkit analyze TRACE|DIR...`: how much communication compute hid, and (`--diagnose`) why.
+"""`overlapkit analyze TRACE|DIR...`: how much communication compute hid, why, and what the step waited on.
 
 Reads PyTorch profiler traces (files, or directories of them as `tensorboard_trace_handler`
-writes), prints the overlap report (or `--json`), walks seed 004 §15's diagnosis
-(`--diagnose`), draws the timeline (`--plot`). Bad input ends with one line naming the file and
-the problem, and exit code 2: unreadable traces, the same rank twice, traces of different jobs,
-an unsupported picture format.
+writes), prints the overlap report (or `--json`), the cross-rank critical path and its
+what-ifs, walks the diagnosis (`--diagnose`), draws the timeline (`--plot`), writes one
+self-contained page (`--html`), and lines up two runs (`--compare A B`). Bad input ends with one
+line naming the file and the problem, and exit code 2: unreadable traces, corrupt times, the
+same rank twice, traces of different jobs, an unsupported picture format.
+
+The cost model is not imported here: the tools layer (`overlapkit/analyze_tool.py`) passes in
+what `--hardware`, `--config` and `--what-if overlap=...` need (`register(..., tools=...)`).
 """
 
 from __future__ import annotations
@@ -14,23 +18,41 @@ import json
 import os
 import sys
 
-from .trace import TraceError, label, read_traces
+from .trace import TraceError, label, read_traces, trace_files
 
 PLOT_FORMATS = ("png", "pdf", "svg", "svgz", "jpg", "jpeg", "eps", "ps", "tif", "tiff", "webp", "pgf")
 """Picture formats matplotlib writes."""
-CONFIG_INTS = ("tp", "pp", "vpp", "dp", "ep", "cp", "micro_batch", "global_batch", "zero")
 
 
-def register(subparsers) -> argparse.ArgumentParser:
+class Tools:
+    """What the cost model lends `analyze`; each is None when analyze runs without it."""
+
+    links = None
+    """(gpu name, --hardware) -> bandwidth.Links or None; raises ValueError on a bad preset."""
+    plan = None
+    """(--config pairs, hardware preset) -> the cost model's StepReport; raises ValueError."""
+    what_if = None
+    """(--config pairs, hardware preset, change 'overlap=MODE', paths) -> what-if row; raises ValueError."""
+
+
+def register(subparsers, tools: Tools | None = None) -> argparse.ArgumentParser:
     """Add the `analyze` subcommand to an argparse subparsers object."""
     p = subparsers.add_parser(
         "analyze", help="measure hidden and exposed communication in PyTorch profiler traces, and diagnose it",
         description="Read PyTorch profiler (Kineto) traces, one per rank (files or directories), and report "
-                    "communication time, exposed communication and overlap per rank, step, kind and stream.")
-    p.add_argument("traces", nargs="+", metavar="TRACE", help="a .json or .json.gz profiler trace, or a directory of them")
-    p.add_argument("--json", action="store_true", help="print the report (with diagnosis and stragglers) as one JSON object")
-    p.add_argument("--diagnose", action="store_true", help="walk seed 004's diagnosis order: verdict, evidence, what to try")
-    p.add_argument("--plot", metavar="PNG", help="draw the timeline picture to this file")
+                    "communication time, exposed communication and overlap per rank, step, kind and stream, the "
+                    "cross-rank critical path and what-ifs on it.")
+    p.add_argument("traces", nargs="*", metavar="TRACE", help="a .json or .json.gz profiler trace, or a directory of them")
+    p.add_argument("--json", action="store_true",
+                   help="print the report (with critical_path, what_if, diagnosis, stragglers) as one JSON object")
+    p.add_argument("--diagnose", action="store_true", help="walk the diagnosis: verdict, evidence, what to try")
+    p.add_argument("--plot", metavar="PNG", help="draw the timeline picture (with the critical path) to this file")
+    p.add_argument("--html", metavar="HTML", help="write one self-contained report page to this file")
+    p.add_argument("--compare", nargs=2, metavar=("A", "B"),
+                   help="two runs (directories or files) side by side: what got faster or slower")
+    p.add_argument("--what-if", nargs="+", metavar="Q", dest="what_if",
+                   help="questions on the critical path: hide=KIND, rank=K, launch-gaps; with --config also "
+                        "overlap=MODE or overlap.ENGINE=MODE (the cost model's prediction)")
     p.add_argument("--rank", type=int, help="the rank of a single trace that has no distributedInfo")
     p.add_argument("--last-step", action="store_true",
                    help="keep the last ProfilerStep (dropped by default: a profiler usually stops inside it)")
@@ -40,7 +62,9 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--config", nargs="+", metavar="KEY=VALUE",
                    help="the job's configuration for `overlapkit plan`'s predicted savings, e.g. model=llama3-8b "
                         "hardware=h200-sxm tp=2 dp=4 overlap=none")
-    p.set_defaults(func=run)
+    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                   help="a progress bar while reading (default: on a terminal, for 32 MB of traces or more)")
+    p.set_defaults(func=run, tools=tools or Tools())
     return p
 
 
@@ -70,74 +94,84 @@ def check_one_job(traces) -> None:
                          f"on its own")
 
 
-def plan_from_config(pairs: list[str], hardware: str | None):
-    """The cost model's prediction (with recommendations) for `KEY=VALUE` pairs; ConfigError on bad ones."""
-    from overlapkit.costmodel import ConfigError, Overlap, ParallelConfig, plan
+def _read(args, paths):
+    from .progress import Progress
 
-    cfg = {}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep:
-            raise ConfigError(f"config={pair!r}: expected KEY=VALUE")
-        cfg[key.replace("-", "_")] = value
-    if "model" not in cfg:
-        raise ConfigError("config: model=NAME is required (a preset, or a model JSON file)")
-    model, hw = cfg.pop("model"), cfg.pop("hardware", hardware or "h200-sxm")
-    kwargs = {}
-    for key, value in cfg.items():
-        if key in CONFIG_INTS:
-            try:
-                kwargs[key] = int(value)
-            except ValueError:
-                raise ConfigError(f"config {key}={value!r}: expected an integer") from None
-        elif key == "overlap":
-            kwargs["overlap"] = Overlap.all(value)
-        elif key == "sp":
-            kwargs["sp"] = value.lower() in ("1", "true", "yes")
+    with Progress(trace_files(paths), show=args.progress) as bar:
+        traces = read_traces(paths, rank=args.rank, last_step=args.last_step, progress=bar)
+    check_one_job(traces)
+    return traces
+
+
+def _analysis(args, traces):
+    from .diagnose import analyze
+
+    tools = args.tools
+    gpu = next((t.gpu_name for t in traces if t.gpu_name), None)
+    if args.hardware and tools.links is None:
+        raise ValueError("--hardware needs the cost model's presets: run it as `overlapkit analyze`")
+    links = tools.links(gpu, args.hardware) if tools.links is not None else None
+    analysis = analyze(traces, links=links, peak_gbps=args.peak_gbps)
+    if args.config:
+        if tools.plan is None:
+            raise ValueError("--config needs the cost model: run it as `overlapkit analyze`")
+        analysis.plan = tools.plan(args.config, args.hardware or analysis.hardware)
+    return analysis
+
+
+def _what_ifs(args, analysis) -> list[dict]:
+    from . import whatif
+
+    out = []
+    for q in args.what_if or ():
+        if q.startswith("overlap"):
+            if not args.config or args.tools.what_if is None:
+                raise ValueError(f"--what-if {q}: a cost-model question needs --config (the job's configuration)")
+            out.append(args.tools.what_if(args.config, args.hardware or analysis.hardware, q, analysis.paths))
         else:
-            raise ConfigError(f"config {key}={value!r}: unknown key; known: model, hardware, overlap, sp, "
-                              + ", ".join(CONFIG_INTS))
-    return plan(model, hw, ParallelConfig(**kwargs))
+            out.append(whatif.answer(analysis.paths, q))
+    return out
 
 
 def run(args) -> int:
-    from .diagnose import analyze, walk
+    from .diagnose import walk
     from .fsdp2 import layer_table
-    from .table import print_diagnosis, print_report, print_tables
+    from .table import path_tables, print_diagnosis, print_report, print_tables
 
-    if args.plot and os.path.splitext(args.plot)[1].lstrip(".").lower() not in PLOT_FORMATS:
-        return _fail(f"{args.plot}: cannot draw to this format; use one of {', '.join(PLOT_FORMATS)}")
+    for out, flag in ((args.plot, "--plot"),):
+        if out and os.path.splitext(out)[1].lstrip(".").lower() not in PLOT_FORMATS:
+            return _fail(f"{out}: cannot draw to this format; use one of {', '.join(PLOT_FORMATS)}")
+    for out in (args.html, args.plot):
+        if out and not os.path.isdir(os.path.dirname(os.path.abspath(out))):
+            return _fail(f"{out}: the folder {os.path.dirname(os.path.abspath(out))} does not exist")
+    if args.compare:
+        if args.traces:
+            return _fail("--compare A B takes the two runs; give no other traces")
+        return _compare(args)
+    if not args.traces:
+        return _fail("give the traces to analyze (files or directories), or --compare A B")
     try:
-        traces = read_traces(args.traces, rank=args.rank, last_step=args.last_step)
-        check_one_job(traces)
-    except TraceError as e:
-        return _fail(str(e))
-    predicted = None
-    try:
-        from overlapkit.costmodel import ConfigError
-
-        analysis = analyze(traces, hardware=args.hardware, peak_gbps=args.peak_gbps)
-        if args.config:
-            predicted = plan_from_config(args.config, args.hardware or analysis.hardware)
-    except ConfigError as e:
-        return _fail(str(e))
-    analysis.plan = predicted
+        traces = _read(args, args.traces)
+        analysis = _analysis(args, traces)
+        asked = _what_ifs(args, analysis)
+    except (TraceError, ValueError) as e:
+        return _fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
     diagnosis = walk(analysis)
-    report = analysis.report
     if args.json:
-        print(json.dumps(to_json(analysis, traces, diagnosis), indent=2))
+        doc = to_json(analysis, traces, diagnosis)
+        doc["what_if_asked"] = asked
+        print(json.dumps(doc, indent=2))
     else:
-        console = None
-        try:
-            from rich.console import Console
-
-            console = Console() if sys.stdout.isatty() else Console(width=150)
-        except ImportError:
-            pass
+        console = _console()
         if not args.diagnose or not args.brief:
-            print_report(report, console=console, detail=not args.brief)
+            print_report(analysis.report, console=console, detail=not args.brief)
         if not args.brief:
             print_tables(layer_table(traces), console=console)
+            print_tables(path_tables(analysis), console=console)
+        if asked:
+            print_tables([("What-if, asked", ["if", "step ms", "saves ms", "measured ms"],
+                           [[q["question"], f"{q['step_ms']:.3f}", f"{q['saving_ms']:.3f}", f"{q['measured_ms']:.3f}"]
+                            for q in asked])], console=console)
         if args.diagnose:
             print_diagnosis(analysis, diagnosis, console=console)
         for t in traces:
@@ -146,15 +180,49 @@ def run(args) -> int:
                       f"(the last step; --last-step keeps it)", file=sys.stderr)
             for note in t.notes:
                 print(f"{os.path.basename(t.path)}: {note}", file=sys.stderr)
-    if args.plot:
-        from .plot import plot_groups
+    title = "Timeline of " + ", ".join(os.path.basename(os.path.normpath(p)) for p in args.traces)
+    try:
+        if args.plot:
+            from .plot import plot_groups
 
-        try:
-            plot_groups(plot_labels(traces), args.plot,
-                        title="Timeline of " + ", ".join(os.path.basename(p) for p in args.traces))
-        except OSError as e:
-            return _fail(f"{args.plot}: cannot write the picture: {e.strerror or e}")
-        print(f"timeline written to {args.plot}", file=sys.stderr)
+            plot_groups(plot_labels(traces), args.plot, title=title, critical=analysis.paths)
+            print(f"timeline written to {args.plot}", file=sys.stderr)
+        if args.html:
+            from .fsdp2 import layer_table as layers
+            from .html import write_html
+
+            write_html(args.html, analysis, diagnosis, plot_labels(traces), title, extra_tables=layers(traces))
+            print(f"report written to {args.html}", file=sys.stderr)
+    except OSError as e:
+        return _fail(f"{args.html or args.plot}: cannot write: {e.strerror or e}")
+    return 0
+
+
+def _console():
+    try:
+        from rich.console import Console
+    except ImportError:
+        return None
+    return Console() if sys.stdout.isatty() else Console(width=150)
+
+
+def _compare(args) -> int:
+    from .compare import compare, compare_tables
+    from .table import print_tables
+
+    runs = []
+    try:
+        for p in args.compare:
+            traces = _read(args, [p])
+            runs.append(_analysis(args, traces))
+    except (TraceError, ValueError) as e:
+        return _fail(str(e).splitlines()[0])
+    rows = compare(*runs)
+    a, b = (os.path.basename(os.path.normpath(p)) for p in args.compare)
+    if args.json:
+        print(json.dumps({"a": args.compare[0], "b": args.compare[1], "compare": rows}, indent=2))
+    else:
+        print_tables(compare_tables(rows, a, b), console=_console())
     return 0
 
 
@@ -182,6 +250,14 @@ def to_json(analysis, traces, diagnosis) -> dict:
         row.update(world_size=t.world_size, dropped_step=t.dropped_step, device=t.device)
         row["wait_ms"] = analysis.waits.get(t.rank)
     doc["hardware"] = analysis.hardware
+    doc["job"] = {"device": analysis.job.device, "frameworks": list(analysis.job.frameworks),
+                  "evidence": analysis.job.evidence} if analysis.job else None
+    doc["clock_offsets_ms"] = {str(r): v for r, v in analysis.clock_offsets.items()}
+    doc["critical_path"] = [dict(step=p.step, **{k: v for k, v in s.to_dict().items()})
+                            for p in analysis.paths for s in p.segments]
+    doc["critical_paths"] = [{"step": p.step, "window_ms": p.window_ms, "path_ms": p.path_ms,
+                              "crossings": [asdict(c) for c in p.crossings]} for p in analysis.paths]
+    doc["what_if"] = analysis.what_if
     doc["bandwidth"] = [asdict(b) for b in analysis.bandwidth]
     doc["exposed_by_phase"] = analysis.exposed_by_phase
     doc["stragglers"] = analysis.stragglers
@@ -191,10 +267,10 @@ def to_json(analysis, traces, diagnosis) -> dict:
     return doc
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run `analyze` on its own (the package CLI wires `register` into `overlapkit`)."""
+def main(argv: list[str] | None = None, tools: Tools | None = None) -> int:
+    """Run `analyze` on its own (the package CLI wires `register` into `overlapkit`, with the cost model)."""
     parser = argparse.ArgumentParser(prog="overlapkit")
-    register(parser.add_subparsers(dest="command", required=True))
+    register(parser.add_subparsers(dest="command", required=True), tools)
     args = parser.parse_args(["analyze"] + list(sys.argv[1:] if argv is None else argv))
     return args.func(args)
 

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 from . import intervals as iv
 from .fsdp2 import blocked_in_hooks, fsdp2_comm
-from .kinds import collective_kind
+from .kinds import collective_kind, range_label
+from .messages import input_bytes
 from .ranges import Ranges
 from .spans import COMPUTE, Span
 
@@ -31,19 +32,6 @@ def _is_compute_op(name: str) -> bool:
     return not name.startswith(_NOT_COMPUTE_PREFIXES) and "wait" not in name.lower()
 
 
-def _message(args: dict) -> int:
-    """Bytes of a gloo range's first input, from its recorded shape and dtype; 0 when unknown."""
-    from .trace import dtype_bytes
-
-    dims, types = args.get("Input Dims") or [], args.get("Input type") or []
-    if not dims or not isinstance(dims[0], list) or not types:
-        return 0
-    n = 1
-    for d in dims[0]:
-        n *= int(d)
-    return n * dtype_bytes(types[0])
-
-
 def _group_size(info: dict) -> int:
     """The process groups' size when they all have one, else 0 (gloo ranges do not say which group ran them)."""
     sizes = {pg.get("pg_size") for pg in info.get("pg_config") or [] if isinstance(pg, dict)}
@@ -53,9 +41,8 @@ def _group_size(info: dict) -> int:
 
 
 def cpu_spans(ranges: Ranges, gloo, ops, markers: Ranges, info: dict, fsdp: Ranges | None = None):
-    """([(issue time, span in raw µs, True)], compute known, notes) of a CPU trace (`fsdp`: FSDP2's ranges)."""
-    from .trace import range_label
-
+    """([(issue time, span in raw µs, True, (thread, issue time) or None)], compute known, notes, blocked) of a
+    CPU trace (`fsdp`: FSDP2's ranges); blocked: (thread, start, end) of the compute threads' waits."""
     comm_tids = {g[0] for g in gloo}
     blocked: dict[object, list] = {}
     for tid, start, end, _, _ in gloo:
@@ -104,7 +91,7 @@ def cpu_spans(ranges: Ranges, gloo, ops, markers: Ranges, info: dict, fsdp: Rang
     for tid, a, b, lab in pieces:
         marked = markers.find(tid, a)
         out.append((a, Span(kind=COMPUTE, name=lab, stream=f"thread {tid}", start_ms=a, end_ms=b,
-                            phase=marked["phase"] if marked else None), True))
+                            phase=marked["phase"] if marked else None), True, None))
 
     comm_us = iv.length(iv.union((g[1], g[2]) for g in gloo))
     compute_us = iv.length(iv.union((a, b) for _, a, b, _ in pieces))
@@ -114,7 +101,8 @@ def cpu_spans(ranges: Ranges, gloo, ops, markers: Ranges, info: dict, fsdp: Rang
                      f"gloo transfers: no computation to judge overlap by (profile with CPU ops recorded)")
         out = []
     out += _gloo_spans(ranges, gloo, issued, markers, comm_tids, _group_size(info))
-    return out, compute_known, notes
+    waits = [(tid, a, b) for tid, pairs in blocked.items() if tid not in comm_tids for a, b in pairs]
+    return out, compute_known, notes, waits
 
 
 def _gloo_spans(ranges, gloo, issued, markers, comm_tids, group_size):
@@ -138,7 +126,8 @@ def _gloo_spans(ranges, gloo, issued, markers, comm_tids, group_size):
         if marked is None:
             marked = markers.find_any(at, skip=comm_tids)
         name = owner.get("label", name) if owner is not None else name
+        issuer = (owner["tid"], owner["ts"]) if owner is not None and "tid" in owner else None
         out.append((at, Span(kind=kind, name=name, stream=f"thread {tid}", start_ms=start, end_ms=end,
-                             nbytes=_message(args), group_size=group_size,
-                             phase=marked["phase"] if marked else None), True))
+                             nbytes=input_bytes(args), group_size=group_size,
+                             phase=marked["phase"] if marked else None), True, issuer))
     return out

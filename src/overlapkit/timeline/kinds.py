@@ -11,6 +11,8 @@ from __future__ import annotations
 import re
 from functools import lru_cache
 
+from .spans import COMM_RANGE_PREFIX, COMPUTE_RANGE_PREFIX, WAIT_RANGE
+
 _NCCL = re.compile(r"^(?:nccl|rccl)", re.IGNORECASE)
 _NCCL_COLLECTIVE = re.compile(r"^(?:nccl|rccl)(?:Dev)?Kernel_([A-Za-z]+)", re.IGNORECASE)
 # DeepEP (deep_ep::intranode|internode|internode_ll::dispatch|combine|notify_dispatch|...), also
@@ -88,3 +90,12 @@ def kernel_comm_kind(name: str) -> str | None:
 def copy_comm_kind(name: str) -> str | None:
     """A peer-to-peer copy (`Memcpy PtoP`: one GPU's copy engine pulling from another) is communication."""
     return "p2p_copy" if _PEER_COPY.search(name) else None
+
+
+def range_label(name: str) -> tuple[str, str]:
+    """('comm', kind), ('compute', name) or ('wait', '') for an overlapkit range name."""
+    if name == WAIT_RANGE:
+        return "wait", ""
+    if name.startswith(COMM_RANGE_PREFIX):
+        return "comm", name[len(COMM_RANGE_PREFIX):].split(":", 1)[0]
+    return "compute", name[len(COMPUTE_RANGE_PREFIX):]

@@ -1,6 +1,6 @@
 """Which phase of a training step issued a transfer: forward, backward, optimizer, or a pipeline wait.
 
-Seed 004 §14 asks in which phase the costly collectives run, because the switch that hides
+Which phase the costly collectives run in matters, because the switch that hides
 them differs: backward all-reduces hide behind the rest of backward (buckets), forward
 gathers behind earlier layers (prefetch), pipeline transfers behind the other micro-batch.
 The phase of a span is read from the CPU range open on the issuing thread when it was issued:

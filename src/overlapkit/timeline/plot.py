@@ -1,8 +1,9 @@
 """Draw which communication ran beside computation: one lane per (rank, stream), exposed time in red.
 
-`plot_spans` makes the picture of seed 002 Figure 1 from measured spans: compute and
-communication bars on the lanes where they ran, coloured by kind, and under each rank a
-lane with the communication no compute covered. `write_chrome_trace` writes the same spans
+`plot_spans` draws measured spans: compute and communication bars on the lanes where they
+ran, coloured by kind, and under each rank a lane with the communication no compute covered.
+Given critical paths (timeline/critical_path.py), a top lane shows the path coloured by why,
+and each rank gets a lane with the stretches the path spent on it. `write_chrome_trace` writes the same spans
 as a Chrome trace that opens in Perfetto or chrome://tracing.
 """
 
@@ -17,6 +18,9 @@ from .spans import COMPUTE, Span
 COMPUTE_COLOR = "#4c72b0"
 EXPOSED_COLOR = "#d62728"
 OTHER_COLORS = {"memcpy": "#bbbbbb", "memset": "#dddddd", "pp_bubble": "#f0e442"}
+WHY_COLORS = {"compute": COMPUTE_COLOR, "exposed comm": EXPOSED_COLOR, "waiting for rank": "#ff9896",
+              "host launch gap": "#8c564b", "copy": "#bbbbbb", "idle": "#dddddd"}
+PATH_COLOR = "#111111"
 _COMM_PALETTE = ["#ff7f0e", "#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#17becf", "#bcbd22",
                  "#7f7f7f", "#ffbb78", "#98df8a"]
 
@@ -33,8 +37,16 @@ def _stream_order(stream: str) -> tuple:
     return (stream != "compute", tuple((0, int(p), "") if p.isdigit() else (1, 0, p) for p in stream.split()))
 
 
-def plot_groups(groups: dict[str, list[Span]], path: str | Path, title: str | None = None) -> Path:
-    """Draw each group (a rank, or a trace) as its lanes plus an 'exposed comm' lane; returns the path."""
+def _why_color(why: str) -> str:
+    return WHY_COLORS.get("waiting for rank" if why.startswith("waiting for rank") else why, "#999999")
+
+
+def plot_groups(groups: dict[str, list[Span]], path: str | Path, title: str | None = None,
+                critical=None) -> Path:
+    """Draw each group (a rank, or a trace) as its lanes plus an 'exposed comm' lane; returns the path.
+
+    `critical`: critical paths to draw (a lane per group with the path's stretches on its rank, and a
+    top lane with the whole path coloured by why)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -44,7 +56,16 @@ def plot_groups(groups: dict[str, list[Span]], path: str | Path, title: str | No
     everything = [s for ss in groups.values() for s in ss]
     colors = _colors(everything)
     lanes: list[tuple[str, list[tuple[float, float]], str, float]] = []  # label, bars, color, height
+    segments = [seg for p in (critical or []) for seg in p.segments]
+    if segments:
+        for why in sorted({_why_color(x.why) for x in segments}):
+            bars = [(x.start_ms, x.ms) for x in segments if _why_color(x.why) == why]
+            lanes.append(("critical path (all ranks) · by why", bars, why, 0.8))
     for label, spans in groups.items():
+        if segments and spans:
+            mine = [(x.start_ms, x.ms) for x in segments if x.rank == spans[0].rank]
+            if mine:
+                lanes.append((f"{label} · on the critical path", mine, PATH_COLOR, 0.35))
         compute = iv.union((s.start_ms, s.end_ms) for s in spans if s.is_compute)
         comm = iv.union((s.start_ms, s.end_ms) for s in spans if s.is_comm)
         for stream in sorted({s.stream for s in spans}, key=_stream_order):
@@ -76,6 +97,10 @@ def plot_groups(groups: dict[str, list[Span]], path: str | Path, title: str | No
     shown = {s.kind for s in everything}
     handles = [Patch(color=c, label=k) for k, c in colors.items() if k in shown]
     handles.append(Patch(color=EXPOSED_COLOR, label="exposed communication (not covered by compute)"))
+    if segments:
+        handles.append(Patch(color=PATH_COLOR, label="on the critical path"))
+        shown_why = {("waiting for rank" if x.why.startswith("waiting for rank") else x.why) for x in segments}
+        handles += [Patch(color=c, label=f"path: {w}") for w, c in WHY_COLORS.items() if w in shown_why]
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.005, 1.0), fontsize=8, frameon=False)
     ax.set_title(title or "Communication and compute timeline", fontsize=11)
     fig.tight_layout()

@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import os
 
+from .messages import size_text
 from .report import Report, Times
 
+FOLD_IDLE_SHARE = 0.01
+"""In the path table, untraced gaps shorter than this share of the path are shown inside the run around them."""
 _TIME_HEAD = ["step ms", "compute ms", "comm ms", "exposed ms", "overlap %", "idle ms", "T_last ms"]
 
 
@@ -22,14 +25,6 @@ def _ms(x: float | None) -> str:
 def _pct(x: float | None) -> str:
     return "—" if x is None else f"{x:.1f}"
 
-
-def _size(n: int) -> str:
-    if n <= 0:
-        return "?"
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= scale:
-            return f"{n / scale:.1f} {unit}"
-    return f"{n} B"
 
 
 def _times(t: Times, step_ms: float) -> list[str]:
@@ -48,12 +43,12 @@ def tables(report: Report, detail: bool = True) -> list[tuple[str, list[str], li
         out.append(("Per step", ["rank", "step"] + _TIME_HEAD, steps))
     if not detail:
         return out
-    kinds = [[str(r.rank), k.kind, str(k.count), _size(k.nbytes), _ms(k.comm_ms), _ms(k.exposed_ms),
+    kinds = [[str(r.rank), k.kind, str(k.count), size_text(k.nbytes), _ms(k.comm_ms), _ms(k.exposed_ms),
               _pct(k.overlap_pct)] for r in report.ranks for k in r.by_kind]
     if kinds:
         out.append(("Communication by kind", ["rank", "kind", "count", "bytes", "comm ms", "exposed ms",
                                               "overlap %"], kinds))
-    sizes = [[str(r.rank), k.kind, _size(k.nbytes), str(k.count), _ms(k.comm_ms), _ms(k.exposed_ms),
+    sizes = [[str(r.rank), k.kind, size_text(k.nbytes), str(k.count), _ms(k.comm_ms), _ms(k.exposed_ms),
               _ms(k.comm_ms / k.count)] for r in report.ranks for k in r.by_size]
     if sizes:
         out.append(("Communication by kind and message size",
@@ -141,13 +136,13 @@ def diagnosis_tables(analysis, top: int = 12) -> list[tuple[str, list[str], list
         out.append(("Collectives: bandwidth (nccl-tests algbw/busbw) against the link's peak, most time first",
                     ["rank", "kind", "message", "ranks", "count", "median ms", "algbw GB/s", "busbw GB/s", "% of peak",
                      "bound"],
-                    [[str(b.rank), b.kind, _size(b.nbytes), str(b.group_size or "?"), str(b.count), _ms(b.median_ms),
+                    [[str(b.rank), b.kind, size_text(b.nbytes), str(b.group_size or "?"), str(b.count), _ms(b.median_ms),
                       _gbps(b.algbw_gbps), _gbps(b.busbw_gbps), _pct(b.pct_of_peak), b.bound or "?"] for b in bw]))
     ex = [r for r in analysis.exposed_by_phase if r["exposed_ms"] > 0]
     if ex:
         out.append(("Top exposed collectives by phase", ["rank", "phase", "kind", "message", "count", "comm ms",
                                                          "exposed ms"],
-                    [[str(r["rank"]), r["phase"], r["kind"], _size(r["nbytes"]), str(r["count"]), _ms(r["comm_ms"]),
+                    [[str(r["rank"]), r["phase"], r["kind"], size_text(r["nbytes"]), str(r["count"]), _ms(r["comm_ms"]),
                       _ms(r["exposed_ms"])] for r in ex]))
     if analysis.waits:
         behind = {s["rank"]: s["behind_ms"] for s in analysis.stragglers}
@@ -158,9 +153,62 @@ def diagnosis_tables(analysis, top: int = 12) -> list[tuple[str, list[str], list
     return out
 
 
+def representative(paths):
+    """The step whose critical path has the median length (the path tables show it)."""
+    if not paths:
+        return None
+    return sorted(paths, key=lambda p: p.path_ms)[(len(paths) - 1) // 2]
+
+
+def path_rows(path, max_rows: int = 40) -> list[list[str]]:
+    """The path as rows (rank, op, ms, why, start ms), runs of one rank and why merged into one row
+    named by their longest op; at most `max_rows` rows (the shortest runs folded into the last)."""
+    runs: list[list] = []
+    small = FOLD_IDLE_SHARE * path.path_ms
+    for s in path.segments:
+        if runs and runs[-1][0] == s.rank and s.why == "idle" and s.ms < small:
+            runs[-1][2].append(s)  # a short untraced gap inside a run (Python between ops): shown with it
+        elif runs and runs[-1][0] == s.rank and runs[-1][1] == s.why:
+            runs[-1][2].append(s)
+        else:
+            runs.append([s.rank, s.why, [s]])
+    rows = []
+    for rank, why, segs in runs:
+        longest = max((x for x in segs if x.why == why), key=lambda x: x.ms)
+        ops = {x.op for x in segs if x.why == why}
+        gaps = sum(x.ms for x in segs if x.why != why)
+        op = longest.op + (f" (+{len(ops) - 1} other ops)" if len(ops) > 1 else "") + \
+            (f" (+{gaps:.3f} ms untraced gaps between)" if gaps > 0 else "")
+        rows.append([str(rank), op, sum(x.ms for x in segs if x.why == why), why, segs[0].start_ms])
+    if len(rows) > max_rows:
+        keep = sorted(sorted(range(len(rows)), key=lambda i: -rows[i][2])[:max_rows - 1])
+        rest = sum(rows[i][2] for i in range(len(rows)) if i not in set(keep))
+        rows = [rows[i] for i in keep] + [["", f"{len(runs) - len(keep)} shorter runs", rest, "(folded)", 0.0]]
+    return [[r[0], r[1], _ms(r[2]), r[3], _ms(r[4]) if r[3] != "(folded)" else ""] for r in rows]
+
+
+def path_tables(analysis) -> list[tuple[str, list[str], list[list[str]]]]:
+    """(title, header, rows) of the critical path of the median step, the breakdown per step, and the what-ifs."""
+    p = representative(analysis.paths)
+    if p is None:
+        return []
+    out = [(f"Critical path of step {p.step if p.step is not None else '(whole trace)'}: {_ms(p.path_ms)} ms of a "
+            f"{_ms(p.window_ms)} ms step across ranks (--json has every step)",
+            ["rank", "op", "ms", "why", "at ms"], path_rows(p))]
+    whys = ["compute", "exposed comm", "waiting for rank", "host launch gap", "copy", "idle"]
+    body = [[str(q.step), _ms(q.window_ms), _ms(q.path_ms)] + [_ms(q.ms_by(w)) for w in whys] for q in analysis.paths]
+    out.append(("Critical path per step: ms on the path by why", ["step", "step ms", "path ms"] + whys, body))
+    if analysis.what_if:
+        out.append(("What-if, on the critical path (first order: another path may become critical)",
+                    ["if", "step ms", "saves ms", "measured ms"],
+                    [[q["question"], _ms(q["step_ms"]), _ms(q["saving_ms"]), _ms(q["measured_ms"])]
+                     for q in analysis.what_if]))
+    return out
+
+
 def diagnosis_text(diagnosis: list[dict]) -> str:
     """The diagnosis walk as numbered plain-text lines."""
-    lines = ["Diagnosis (seed 004 §15 order)"]
+    lines = ["Diagnosis"]
     for i, d in enumerate(diagnosis, 1):
         lines.append(f"{i}. {d['check']}: {d['verdict']}")
         if d["evidence"]:

@@ -21,22 +21,24 @@ from __future__ import annotations
 
 import bisect
 import gc
-import gzip
-import json
+import math
 import os
-import re
-import zlib
+from sys import intern
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import cpu_trace
-from .fsdp2 import fsdp2_comm, is_fsdp_range
-from .kinds import collective_kind, copy_comm_kind, is_nccl, kernel_comm_kind, nccl_kind_from_name
+from .framework import GRAPH_LAUNCHES, HOST_SYNCS, tag
+from .fsdp2 import is_fsdp_range
+from .gpu_trace import gpu_spans
+from .jsonstream import UNSUPPORTED_DEVICES, TraceEvents, TraceFileError, unsupported
+from .kinds import collective_kind
+from .messages import dtype_bytes, keep
 from .phases import marker_phase, span_phase
 from .ranges import Ranges
-from .spans import COMM_RANGE_PREFIX, COMPUTE, COMPUTE_RANGE_PREFIX, WAIT_RANGE, Span
+from .spans import COMM_RANGE_PREFIX, COMPUTE_RANGE_PREFIX, WAIT_RANGE, Span
 
-__all__ = ["Trace", "TraceError", "collective_kind", "read_trace", "read_traces", "trace_files"]
+__all__ = ["Trace", "TraceError", "collective_kind", "dtype_bytes", "read_trace", "read_traces", "trace_files"]
 
 GPU_CATEGORIES = {"kernel": "kernel", "gpu_memcpy": "memcpy", "memcpy": "memcpy",
                   "gpu_memset": "memset", "memset": "memset"}
@@ -44,16 +46,13 @@ LAUNCH_CATEGORIES = {"cuda_runtime", "cuda_driver", "runtime", "driver"}
 CPU_OP_CATEGORIES = {"cpu_op", "operator"}
 MARKER_CATEGORIES = CPU_OP_CATEGORIES | {"user_annotation", "python_function"}
 """Categories of the CPU ranges that can mark a phase (timeline/phases.py)."""
-UNSUPPORTED_DEVICES = {"mtia": "MTIA", "xpu": "XPU", "hpu": "HPU"}
-"""Category prefixes of device activity overlapkit cannot read (its kernels are not CUDA/ROCm kernels)."""
-_DEVICE_CAT = re.compile(rb'"cat"\s*:\s*"(mtia|xpu|hpu)_', re.IGNORECASE)
-_DTYPE_BYTES = {"float": 4, "float32": 4, "half": 2, "float16": 2, "bfloat16": 2, "c10::bfloat16": 2,
-                "c10::half": 2, "double": 8, "float64": 8, "int": 4, "int32": 4, "long": 8, "int64": 8,
-                "short": 2, "int16": 2, "char": 1, "byte": 1, "int8": 1, "uint8": 1, "bool": 1}
-_STEP = re.compile(r"^ProfilerStep#(\d+)$")
+TAGGED_CATEGORIES = MARKER_CATEGORIES | LAUNCH_CATEGORIES
+"""Categories whose names are evidence of the job's framework (timeline/framework.py)."""
+_STEP_PREFIX = "ProfilerStep#"
 JOB_ID_KEYS = ("group_trace_id", "mast_job_name", "tw_job", "job_id")
 """Trace metadata naming the job, when the profiler wrote one (first found wins)."""
 TRACE_SUFFIXES = (".json", ".json.gz")
+_INF = math.inf
 
 
 class TraceError(ValueError):
@@ -88,55 +87,47 @@ class Trace:
     """The device's name from `deviceProperties` (for the hardware's link peak)."""
     job_id: str | None = None
     """The job's id from the trace metadata (see JOB_ID_KEYS), when present."""
+    issue: list = field(default_factory=list)
+    """Per span (same order as `spans`): (thread, issue ms, launch name) of its launch or issue, or None
+    (compute on a CPU thread; a kernel whose launch is not in the trace)."""
+    host_syncs: list = field(default_factory=list)
+    """(thread, start ms, end ms) of every host call that waited for the GPU (cudaStreamSynchronize, ...)."""
+    host_ops: list = field(default_factory=list)
+    """(thread, start ms, end ms, name) of the outermost CPU ops of each thread: what the host ran."""
+    blocked: list = field(default_factory=list)
+    """(thread, start ms, end ms) a CPU trace's compute threads sat blocked in a wait for communication."""
+    step_ranges: dict = field(default_factory=dict)
+    """ProfilerStep number -> (start ms, end ms) of its CPU range."""
+    evidence: dict = field(default_factory=dict)
+    """Framework evidence: tag -> how many events carried it (timeline/framework.py)."""
 
-
-def _load(path: Path) -> object:
-    try:
-        raw = path.read_bytes()
-    except OSError as e:
-        raise TraceError(f"{path}: cannot read: {e.strerror or e}") from None
-    if raw[:2] == b"\x1f\x8b":
-        try:
-            raw = gzip.decompress(raw)
-        except (EOFError, gzip.BadGzipFile, zlib.error) as e:
-            raise TraceError(f"{path}: truncated or corrupt gzip ({e})") from None
-    # Refuse other devices' traces before parsing them (MTIA traces run to tens of MB of JSON).
-    if (m := _DEVICE_CAT.search(raw)) is not None:
-        raise TraceError(f"{path}: unsupported device: {UNSUPPORTED_DEVICES[m.group(1).decode().lower()]} "
-                         f"(overlapkit reads CUDA/ROCm kernel traces and CPU gloo traces)")
-    try:
-        return json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise TraceError(f"{path}: not a trace: not JSON ({e})") from None
+    def shift(self, offset_ms: float) -> None:
+        """Move every time of the trace `offset_ms` earlier (a new origin, or a clock correction)."""
+        if not offset_ms:
+            return
+        self.spans = [s.shifted(offset_ms) for s in self.spans]
+        self.issue = [None if i is None else (i[0], i[1] - offset_ms, *i[2:]) for i in self.issue]
+        self.host_syncs = [(t, a - offset_ms, b - offset_ms) for t, a, b in self.host_syncs]
+        self.host_ops = [(t, a - offset_ms, b - offset_ms, n) for t, a, b, n in self.host_ops]
+        self.blocked = [(t, a - offset_ms, b - offset_ms) for t, a, b in self.blocked]
+        self.step_ranges = {n: (a - offset_ms, b - offset_ms) for n, (a, b) in self.step_ranges.items()}
 
 
 def _number(path: Path, i: int, e: dict, key: str) -> float:
     value = e.get(key, 0) or 0
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         try:
-            return float(value)
+            value = float(value)
         except (TypeError, ValueError):
             raise TraceError(f"{path}: event {i} ({str(e.get('name', '?'))[:60]!r}) has a non-numeric "
                              f"{key}: {str(value)[:40]!r}") from None
     return float(value)
 
 
-def dtype_bytes(dtype: object) -> int:
-    """Bytes per element of a trace's dtype name (`Float`, `BFloat16`, `c10::Half`); 0 when unknown."""
-    return _DTYPE_BYTES.get(str(dtype).lower(), 0)
-
-
-def _message(meta: dict) -> tuple[int, int]:
-    """(message bytes, group size) from collective metadata; 0 where unknown."""
-    elems = max(int(meta.get("In msg nelems", 0) or 0), int(meta.get("Out msg nelems", 0) or 0))
-    return elems * dtype_bytes(meta.get("dtype", "")), int(meta.get("Group size", 0) or 0)
-
-
-def _unsupported(path: Path, categories: set[str], meta: dict) -> None:
-    for prefix, device in UNSUPPORTED_DEVICES.items():
-        if any(c.startswith(prefix) for c in categories):
-            raise TraceError(f"{path}: unsupported device: {device} (overlapkit reads CUDA/ROCm kernel "
-                             f"traces and CPU gloo traces)")
+def _bad_time(path: Path, i: int, e: dict, ts: float, dur: float) -> TraceError:
+    what = ("a NaN or infinite ts" if not -_INF < ts < _INF else
+            "a NaN or infinite dur" if dur != dur or dur == _INF else f"a negative dur ({dur:g} µs)")
+    return TraceError(f"{path}: event {i} ({str(e.get('name', '?'))[:60]!r}) has {what}: a corrupt trace")
 
 
 def _gpu_name(meta: dict) -> str | None:
@@ -146,76 +137,107 @@ def _gpu_name(meta: dict) -> str | None:
     return None
 
 
-def read_trace(path: str | Path, rank: int | None = None, last_step: bool = False) -> Trace:
+def _outermost(ops) -> list:
+    """The ops no other op of the same thread encloses, per thread, in time order."""
+    out, last_end = [], {}
+    for tid, a, b, name in sorted(ops, key=lambda o: (str(o[0]), o[1], -o[2])):
+        if a >= last_end.get(tid, -_INF):
+            out.append((tid, a, b, name))
+            last_end[tid] = b
+    return out
+
+
+def read_trace(path: str | Path, rank: int | None = None, last_step: bool = False, stream: bool | None = None,
+               on_bytes=None) -> Trace:
     """Read one rank's profiler trace (`.json` or `.json.gz`). Raises TraceError on bad input.
 
     `rank` overrides (or supplies) the rank of `distributedInfo`; `last_step` keeps the last
     ProfilerStep of a trace with several (dropped by default, see the module docstring).
+    `stream` forces (True) or forbids (False) the streamed, bounded-memory parse (default: by
+    size, timeline/jsonstream.py); `on_bytes(n)` is told how many bytes of the file were read.
     """
     path = Path(path)
-    doc = _load(path)
-    events = doc.get("traceEvents") if isinstance(doc, dict) else doc
-    if not isinstance(events, list) or not all(isinstance(e, dict) for e in events[:100]):
-        raise TraceError(f"{path}: not a trace: no traceEvents list of events")
-    meta = doc if isinstance(doc, dict) else {}
-    base_us = float(meta.get("baseTimeNanoseconds", 0) or 0) / 1e3
-
-    gpu, launches, steps, categories = [], {}, [], set()
+    if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or rank < 0):
+        raise TraceError(f"rank {rank!r}: a rank is an integer >= 0")
+    try:
+        source = TraceEvents(path, stream=stream, on_bytes=on_bytes)
+    except TraceFileError as e:
+        raise TraceError(f"{path}: {e}") from None
+    gpu, launches, steps, categories, syncs, evidence = [], {}, [], set(), [], {}
     ranges, param_comms, param_by_ext, markers, fsdp = Ranges(), Ranges(), {}, Ranges(), Ranges()
     gloo, ops = [], []
-    for i, e in enumerate(events):
-        if not isinstance(e, dict) or e.get("ph") != "X" or "ts" not in e:
-            continue
-        cat, name, args = str(e.get("cat", "")).lower(), str(e.get("name", "")), e.get("args") or {}
-        ts, dur = e["ts"], e.get("dur", 0)
-        if type(ts) not in (int, float) or type(dur) not in (int, float):  # the rare case, checked in full
-            ts, dur = _number(path, i, e, "ts"), _number(path, i, e, "dur")
-        categories.add(cat)
-        tid = e.get("tid")
-        if cat in GPU_CATEGORIES:
-            gpu.append((GPU_CATEGORIES[cat], name, ts, ts + dur, args))
-        elif cat in LAUNCH_CATEGORIES and "correlation" in args:
-            launches[args["correlation"]] = (tid, ts)
-        elif cat.startswith("gpu_"):
-            continue  # gpu_user_annotation: GPU images of CPU ranges, not work of their own
-        elif (m := _STEP.match(name)) is not None:
-            steps.append((ts, ts + dur, int(m.group(1))))
-        elif name.startswith((COMM_RANGE_PREFIX, COMPUTE_RANGE_PREFIX)) or name == WAIT_RANGE:
-            ranges.add(tid, ts, ts + dur, {"name": name, "ts": ts})
-        elif is_fsdp_range(name):
-            fsdp.add(tid, ts, ts + dur, {"name": name})
-        elif name == "record_param_comms":
-            param_comms.add(tid, ts, ts + dur, args)
-            if "External id" in args:
-                param_by_ext[args["External id"]] = args
-        elif name.startswith("gloo:"):
-            gloo.append((tid, ts, ts + dur, name, args))
-        elif cat in CPU_OP_CATEGORIES:
-            ops.append((tid, ts, ts + dur, name))
-        if cat in MARKER_CATEGORIES and (phase := marker_phase(name)) is not None:
-            markers.add(tid, ts, ts + dur, {"phase": phase})
-    _unsupported(path, categories, meta)
+    try:
+        for i, e in enumerate(source):
+            if not isinstance(e, dict):
+                if i < 100:
+                    raise TraceError(f"{path}: not a trace: no traceEvents list of events")
+                continue
+            if e.get("ph") != "X" or "ts" not in e:
+                continue
+            cat, name, args = str(e.get("cat", "")).lower(), str(e.get("name", "")), e.get("args") or {}
+            ts, dur = e["ts"], e.get("dur", 0)
+            if type(ts) not in (int, float) or type(dur) not in (int, float):  # the rare case, checked in full
+                ts, dur = _number(path, i, e, "ts"), _number(path, i, e, "dur")
+            if not (-_INF < ts < _INF and 0 <= dur < _INF):
+                raise _bad_time(path, i, e, ts, dur)
+            if cat not in categories:
+                categories.add(cat)
+                if (device := cat.split("_", 1)[0]) in UNSUPPORTED_DEVICES:
+                    raise unsupported(device)
+            tid = e.get("tid")
+            if cat in TAGGED_CATEGORIES and (t := tag(name)) is not None:
+                evidence[t] = evidence.get(t, 0) + 1
+            if cat in GPU_CATEGORIES:
+                gpu.append((GPU_CATEGORIES[cat], name, ts, ts + dur, keep_gpu(args)))
+            elif cat in LAUNCH_CATEGORIES:
+                if "correlation" in args:
+                    launches[args["correlation"]] = (tid, ts, name)
+                if name in HOST_SYNCS:
+                    syncs.append((tid, ts, ts + dur))
+            elif cat.startswith("gpu_"):
+                continue  # gpu_user_annotation: GPU images of CPU ranges, not work of their own
+            elif name.startswith(_STEP_PREFIX) and name[len(_STEP_PREFIX):].isdigit():
+                steps.append((ts, ts + dur, int(name[len(_STEP_PREFIX):])))
+            elif name.startswith((COMM_RANGE_PREFIX, COMPUTE_RANGE_PREFIX)) or name == WAIT_RANGE:
+                ranges.add(tid, ts, ts + dur, {"name": name, "ts": ts})
+            elif is_fsdp_range(name):
+                fsdp.add(tid, ts, ts + dur, {"name": name})
+            elif name == "record_param_comms":
+                param_comms.add(tid, ts, ts + dur, keep(args))
+                if "External id" in args:
+                    param_by_ext[args["External id"]] = keep(args)
+            elif name.startswith("gloo:"):
+                gloo.append((tid, ts, ts + dur, name, keep(args)))
+            elif cat in CPU_OP_CATEGORIES:
+                ops.append((tid, ts, ts + dur, intern(name)))  # op names repeat: keep one copy of each
+            if cat in MARKER_CATEGORIES and (phase := marker_phase(name)) is not None:
+                markers.add(tid, ts, ts + dur, {"phase": phase})
+    except TraceFileError as e:
+        raise TraceError(f"{path}: {e}") from None
+    meta = source.meta
+    base_us = float(meta.get("baseTimeNanoseconds", 0) or 0) / 1e3
     for r in (ranges, param_comms, markers, fsdp):
         r.freeze()
     steps.sort()
 
     info = meta.get("distributedInfo") if isinstance(meta.get("distributedInfo"), dict) else {}
-    compute_known, notes = True, []
+    compute_known, notes, blocked = True, [], []
     if gpu:
-        raw = _gpu_spans(gpu, launches, ranges, param_comms, param_by_ext, markers, fsdp)
+        raw = gpu_spans(gpu, launches, ranges, param_comms, param_by_ext, markers, fsdp)
         device = "gpu"
     elif launches:
         raise TraceError(f"{path}: {len(launches)} CUDA launches but no kernel, memcpy or memset events: "
                          f"profile with ProfilerActivity.CUDA to see the GPU")
     else:
-        raw, compute_known, notes = cpu_trace.cpu_spans(ranges, gloo, ops, markers, info, fsdp)
+        raw, compute_known, notes, blocked = cpu_trace.cpu_spans(ranges, gloo, ops, markers, info, fsdp)
         device = "cpu"
+    del gpu, launches, gloo
     if not raw:
         raise TraceError(f"{path}: no GPU kernels, memcpy or memset, and no CPU ops, overlapkit or gloo "
                          f"ranges: nothing to analyze")
 
     if rank is None:
-        if not isinstance(info.get("rank"), int):
+        if not isinstance(info.get("rank"), int) or info["rank"] < 0:
             raise TraceError(f"{path}: no rank: the trace has no distributedInfo.rank "
                              f"(profile with torch.distributed initialized, or give the rank)")
         rank = info["rank"]
@@ -233,21 +255,43 @@ def read_trace(path: str | Path, rank: int | None = None, last_step: bool = Fals
         return steps[i][2] if i >= 0 and t <= steps[i][1] else None
 
     origin = min(r[1].start_ms for r in raw)
-    spans = []
-    for issued, s, launched in raw:
+    ms = lambda t: (t - origin) / 1e3  # noqa: E731
+    placed = []
+    for issued, s, launched, issuer in raw:
         step = step_of(issued if launched else None)
         phase = span_phase(s.kind, s.phase, step is not None) if s.is_comm or s.phase else None
-        spans.append(_place(s, origin, rank, step, phase))
-    spans.sort(key=lambda s: (s.start_ms, s.end_ms))
-    stepless = sum(1 for _, _, launched in raw if not launched)
+        how = None if issuer is None else (issuer[0], ms(issuer[1]), issuer[2] if len(issuer) > 2 else "")
+        placed.append((_place(s, origin, rank, step, phase), how))
+    placed.sort(key=lambda p: (p[0].start_ms, p[0].end_ms))
+    stepless = sum(1 for _, _, launched, _ in raw if not launched)
     if stepless:
         notes.append(f"{stepless} GPU events have no launch in the trace: counted, in no step")
+    graphs = sum(1 for _, how in placed if how is not None and how[2] in GRAPH_LAUNCHES)
+    if graphs:
+        notes.append(f"{graphs} kernels replayed by CUDA graphs: tied to their graph's launch")
+    spans = [p[0] for p in placed]
     kept = sorted({s.step for s in spans if s.step is not None})
     world = info.get("world_size")
     job = next((str(meta[k]) for k in JOB_ID_KEYS if meta.get(k)), None)
     return Trace(path=str(path), rank=rank, world_size=world if isinstance(world, int) else None, spans=spans,
                  origin_unix_ms=(base_us + origin) / 1e3, steps=kept, dropped_step=dropped, device=device,
-                 compute_known=compute_known, notes=notes, gpu_name=_gpu_name(meta), job_id=job)
+                 compute_known=compute_known, notes=notes, gpu_name=_gpu_name(meta), job_id=job,
+                 issue=[p[1] for p in placed], host_syncs=[(t, ms(a), ms(b)) for t, a, b in syncs],
+                 host_ops=[(t, ms(a), ms(b), n) for t, a, b, n in _outermost(ops)],
+                 blocked=[(t, ms(a), ms(b)) for t, a, b in blocked],
+                 step_ranges={n: (ms(a), ms(b)) for a, b, n in steps if n in kept or n == dropped},
+                 evidence=evidence)
+
+
+_GPU_ARGS = ("correlation", "stream", "device", "bytes", "External id")
+
+
+def keep_gpu(args: dict) -> dict:
+    """What the reader needs of a GPU event's args (a kernel's carry a dozen more fields)."""
+    out = {k: args[k] for k in _GPU_ARGS if k in args}
+    if "Collective name" in args:
+        out.update(keep(args))
+    return out
 
 
 def _place(s: Span, origin_us: float, rank: int, step: int | None, phase: str | None) -> Span:
@@ -255,61 +299,6 @@ def _place(s: Span, origin_us: float, rank: int, step: int | None, phase: str | 
     return Span(kind=s.kind, name=s.name, stream=s.stream, start_ms=(s.start_ms - origin_us) / 1e3,
                 end_ms=(s.end_ms - origin_us) / 1e3, rank=rank, nbytes=s.nbytes,
                 group_size=s.group_size, step=step, phase=phase, group=s.group)
-
-
-def range_label(name: str) -> tuple[str, str]:
-    """('comm', kind), ('compute', name) or ('wait', '') for an overlapkit range name."""
-    if name == WAIT_RANGE:
-        return "wait", ""
-    if name.startswith(COMM_RANGE_PREFIX):
-        return "comm", name[len(COMM_RANGE_PREFIX):].split(":", 1)[0]
-    return "compute", name[len(COMPUTE_RANGE_PREFIX):]
-
-
-def _gpu_spans(gpu, launches, ranges, param_comms, param_by_ext, markers, fsdp) -> list[tuple[float, Span, bool]]:
-    """(launch time, span in raw µs, has a launch) for every kernel, memcpy and memset."""
-    devices = {a.get("device") for _, _, _, _, a in gpu}
-    out = []
-    for what, name, start, end, args in gpu:
-        launch = launches.get(args.get("correlation"))
-        issued = launch[1] if launch else start
-        stream = f"stream {args.get('stream', '?')}"
-        if len(devices) > 1:
-            stream = f"gpu {args.get('device')} {stream}"
-        rng = ranges.find(launch[0], launch[1]) if launch else None
-        label = range_label(rng["name"]) if rng else (None, None)
-        kind, span_name, nbytes, group, pg = COMPUTE, name, 0, 0, ""
-        if what != "kernel":
-            kind, nbytes = copy_comm_kind(name) or what, int(args.get("bytes", 0) or 0)
-        elif is_nccl(name):
-            kind, nbytes, group, pg = _nccl_kind(name, args, launch, param_comms, param_by_ext)
-        elif (other := kernel_comm_kind(name)) is not None:
-            kind = other
-        elif label[0] == "compute":
-            span_name = label[1]
-        if kind != COMPUTE and launch and (chain := fsdp.enclosing(*launch)):
-            # FSDP2's collective (not its copy-in/out kernels): its ZeRO-3 kind, named by module.
-            got = fsdp2_comm([r["name"] for r in chain], kind.removeprefix("zero_"))
-            if got is not None:
-                kind, span_name = got
-        if label[0] == "comm":
-            kind = label[1]  # our own range names the transfer, whatever ran it
-        marked = markers.find(*launch) if launch else None
-        out.append((issued, Span(kind=kind, name=span_name, stream=stream, start_ms=start, end_ms=end,
-                                 nbytes=nbytes, group_size=group, group=pg,
-                                 phase=marked["phase"] if marked else None), launch is not None))
-    return out
-
-
-def _nccl_kind(name, args, launch, param_comms, param_by_ext) -> tuple[str, int, int, str]:
-    """(collective, message bytes, group size, process group ranks) of an NCCL kernel."""
-    meta = args if "Collective name" in args else param_by_ext.get(args.get("External id"))
-    if (meta is None or "Collective name" not in meta) and launch:
-        meta = param_comms.find(*launch)
-    if meta is not None and "Collective name" in meta:
-        nbytes, group = _message(meta)
-        return collective_kind(str(meta["Collective name"])), nbytes, group, str(meta.get("Process Group Ranks", ""))
-    return nccl_kind_from_name(name), 0, 0, ""
 
 
 def _without_gc(fn, *args, **kwargs):
@@ -342,22 +331,27 @@ def trace_files(paths) -> list[Path]:
     return out
 
 
-def read_traces(paths, rank: int | None = None, last_step: bool = False) -> list[Trace]:
+def read_traces(paths, rank: int | None = None, last_step: bool = False, stream: bool | None = None,
+                progress=None) -> list[Trace]:
     """Read several ranks' traces (files or directories) onto one time axis when they overlap in time.
 
     Traces of one job share the wall clock, so their spans line up; traces that never overlap
     in time (different jobs) would be years apart on one axis, so each keeps its own origin.
+    `progress`: an object with `feed(path) -> on_bytes` (timeline/progress.py's bar).
     """
     files = trace_files(paths)
     if rank is not None and len(files) != 1:
         raise TraceError(f"a rank can be given for one trace only, not {len(files)}")
-    traces = [_without_gc(read_trace, p, rank=rank, last_step=last_step) for p in files]
+    traces = []
+    for p in files:
+        traces.append(_without_gc(read_trace, p, rank=rank, last_step=last_step, stream=stream,
+                                  on_bytes=None if progress is None else progress.feed(p)))
     starts = [t.origin_unix_ms for t in traces]
     ends = [t.origin_unix_ms + max(s.end_ms for s in t.spans) for t in traces]
     if len(traces) > 1 and max(starts) < min(ends):
         origin = min(starts)
         for t in traces:
-            t.spans = [s.shifted(origin - t.origin_unix_ms) for s in t.spans]
+            t.shift(origin - t.origin_unix_ms)
             t.origin_unix_ms = origin
     return traces
 
