@@ -120,8 +120,11 @@ def is_hf(model: nn.Module) -> bool:
 
 def after_hf(model: nn.Module, group) -> None:
     """What an HF model needs beyond the styles: with an output head split over the vocabulary,
-    HF's `labels=` loss on split logits."""
+    HF's `labels=` loss on split logits; a `save_pretrained` that writes whole tensors."""
     from ..tensor_parallel.layers import ColumnParallelLinear
+    from .hf_checkpoint import wrap_save_pretrained
+
+    wrap_save_pretrained(model)
 
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if isinstance(head, ColumnParallelLinear) and not head.gather_output and hasattr(model, "loss_function"):
