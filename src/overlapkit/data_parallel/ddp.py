@@ -316,14 +316,25 @@ class DataParallel(nn.Module):
         self._register_state_dict_hook(_strip_module_prefix)
         self._register_load_state_dict_pre_hook(_add_module_prefix)
 
+    def _fqn_modifiers(self) -> dict[str, str]:
+        # torch.distributed.checkpoint.state_dict's hook for wrappers whose state_dict() renames
+        # keys: each top-level name of the wrapped module lives under `self.module`, so
+        # get_state_dict / set_state_dict use the same unprefixed names state_dict() gives.
+        m = self.module
+        return {name: "module" for name in (*m._modules, *m._parameters, *m._buffers)}
+
     def localize_for_flat_parameters(self) -> None:
         """Make the parameters plain local tensors and rebuild the gradient buffer on them.
 
         For engines that turn parameters into views of one flat buffer (ShardedOptimizer);
         `state_dict()` still gives DTensors for the TP layers.
         """
+        if not any(hasattr(p, "device_mesh") for p in self.module.parameters()):
+            return  # plain already: the buffer fits
         for h in self.sync._hooks:
             h.remove()
+        for p in self.sync.params:
+            p._overlapkit_grad_sync = False  # this sync is replaced, not doubled
         localize_parameters(self.module)
         named = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
         self.sync = GradSync(named, self.group, self.config, self.sync.sp_group)
