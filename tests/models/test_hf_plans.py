@@ -103,14 +103,24 @@ def test_what_the_translation_cannot_express_is_refused_naming_the_module():
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from overlapkit.models import translate_hf_plan
+    from overlapkit.tensor_parallel import ScatterSequence
 
-    # A MoE family: its experts' fused projections and expert style have no overlapkit style.
+    # A MoE family. transformers 5.24's plan shards the experts' fused projections (no overlapkit
+    # style): refused, naming them. 5.17's names only the attention and dense-MLP paths the MoE
+    # block lacks: the experts stay whole (their gradient complete), and SP steps aside because
+    # the router and experts are not known to act per token.
     moe = AutoModelForCausalLM.from_config(AutoConfig.for_model(
         "qwen2_moe", hidden_size=32, intermediate_size=64, moe_intermediate_size=16, shared_expert_intermediate_size=16,
         num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, vocab_size=64, num_experts=4,
         num_experts_per_tok=2))
-    with pytest.raises(ValueError, match=r"model\.layers\.[0*]\.mlp\.experts.*pass plan="):
-        translate_hf_plan(moe, 2, overlap="none", sequence_parallel=None)
+    if any("experts" in k for k in moe.tp_plan):
+        with pytest.raises(ValueError, match=r"model\.layers\.[0*]\.mlp\.experts.*pass plan="):
+            translate_hf_plan(moe, 2, overlap="none", sequence_parallel=None)
+    else:
+        plan = translate_hf_plan(moe, 2, overlap="none", sequence_parallel=None)
+        assert not any(".mlp" in k or isinstance(s, ScatterSequence) for k, s in plan.items()), plan
+        with pytest.raises(ValueError, match=r"sequence_parallel=True: model\.layers\.0\.mlp\.\w+ \(Qwen2Moe"):
+            translate_hf_plan(moe, 2, overlap="none", sequence_parallel=True)
     # A family without a plan.
     stablelm = AutoModelForCausalLM.from_config(AutoConfig.for_model(
         "stablelm", hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4, vocab_size=64))

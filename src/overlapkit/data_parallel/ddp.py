@@ -306,6 +306,13 @@ class DataParallel(nn.Module):
                 "overlapkit.expert_parallel.average_data_parallel_grads for a model with MoE layers")
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         self.sync = GradSync(named, group, self.config, sequence_parallel_group)
+        # No .grad before the first forward, as with torch's DDP: torch's get_state_dict takes
+        # existing gradients for "this optimizer has stepped" and gives a fresh optimizer an empty
+        # template, so set_state_dict would restore no optimizer state at all, silently. The
+        # buffer views are attached (zeroed) when the first forward runs.
+        for p in self.sync.params:
+            p.grad = None
+        self._grads_attached = False
         # With a sequence_parallel_group the TP sum of sequence-parallel gradients happens in
         # backward; allreduce_sequence_parallel_grads refuses to do it a second time.
         self.sums_sequence_parallel_grads = sequence_parallel_group is not None
@@ -314,7 +321,15 @@ class DataParallel(nn.Module):
         # state_dict() without the "module." prefix: a DataParallel's checkpoint (DCP, torch.save)
         # is the wrapped model's, loadable into it unwrapped (a plain HF model) and back.
         self._register_state_dict_hook(_strip_module_prefix)
-        self._register_load_state_dict_pre_hook(_add_module_prefix)
+        self._register_load_state_dict_pre_hook(_add_module_prefix, with_module=True)
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+        """The wrapped module's parameters under the names `state_dict()` gives (no "module." prefix),
+        so that torch's get_optimizer_state_dict keys the optimizer state as the model state."""
+        return self.module.named_parameters(prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate)
+
+    def named_buffers(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+        return self.module.named_buffers(prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate)
 
     def _fqn_modifiers(self) -> dict[str, str]:
         # torch.distributed.checkpoint.state_dict's hook for wrappers whose state_dict() renames
@@ -343,6 +358,9 @@ class DataParallel(nn.Module):
         if not self.sync._in_backward:
             self.check_layout()
             self.sync.reset()
+        if not self._grads_attached:
+            self.sync.buffer.zero_()
+            self._grads_attached = True
         with compute_span("forward"):
             out = self.module(*args, **kwargs)
         if torch.is_grad_enabled():

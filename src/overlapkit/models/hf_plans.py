@@ -219,7 +219,7 @@ def _is_mlp(block: str) -> bool:
 def _layers_list(modules: dict, blocks: set, cls: str) -> str | None:
     """The path of the ModuleList of decoder layers that holds every column/row block."""
     lists = set()
-    for block in blocks:
+    for block in sorted(blocks):
         parts = block.split(".")
         where = [i for i in range(1, len(parts)) if parts[i].isdigit()
                  and isinstance(modules.get(".".join(parts[:i])), nn.ModuleList)]
@@ -270,7 +270,7 @@ def _sp_plan(model, modules: dict, styles: dict, blocks: set, layers: str | None
 def _refuse_partial_grads(modules: dict, styles: dict, blocks: set, linears: dict) -> None:
     """A module with parameters beside column layers that output local heads would see only this
     rank's heads: its gradient is a partial sum unless the plan says so (replicated_with_grad_allreduce)."""
-    for block in blocks:
+    for block in sorted(blocks):
         if _is_mlp(block) or not any(linears.get(f"{block}.{n}") in COLWISE for n, _ in modules[block].named_children()):
             continue
         for name, sub in modules[block].named_modules():

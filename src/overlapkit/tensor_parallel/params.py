@@ -173,6 +173,9 @@ class LocalShardParams:
             value, param = state_dict[key], getattr(self, name)
             shape = tuple(self._global_shape(name))
             if is_dtensor(value):
+                if is_dtensor(param) and value.device_mesh == param.device_mesh and \
+                        tuple(value.placements) == tuple(param.placements):
+                    continue  # the parameter's own layout (FSDP2's 2-D on top): nn.Module copies it
                 if self.mesh is None or value.device_mesh != self.mesh:
                     raise ValueError(f"{label}: state_dict[{key!r}] is a DTensor on {value.device_mesh}; this "
                                      f"layer's parameters live on {self.mesh}")
