@@ -145,3 +145,25 @@ def test_sequence_parallel_steps_aside_for_a_module_that_is_not_per_token():
         translate_hf_plan(model, 2, overlap="none", sequence_parallel=True)
     plan = translate_hf_plan(model, 2, overlap="none", sequence_parallel=None)
     assert not any(isinstance(s, ScatterSequence) for s in plan.values())
+
+
+def test_hf_tp_plan_reads_the_merged_plan_or_builds_it_from_the_config():
+    from types import SimpleNamespace
+
+    from overlapkit.models import hf_tp_plan
+
+    model = hf_families.build("llama", 2)
+    plan = hf_tp_plan(model)
+    assert plan["lm_head"] in ("colwise_rep", "colwise_gather_output")
+    assert plan["model.layers.*.self_attn.o_proj"] == "rowwise"
+
+    class Old(nn.Module):  # a release without `tp_plan`: the config's plan under the base model, then the head's
+        base_model_prefix = "model"
+        _tp_plan = {"lm_head": "colwise_rep"}
+
+        def __init__(self):
+            super().__init__()
+            self.model = nn.Module()
+            self.config = SimpleNamespace(base_model_tp_plan={"layers.*.mlp.up_proj": "colwise"})
+
+    assert hf_tp_plan(Old()) == {"model.layers.*.mlp.up_proj": "colwise", "lm_head": "colwise_rep"}
