@@ -43,8 +43,9 @@ def _errors(ref, model, tp: int) -> dict:
     return errs
 
 
-def _family_cases(families, sps) -> dict:
+def _family_cases(families, sps, overlap: str = "bulk") -> dict:
     import overlapkit
+    from overlapkit.models import translate_hf_plan
     from overlapkit.tensor_parallel import ScatterSequence
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -54,11 +55,11 @@ def _family_cases(families, sps) -> dict:
     for family in families:
         for sp in sps:
             ref = hf_families.build(family, tp)
-            plan = overlapkit.models.translate_hf_plan(ref, tp, overlap="bulk", sequence_parallel=sp)
-            errs = _errors(ref, overlapkit.parallelize(copy.deepcopy(ref), mesh, overlap="bulk",
+            plan = translate_hf_plan(ref, tp, overlap=overlap, sequence_parallel=sp)
+            errs = _errors(ref, overlapkit.parallelize(copy.deepcopy(ref), mesh, overlap=overlap,
                                                        sequence_parallel=sp), tp)
             errs["sp_on"] = float(any(isinstance(s, ScatterSequence) for s in plan.values()))
-            out[(family, sp)] = errs
+            out[(family, sp, overlap)] = errs
     return out
 
 
@@ -66,6 +67,7 @@ def _family_cases(families, sps) -> dict:
 def _tp2():
     out = _family_cases(hf_families.FAMILIES, (None,))
     out.update(_family_cases(("qwen2", "phi3", "gpt_neox"), (False,)))
+    out.update(_family_cases(("qwen2", "phi3", "gemma"), (None,), overlap="pipelined"))
     return out
 
 
