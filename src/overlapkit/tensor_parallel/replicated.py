@@ -15,7 +15,9 @@ of the data (a norm on this rank's slice of the sequence, a norm over this rank'
 all-reduce of the gradient over the TP group inside autograd (Megatron's f: identity forward,
 all-reduce backward), so `.grad` is complete when backward returns and FSDP2, which replaces
 the Parameter objects, still gets the summed gradient (the hook finds whatever tensors the
-module holds at each forward).
+module holds at each forward). Under torch.compile the sum is a gradient hook on the parameter
+instead (the recorder around the all-reduce cannot be traced), run eagerly before the gradient
+is accumulated, so `.grad` is complete all the same.
 """
 
 from __future__ import annotations
@@ -23,8 +25,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .. import comm
 from .mappings import copy_to_tp
-from .params import LocalShardParams, is_dtensor
+from .params import LocalShardParams, grad_as_param, is_dtensor, param_parts
 
 _HOOKS = "_overlapkit_replicated_hooks"
 """Module attribute: (handles, TP group or None for no gradient sum) once the hooks are installed."""
@@ -101,15 +104,36 @@ def replicate_parameters(model: nn.Module, mesh, group) -> nn.Module:
 def _local_views(module: nn.Module, _args) -> None:
     _, group, name = getattr(module, _HOOKS)
     saved = {}
+    compiling = torch.compiler.is_compiling()
     for pname, p in module._parameters.items():
         if p is None or not (is_dtensor(p) or group is not None and p.requires_grad):
             continue
         saved[pname] = p
         view = LocalShardParams.local(p) if p.requires_grad and torch.is_grad_enabled() else _local_data(p)
         if group is not None and view.requires_grad:
-            view = copy_to_tp(view, group, name)  # partial gradients summed over TP in backward
+            if compiling:
+                # The recorder around the all-reduce cannot be traced: under torch.compile the sum
+                # is a gradient hook on the parameter itself, run eagerly before accumulation.
+                if not getattr(p, _SUM_HOOKED, False):
+                    p.register_hook(_sum_over_tp(group, name))
+                    setattr(p, _SUM_HOOKED, True)
+            elif not getattr(p, _SUM_HOOKED, False):
+                view = copy_to_tp(view, group, name)  # partial gradients summed over TP in backward
         module._parameters[pname] = view
     module.__dict__.setdefault("_overlapkit_saved_params", []).append(saved)
+
+
+_SUM_HOOKED = "_overlapkit_sp_grad_hook"
+"""Set on a parameter whose gradient hook sums it over TP (it then needs no sum in its view)."""
+
+
+def _sum_over_tp(group, name: str):
+    def hook(grad: torch.Tensor) -> torch.Tensor:
+        spec, local = param_parts(grad)
+        local = local.contiguous().clone()
+        comm.all_reduce(local, group, kind="tp_all_reduce", name=name, async_op=False)
+        return local if spec is None else grad_as_param(local, spec, local)
+    return hook
 
 
 def _restore(module: nn.Module, _args, _out) -> None:
