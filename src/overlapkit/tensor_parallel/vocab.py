@@ -60,6 +60,8 @@ class VocabParallelEmbedding(LocalShardParams, nn.Module):
         self.mesh, self.group = tp_mesh_and_group(mesh_or_group)
         self.tp_size, self.tp_rank = comm.group_size(self.group), comm.group_rank(self.group)
         self.num_embeddings, self.embedding_dim, self.name = num_embeddings, embedding_dim, name
+        self.padding_idx = None
+        """nn.Embedding's padding_idx (a global id): that row's gradient stays zero."""
         self.vocab_start, self.vocab_end = vocab_range(num_embeddings, self.group)
         self._init_state_dict_hooks()
         self._placements["weight"] = [Shard(0)]
@@ -81,12 +83,12 @@ class VocabParallelEmbedding(LocalShardParams, nn.Module):
     @classmethod
     def from_full(cls, embedding: nn.Embedding, mesh_or_group, **kwargs) -> "VocabParallelEmbedding":
         """This rank's rows of an unsharded nn.Embedding (same dtype and device)."""
-        if embedding.padding_idx is not None or embedding.max_norm is not None or embedding.sparse:
-            raise ValueError("VocabParallelEmbedding.from_full: padding_idx, max_norm and sparse embeddings are "
-                             f"not supported (got padding_idx={embedding.padding_idx}, max_norm={embedding.max_norm}, "
-                             f"sparse={embedding.sparse})")
+        if embedding.max_norm is not None or embedding.sparse:
+            raise ValueError("VocabParallelEmbedding.from_full: max_norm and sparse embeddings are not supported "
+                             f"(got max_norm={embedding.max_norm}, sparse={embedding.sparse})")
         layer = cls(embedding.num_embeddings, embedding.embedding_dim, mesh_or_group, device="meta",
                     dtype=embedding.weight.dtype, **kwargs)
+        layer.padding_idx = embedding.padding_idx
         layer.to_empty(device=embedding.weight.device)
         with torch.no_grad():
             layer.local_data("weight").copy_(layer.shard_of(embedding.weight))
@@ -101,7 +103,10 @@ class VocabParallelEmbedding(LocalShardParams, nn.Module):
             raise ValueError(f"{self.name}: token ids must be int32/int64, got {ids.dtype}")
         outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
         local_ids = (ids - self.vocab_start).masked_fill(outside, 0)
-        out = F.embedding(local_ids, self.local(self.weight))
+        pad = self.padding_idx
+        # nn.Embedding's padding row gets no gradient: the rank that owns it passes its local index.
+        pad = pad - self.vocab_start if pad is not None and self.vocab_start <= pad < self.vocab_end else None
+        out = F.embedding(local_ids, self.local(self.weight), padding_idx=pad)
         out = out.masked_fill(outside.unsqueeze(-1), 0.0)
         return reduce_from_tp(out, self.group, self.name)
 
