@@ -119,3 +119,52 @@ def _default_timeout():
 
 def test_groups_default_to_the_worlds_timeout():
     assert _default_timeout() == [30.0, 30.0]
+
+
+@distributed(world_size=2, timeout_s=9)
+def _init_after_the_world():
+    import overlapkit
+    from overlapkit.groups import group_timeout_s
+    g = overlapkit.init(tp=2)  # the world exists (9 s): no timeout_s given, so the world's it is
+    return [group_timeout_s(x) for x in (g.tp, g.dp, g.pp, g.cp, g.ep)], g.timeout_s
+
+
+def test_init_without_a_timeout_keeps_the_worlds():
+    # Before: init() gave its groups 300 s whatever init_process_group(timeout=) had said.
+    for timeouts, recorded in _init_after_the_world():
+        assert timeouts == [9.0] * 5 and recorded == 9.0
+
+
+@distributed(world_size=2, timeout_s=6)
+def _sizes_differ():
+    import time
+
+    from overlapkit.agreement import RankMismatchError
+    out = {}
+    t0 = time.monotonic()
+    try:  # rank 0 asks for tp=2 (dp=1), rank 1 for tp=1 (dp=2): both fit the world of 2
+        ParallelGroups.build(tp=2 if dist.get_rank() == 0 else 1)
+        out["sizes"] = "built"
+    except RankMismatchError as e:
+        out["sizes"] = str(e)
+    try:  # one rank's sizes do not fit the world: every rank says so, the others too
+        ParallelGroups.build(tp=2, pp=2 if dist.get_rank() == 1 else 1)
+        out["misfit"] = "built"
+    except (RankMismatchError, ValueError) as e:
+        out["misfit"] = f"{type(e).__name__}: {e}"
+    out["took"] = time.monotonic() - t0
+    out["after"] = ParallelGroups.build(tp=2).tp_rank  # the world still pairs
+    return out
+
+
+def test_build_compares_sizes_across_ranks_first():
+    # Before: a store "wait timeout" naming a key on one rank while the other hung 5x the timeout.
+    out = _sizes_differ()
+    for r, o in enumerate(out):
+        assert o["sizes"].startswith("ParallelGroups.build: ranks [0, 1] were given different configurations"), o
+        assert "tp differs (rank 0: 2, rank 1: 1)" in o["sizes"]
+        assert "RankMismatchError" in o["misfit"] and "pp differs" in o["misfit"], o
+        assert "does not divide the world size 2" in o["misfit"], o  # the problem rank 1 had
+        assert o["took"] < 3.0, o  # no timeout was waited for
+        assert o["after"] == r
+    assert out[0]["sizes"] == out[1]["sizes"]

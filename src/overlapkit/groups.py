@@ -187,13 +187,20 @@ class ParallelGroups:
         if not dist.is_initialized():
             raise RuntimeError("torch.distributed is not initialized: call overlapkit.init() or init_process_group first")
         world = dist.get_world_size()
-        if dp is None:
-            if world % (tp * pp * cp) != 0:
-                raise ValueError(f"tp={tp} x cp={cp} x pp={pp} = {tp * cp * pp} does not divide the world size {world}")
-            dp = world // (tp * pp * cp)
-        sizes = ParallelSizes(tp=tp, dp=dp, pp=pp, ep=ep, cp=cp)
-        sizes.check_world(world)
-        timeout_s = world_timeout_s() if timeout_s is None else _check_timeout(timeout_s)
+        problem, sizes = None, None
+        try:
+            timeout_s = world_timeout_s() if timeout_s is None else _check_timeout(timeout_s)
+            sizes = _sizes_for(world, tp=tp, dp=dp, pp=pp, ep=ep, cp=cp)
+        except ValueError as e:
+            problem = str(e)
+        # Ranks that lay the world out differently would each wait in new_group for groups the
+        # others never create (a store timeout per group): compare the sizes first, on the store.
+        from .agreement import agree
+
+        agree(dist.group.WORLD, "ParallelGroups.build", timeout_s=timeout_s if problem is None else None,
+              problem=problem, tp=tp, dp=dp, pp=pp, ep=ep, cp=cp)
+        if problem is not None:
+            raise ValueError(problem)
         timeout = datetime.timedelta(seconds=timeout_s)
         rank = dist.get_rank()
         mine = {}
@@ -221,9 +228,20 @@ class ParallelGroups:
         unknown = [n for n in names if n not in DIMS]
         if not names or unknown:
             raise ValueError(f"the DeviceMesh needs named dims among {DIMS}; it has {names or 'no names'}")
-        sizes = ParallelSizes(ep=ep, **{n: mesh.size(names.index(n)) for n in names})
-        if mesh.size() != dist.get_world_size():
-            raise ValueError(f"the DeviceMesh spans {mesh.size()} ranks but the world has {dist.get_world_size()}")
+        problem = None
+        try:
+            sizes = ParallelSizes(ep=ep, **{n: mesh.size(names.index(n)) for n in names})
+            if mesh.size() != dist.get_world_size():
+                raise ValueError(f"the DeviceMesh spans {mesh.size()} ranks but the world has {dist.get_world_size()}")
+        except ValueError as e:
+            problem = str(e)
+        if ep > 1:  # the expert groups are created below: every rank must carve the same ones
+            from .agreement import agree
+
+            agree(dist.group.WORLD, "ParallelGroups.from_mesh", problem=problem, ep=ep, dims=names,
+                  shape=tuple(mesh.shape))
+        if problem is not None:
+            raise ValueError(problem)
         mine = {n: mesh.get_group(n) for n in names}
         for n in DIMS:
             mine.setdefault(n, None)  # a dim the mesh lacks has size 1: no group to talk over
@@ -239,6 +257,18 @@ class ParallelGroups:
                     if rank in dp_ranks[i:i + ep]:
                         mine["ep"] = group
         return cls(sizes=sizes, rank=rank, mesh=mesh, timeout_s=timeout_s, **mine)
+
+
+def _sizes_for(world: int, *, tp: int, dp: int | None, pp: int, ep: int, cp: int) -> ParallelSizes:
+    """The layout `build` asked for on a world of `world` ranks (`dp=None`: what is left); ValueError if it does not fit."""
+    if dp is None:
+        ParallelSizes(tp=tp, pp=pp, cp=cp)  # each an integer >= 1, or its name in the error
+        if world % (tp * pp * cp) != 0:
+            raise ValueError(f"tp={tp} x cp={cp} x pp={pp} = {tp * cp * pp} does not divide the world size {world}")
+        dp = world // (tp * pp * cp)
+    sizes = ParallelSizes(tp=tp, dp=dp, pp=pp, ep=ep, cp=cp)
+    sizes.check_world(world)
+    return sizes
 
 
 def _all_groups_along(mesh, dim: str, names: tuple[str, ...]) -> list[list[int]]:
@@ -313,20 +343,23 @@ def default_backend(device: str | None = None) -> str:
 
 
 def init(tp: int = 1, dp: int | None = None, pp: int = 1, ep: int = 1, cp: int = 1, *,
-         mesh=None, backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> ParallelGroups:
+         mesh=None, backend: str | None = None, timeout_s: float | None = None) -> ParallelGroups:
     """Initialize torch.distributed from the torchrun environment (if not done) and build the mesh.
 
     Under torchrun, RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT are read; with CUDA the
     process binds to cuda:LOCAL_RANK. An already initialized default group is used as it is.
     Pass `mesh=` (a DeviceMesh with named dims among pp, dp, cp, tp) to use yours instead.
-    Every group gets `timeout_s`.
+    Every group gets `timeout_s`; None: the world's timeout when the world is already initialized
+    (what `init_process_group(timeout=)` set), else DEFAULT_TIMEOUT_S for the world and every group.
     """
-    timeout_s = _check_timeout(timeout_s)
+    if timeout_s is not None:
+        timeout_s = _check_timeout(timeout_s)
     if not dist.is_initialized():
         backend = backend or default_backend()
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+        world_s = DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s
+        dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=world_s))
     if mesh is not None:
         return ParallelGroups.from_mesh(mesh, ep=ep, timeout_s=timeout_s)
     return ParallelGroups.build(tp=tp, dp=dp, pp=pp, ep=ep, cp=cp, timeout_s=timeout_s)
