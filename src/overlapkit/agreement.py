@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import re
 from typing import Any
 
 import torch.distributed as dist
@@ -49,6 +50,28 @@ def agree(group, what: str, *, timeout_s: float | None = None, **fields: Any) ->
     """
     if group is None or not dist.is_initialized() or dist.get_world_size(group) == 1:
         return
+    mine = {"what": what, **{k: _describe(v) for k, v in fields.items()}}
+    ranks = dist.get_process_group_ranks(group)
+    signatures = exchange(group, what, mine, timeout_s=timeout_s)
+    if all(s == signatures[0] for s in signatures):
+        return
+    fields_differ = sorted({k for s in signatures for k in s if any(t.get(k) != s.get(k) for t in signatures)})
+    parts = []
+    for k in fields_differ:
+        per_rank = ", ".join(f"rank {ranks[r]}: {signatures[r].get(k, '(absent)')!r}" for r in range(len(ranks)))
+        parts.append(f"{k} differs ({per_rank})")
+    whats = sorted({s.get("what") for s in signatures}, key=str)
+    label = what if len(whats) == 1 else "/".join(map(str, whats))
+    raise RankMismatchError(f"{label}: ranks {ranks} were given different configurations: " + "; ".join(parts))
+
+
+def exchange(group, what: str, mine: dict, *, timeout_s: float | None = None) -> list[dict]:
+    """Every rank's `mine` (JSON-able), in group rank order, through the job's store.
+
+    Every rank of `group` must call it the same number of times (the k-th call meets the k-th).
+    Raises RankMismatchError naming the ranks that did not answer within the timeout (the
+    group's own unless `timeout_s` says otherwise).
+    """
     from .groups import group_timeout_s
 
     ranks = dist.get_process_group_ranks(group)
@@ -56,7 +79,6 @@ def agree(group, what: str, *, timeout_s: float | None = None, **fields: Any) ->
     name = group.group_name
     seq = _SEQ.get(name, 0)
     _SEQ[name] = seq + 1
-    mine = {"what": what, **{k: _describe(v) for k, v in fields.items()}}
     store = dist.distributed_c10d._get_default_store()
     prefix = f"overlapkit/agree/{name}/{seq}/"
     store.set(prefix + str(me), json.dumps(mine, sort_keys=True))
@@ -70,17 +92,62 @@ def agree(group, what: str, *, timeout_s: float | None = None, **fields: Any) ->
             f"{what}: rank(s) {missing} of the group {ranks} did not compare their configuration within "
             f"{timeout:g} s (check #{seq} of this group): they are stuck, dead, or reused a configuration "
             f"this rank ({dist.get_rank()}) has not used before; this rank has {_fmt(mine)}") from None
-    signatures = [json.loads(store.get(k)) for k in keys]
-    if all(s == signatures[0] for s in signatures):
+    return [json.loads(store.get(k)) for k in keys]
+
+
+# -- what a rank says before it breaks step with the others ----------------------------------
+
+def report_problem(group, what: str, text: str) -> None:
+    """Leave `text` on the store for the other ranks of `group`, before this rank breaks step with them.
+
+    A rank that finds, on its own, that it cannot go on in step (its model changed, it ran a
+    different block) says why here before it raises or waits; a peer whose collective then
+    fails reads it with `explain_failure` and names this rank and its reason, instead of a
+    transport's "connection closed" or "timeout". One store write; nothing when all is well.
+    """
+    if group is None or not dist.is_initialized():
         return
-    fields_differ = sorted({k for s in signatures for k in s if any(t.get(k) != s.get(k) for t in signatures)})
-    parts = []
-    for k in fields_differ:
-        per_rank = ", ".join(f"rank {ranks[r]}: {signatures[r].get(k, '(absent)')!r}" for r in range(len(ranks)))
-        parts.append(f"{k} differs ({per_rank})")
-    whats = sorted({s.get("what") for s in signatures}, key=str)
-    label = what if len(whats) == 1 else "/".join(map(str, whats))
-    raise RankMismatchError(f"{label}: ranks {ranks} were given different configurations: " + "; ".join(parts))
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        store.set(f"overlapkit/problem/{group.group_name}/{dist.get_rank(group)}",
+                  json.dumps({"what": what, "rank": dist.get_rank(), "text": text}))
+    except Exception:  # noqa: BLE001 - the store is gone: the rank's own error still says it
+        pass
+
+
+def reported_problems(group) -> list[dict]:
+    """What other ranks of `group` left with `report_problem` (each {"what", "rank", "text"})."""
+    if group is None or not dist.is_initialized():
+        return []
+    out = []
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        me = dist.get_rank(group)
+        for r in range(dist.get_world_size(group)):
+            key = f"overlapkit/problem/{group.group_name}/{r}"
+            if r != me and store.check([key]):
+                out.append(json.loads(store.get(key)))
+    except Exception:  # noqa: BLE001 - no store to read (its host rank is gone): nothing to add
+        return out
+    return out
+
+
+def raise_explained(group, what: str, error: BaseException, doing: str = "") -> None:
+    """Re-raise `error`, a failed collective of `group`, as the reason a peer left with `report_problem`, if any.
+
+    `doing` says what this rank was waiting for (e.g. "the all-gather of blocks.1 (forward)").
+    Without a reason from a peer, `error` itself is raised (the transport's message is all there is).
+    Call it inside the `except` that caught `error`.
+    """
+    told = reported_problems(group)
+    if not told:
+        raise error
+    first = (str(error).strip().splitlines() or [type(error).__name__])[0]
+    first = re.sub(r"\[[^\]]*:\d+\] ", "", first)  # gloo's source location says nothing to a user
+    reasons = "; ".join(f"rank {t['rank']}: {t['text']}" for t in told)
+    here = f"rank {dist.get_rank()}" + (f", waiting for {doing}" if doing else "")
+    raise RankMismatchError(f"{what}: another rank broke step with this one ({here}: {first[:200]}); "
+                            f"{reasons}") from error
 
 
 def _fmt(signature: dict) -> str:

@@ -256,11 +256,13 @@ def run(cfg: DemoConfig, plot_path: str | None = "timeline.png") -> int:
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun: this process is a rank
         from .groups import init
         init(tp=cfg.tp, dp=cfg.dp, cp=cfg.cp, pp=cfg.pp, backend="nccl" if cfg.device == "cuda" else "gloo", timeout_s=cfg.timeout_s)
+        from .launch import shutdown
+        rank, ok = dist.get_rank(), False
         try:
             results = [run_rank(cfg)]
+            ok = True
         finally:
-            rank = dist.get_rank()
-            dist.destroy_process_group()
+            shutdown(joined=ok)
         if rank != 0:
             return 0 if results[0]["steps"][-1]["rel_err"] <= TOLERANCE else 1
     else:

@@ -60,14 +60,46 @@ def _entry(rank: int, fn: Callable, world_size: int, port: int, backend: str, ti
     dist.init_process_group(backend, rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=timeout_s))
     progress("joined the process group")
+    ok = False
     try:
         out = fn(*args)
         results[rank] = ("ok", out)
+        ok = True
     except BaseException as e:  # the parent re-raises it with the rank named
         results[rank] = ("error", f"{type(e).__name__}: {e}", traceback.format_exc())
         raise
     finally:
-        dist.destroy_process_group()
+        shutdown(joined=ok)
+
+
+def shutdown(joined: bool = True) -> None:
+    """Destroy every process group of this rank, after joining the work still in flight on them.
+
+    `joined=True` (every rank finished its work and calls this): each group this rank belongs to
+    runs a barrier, in the order the groups were created (the same on every rank, so no two
+    ranks wait on each other in a circle). A gloo barrier first waits for all earlier work on its
+    group, so a collective nobody waited for (a sharded optimizer's last parameter gather, a
+    recorded transfer whose completion callback is pending) completes now, while the interpreter
+    is alive: one completing during interpreter shutdown makes gloo's thread take the GIL from a
+    dying interpreter, and the process dies with SIGABRT after a correct result. Then the
+    subgroups are destroyed before the world (torch's `destroy_process_group` order).
+    `joined=False` (this rank failed): destroy at once; the others may be stuck, and waiting for
+    them here would only hide this rank's error behind their timeout.
+    """
+    if not dist.is_initialized():
+        return
+    if joined:
+        c10d = dist.distributed_c10d
+        world = c10d._get_default_group()
+        if torch.cuda.is_available() and dist.get_backend(world) == "nccl":
+            torch.cuda.synchronize()
+        try:
+            for group in [g for g in list(c10d._world.pg_names) if g is not world] + [world]:
+                if dist.get_backend(group) == "gloo":
+                    dist.barrier(group=group)
+        except Exception:  # noqa: BLE001 - a peer failed after all: its own error is the one that matters
+            pass
+    dist.destroy_process_group()
 
 
 def spawn(fn: Callable, world_size: int, *args: Any, backend: str = "gloo",

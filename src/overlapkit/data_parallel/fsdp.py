@@ -37,7 +37,9 @@ from torch.distributed.tensor import DTensor
 
 from ..agreement import agree
 from .agree import copy_from_first_rank
+from .fsdp_check import ADVICE, StepCheck
 from .fsdp_prefetch import MIB, ZeroThree
+from .watch import ParamWatch
 
 
 @dataclass(frozen=True)
@@ -141,7 +143,10 @@ def fully_shard(model: nn.Module, mesh_or_dim=None, *, dim: str = "dp",
     if any(hasattr(m, "_overlapkit_zero3") for m in model.modules()):
         problem = problem or "fully_shard: this model (or a module inside it) is already sharded by fully_shard"
     tensors = [(n, p.to_local() if isinstance(p, DTensor) else p) for n, p in model.named_parameters()]
-    layout = ";".join(f"{n}:{tuple(t.shape)}:{t.dtype}" for n, t in tensors)
+    # requires_grad too: FSDP2 reduce-scatters only the gradients of parameters that require one,
+    # so a parameter frozen on one rank makes that rank's reduce-scatters smaller than the others'.
+    layout = ";".join(f"{n}:{tuple(t.shape)}:{t.dtype}:{'grad' if p.requires_grad else 'frozen'}"
+                      for (n, t), p in zip(tensors, model.parameters()))
     # Ranks that shard differently would pair unrelated gathers: compare before any FSDP2 state exists.
     agree(group, "fully_shard", problem=problem, prefetch=prefetch, reshard_after_forward=reshard_after_forward,
           memory_budget_mb=memory_budget_mb, max_depth=max_depth, trials=trials, units=[n for n, _ in units],
@@ -161,8 +166,9 @@ def fully_shard(model: nn.Module, mesh_or_dim=None, *, dim: str = "dp",
                         forward_depth=fd, backward_depth=bd, decided=not auto,
                         reason="measuring (depth 0 until the probe step)" if auto else f"asked for {fd}/{bd}",
                         memory_budget_bytes=None if cfg.memory_budget_mb is None else cfg.memory_budget_mb * MIB)
+    check = StepCheck(ParamWatch(model, "fully_shard", ADVICE), [n for n, _ in units], group)
     model._overlapkit_zero3 = ZeroThree(model, [m for _, m in units], [n for n, _ in units], plan, group,
-                                        mesh.device_type, cfg)
+                                        mesh.device_type, cfg, check)
     return model
 
 

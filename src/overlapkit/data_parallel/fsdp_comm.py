@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 
 from .. import comm
+from ..agreement import raise_explained
 from ..timeline.fsdp2 import GATHER_KIND, REDUCE_KIND, LayerComm, layer_report
 
 __all__ = ["GATHER_KIND", "REDUCE_KIND", "LayerComm", "Probe", "RecordedAllGather", "RecordedReduceScatter",
@@ -99,15 +100,20 @@ class Probe:
 class _HandleWork(dist.distributed_c10d.Work):
     """A `Work` FSDP2 can wait on that is an overlapkit `Handle` (so the wait is on the timeline)."""
 
-    def __init__(self, handle: comm.Handle, probe: Probe, entry: list | None, phase: str, stalls: bool = True) -> None:
+    def __init__(self, handle: comm.Handle, probe: Probe, entry: list | None, phase: str, stalls: bool = True,
+                 group=None, doing: str = "") -> None:
         super().__init__()
         self._handle, self._probe, self._entry, self._phase = handle, probe, entry, phase
         self._stalls = stalls  # whether the waiting stream (or thread) is the compute's
+        self._group, self._doing = group, doing
 
     def wait(self, timeout=None) -> bool:  # noqa: ARG002 - FSDP2 passes none; the group's timeout applies
         probe = self._probe
         t0 = probe.stamp() if probe.on else None
-        self._handle.wait()
+        try:
+            self._handle.wait()
+        except Exception as e:  # noqa: BLE001 - a rank that broke step may have said why
+            raise_explained(self._group, "fully_shard", e, self._doing)
         if t0 is not None:
             t1 = probe.stamp()
             if self._stalls:
@@ -146,7 +152,7 @@ class RecordedAllGather(AllGather):
         if start is not None:
             entry = [GATHER_KIND, phase, start, probe.done_stamp(works[0])]
             probe.comms.append(entry)
-        return _HandleWork(handle, probe, entry, phase)
+        return _HandleWork(handle, probe, entry, phase, group=group, doing=f"the all-gather of {self.name} ({phase})")
 
 
 class RecordedReduceScatter(ReduceScatter):
@@ -171,7 +177,8 @@ class RecordedReduceScatter(ReduceScatter):
         nbytes = input_tensor.numel() * input_tensor.element_size()
         handle = comm._launch(REDUCE_KIND, self.name, nbytes, group, issue)
         # On CUDA this waits on FSDP2's reduce-scatter stream, which stalls no compute.
-        work = _HandleWork(handle, probe, None, "backward", stalls=not probe.cuda)
+        work = _HandleWork(handle, probe, None, "backward", stalls=not probe.cuda, group=group,
+                           doing=f"the gradient reduce-scatter of {self.name}")
         if start is not None:
             entry = [REDUCE_KIND, "backward", start, probe.done_stamp(works[0])]
             probe.comms.append(entry)

@@ -40,8 +40,9 @@ _queue_callback = torch.autograd.Variable._execution_engine.queue_callback
 class ZeroThree:
     """The prefetch lists, the timeline's view of FSDP2's communication, and auto's probe and trials."""
 
-    def __init__(self, root, units, names, plan, group, device_type: str, cfg) -> None:
+    def __init__(self, root, units, names, plan, group, device_type: str, cfg, check) -> None:
         self.root, self.units, self.group, self.cfg, self.plan = root, units, group, cfg, plan
+        self.check = check
         self.device = torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda" \
             else torch.device(device_type)
         self.probe = Probe(self.device)
@@ -58,6 +59,8 @@ class ZeroThree:
         self._model_reason = ""
         root.register_forward_pre_hook(self._pre_forward, prepend=True)  # before FSDP2's root pre-forward
         root.register_forward_hook(self._post_forward)  # after FSDP2's post-forward
+        for i, u in enumerate(units):  # before FSDP2's pre-forward of the block, which issues its gather
+            u.register_forward_pre_hook(lambda _m, _args, i=i: self.check.block(i), prepend=True)
 
     def _apply(self, forward: int, backward: int) -> None:
         units, root = self.units, self.root
@@ -88,6 +91,8 @@ class ZeroThree:
             self.probe.passes[name][-1][1] = self.probe.stamp()
 
     def _pre_forward(self, _module, _args) -> None:
+        self.check.model()
+        self.check.forward_starts()
         if self._pending == "model":
             self._pending = None
             self._decide_by_model()
@@ -108,6 +113,7 @@ class ZeroThree:
 
     def _post_forward(self, _module, _args, output):
         self._close("forward")
+        self.check.forward_ends()
         if not torch.is_grad_enabled():
             return output
         for t in torch.utils._pytree.tree_flatten(output)[0]:

@@ -7,8 +7,10 @@ fp32 master values (fp32 parameters are their own) and optimizer state for its s
 steps them. The updated shards are all-gathered back into the parameters bucket by bucket,
 launched right after `step()` in forward order (the first layers' bucket first); each module's forward pre-hook
 waits only for the buckets that hold its own parameters, so the later layers' parameters
-arrive while the earlier layers compute (Megatron's overlap_param_gather). With
-`overlap_param_gather=False`, `step()` waits for every gather itself: the sequential reference.
+arrive while the earlier layers compute (Megatron's overlap_param_gather). Any other read of a
+parameter whose gather is still in flight (an EMA copy, a module borrowing another's weight,
+state_dict) waits for its bucket first (zero_guard.py). With `overlap_param_gather=False`,
+`step()` waits for every gather itself: the sequential reference.
 
 The parameters become views into one buffer laid out like the gradient buffer, so a gather
 lands in them with no copy. The optimizer steps one flat tensor per bucket shard: it must be
@@ -31,9 +33,11 @@ from torch import nn
 
 from .. import comm
 from ..groups import resolve_group
+from ..agreement import raise_explained
 from .agree import raise_if_any
 from .ddp import DataParallel, DataParallelConfig, GradSync
 from .zero_checkpoint import PerParameterCheckpoint
+from .zero_guard import guard, lander, release
 
 
 class ShardedOptimizer(PerParameterCheckpoint):
@@ -42,8 +46,9 @@ class ShardedOptimizer(PerParameterCheckpoint):
     Pass the DataParallel (its group must be `dp_group`) for overlap_param_gather, which hooks
     the forward of its modules. Plain parameters also work, with `overlap_param_gather=False`:
     their gradients are reduce-scattered in backward the same way.
-    Caveat of overlap_param_gather: a parameter must be used first by the module that owns it
-    (a module that borrows another's weight before the owner runs would not wait for it).
+    Under overlap_param_gather, a read of a parameter before its own module's forward (another
+    module borrowing it, an EMA copy after `step()`) waits for its gather (zero_guard.py says what
+    that does and does not cover).
     Checkpoints: `state_dict()` per rank (torch.save, same world size), or
     `checkpoint_state_dict()` per parameter for torch.distributed.checkpoint (any size).
     """
@@ -89,6 +94,12 @@ class ShardedOptimizer(PerParameterCheckpoint):
         self._module = module
         self._checkpoint_layout: dict | None = None
         self._gathers: dict[int, comm.Handle] = {}
+        # Per bucket, the parameters whose reads wait for its gather while it is in flight, and
+        # whether every one can (a plain nn.Parameter; another subclass keeps its own class and
+        # its bucket is waited for in step() instead).
+        self._guarded = [list(b.params) for b in buf.buckets]
+        self._guardable = [all(type(p) is nn.Parameter for p in b.params) for b in buf.buckets]
+        self._landers = [lander(self._wait_buckets, b) for b in range(len(buf.buckets))]
         self._hooks = []
         if module is not None:
             if overlap_param_gather:
@@ -175,12 +186,22 @@ class ShardedOptimizer(PerParameterCheckpoint):
                 continue
             self._gathers[b] = comm.all_gather(out, self._gather_src[b], self.group,
                                                kind="zero_all_gather", name=f"bucket{b}")
+        if self.overlap_param_gather:
+            unguarded = [b for b in self._gathers if not self._guardable[b]]
+            self._wait_buckets(unguarded)
+            for b in self._gathers:
+                guard(self._guarded[b], self._landers[b])
 
     def _wait_buckets(self, buckets: list[int]) -> None:
         for b in buckets:
             h = self._gathers.pop(b, None)
             if h is not None:
-                h.wait()
+                try:
+                    h.wait()
+                except Exception as e:  # noqa: BLE001 - a peer that broke step may have said why
+                    raise_explained(self.group, "ShardedOptimizer", e, f"the parameter gather of bucket {b}")
+                finally:
+                    release(self._guarded[b])
 
     def finish_param_gather(self) -> None:
         """Wait for every parameter gather still in flight (before reading parameters outside forward)."""
