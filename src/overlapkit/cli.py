@@ -6,6 +6,7 @@ import argparse
 import importlib
 import os
 import sys
+import tempfile
 
 from . import __version__
 
@@ -14,18 +15,22 @@ from . import __version__
 
 
 def _demo(args) -> int:
-    from .demo import DemoConfig, run
+    from .demo import DemoConfig, check_world, run
     try:
         cfg = DemoConfig(tp=args.tp, dp=args.dp, steps=args.steps, overlap=args.overlap,
                          device=args.device, seed=args.seed, trace_dir=args.trace, timeout_s=args.timeout, ep=args.ep,
                          cp=args.cp, pp=args.pp, zero=args.zero)
+        # Everything that can be refused is refused here, before any rank starts.
+        check_world(cfg, oversubscribe=args.oversubscribe)
         plot = None if args.plot == "" else check_output_path(args.plot, "--plot")
+        if args.trace is not None:
+            check_output_dir(args.trace, "--trace")
     except ValueError as e:
         print(f"overlapkit demo: {e}", file=sys.stderr)
         return 2
     from .launch import RankFailed
     try:
-        return run(cfg, plot_path=plot)
+        return run(cfg, plot_path=plot, oversubscribe=args.oversubscribe)
     except RankFailed as e:
         # One line naming the rank; its traceback only when asked for.
         print(f"overlapkit demo: {e.summary}", file=sys.stderr)
@@ -36,19 +41,42 @@ def _demo(args) -> int:
         return 1
 
 
+def _writable(folder: str, what: str) -> None:
+    # Write a file there: os.access says yes to root for /proc and /sys, where nothing can be created.
+    try:
+        fd, probe = tempfile.mkstemp(dir=folder, prefix=".overlapkit-write-check-")
+    except OSError as e:
+        raise ValueError(f"{what}: nothing can be written in {folder} ({e.strerror or e})") from None
+    os.close(fd)
+    os.unlink(probe)
+
+
 def check_output_path(path: str, flag: str) -> str:
-    """Refuse, before any work, a picture path whose folder is missing or whose type can't be drawn."""
+    """Refuse, before any work, a picture path whose folder is missing or unwritable or whose type can't be drawn."""
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder):
         raise ValueError(f"{flag} {path}: the folder {folder} does not exist")
-    if not os.access(folder, os.W_OK):
-        raise ValueError(f"{flag} {path}: the folder {folder} is not writable")
+    if os.path.isdir(path):
+        raise ValueError(f"{flag} {path}: is a folder, not a file name")
+    _writable(folder, f"{flag} {path}")
     from matplotlib.figure import Figure
     kinds = Figure().canvas.get_supported_filetypes()
     ext = os.path.splitext(path)[1].lstrip(".").lower()
     if ext not in kinds:
         raise ValueError(f"{flag} {path}: can't draw a {ext or 'file without an extension'!r}; "
                          f"use one of {', '.join(sorted(kinds))}")
+    return path
+
+
+def check_output_dir(path: str, flag: str) -> str:
+    """Refuse, before any work, an output folder that cannot be created or written in."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ValueError(f"{flag} {path}: exists and is not a folder")
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"{flag} {path}: the folder cannot be created ({e.strerror or e})") from None
+    _writable(path, f"{flag} {path}")
     return path
 
 
@@ -100,6 +128,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="also write a PyTorch profiler trace per rank to DIR (for overlapkit analyze)")
     demo.add_argument("--timeout", type=float, default=120.0, metavar="S",
                       help="process-group timeout in seconds: a stuck rank fails the demo after this (default 120)")
+    demo.add_argument("--oversubscribe", action="store_true",
+                      help="start the ranks even when there are far more of them than CPU cores (refused otherwise)")
     demo.set_defaults(func=_demo)
 
     doctor = sub.add_parser("doctor", help="versions, GPUs, peer access, CUDA_DEVICE_MAX_CONNECTIONS and what it means")

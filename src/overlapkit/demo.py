@@ -248,7 +248,25 @@ def say(text: str) -> None:
     print(f"[{time.monotonic() - _STARTED:5.1f}s] {text}", file=sys.stderr, flush=True)
 
 
-def run(cfg: DemoConfig, plot_path: str | None = "timeline.png") -> int:
+def check_world(cfg: DemoConfig, oversubscribe: bool = False) -> None:
+    """Refuse (ValueError), before any rank starts, a world this machine cannot run: more GPUs than it has,
+    or far more CPU ranks than cores (unless `oversubscribe`). Under torchrun the ranks exist already: nothing to refuse."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return
+    world = cfg.tp * cfg.dp * cfg.cp * cfg.pp
+    if cfg.device == "cuda":
+        if torch.cuda.device_count() < world:
+            raise ValueError(f"--device cuda needs tp*dp*cp*pp={world} GPUs, this machine has "
+                             f"{torch.cuda.device_count()} (NCCL refuses two ranks on one GPU)")
+        return
+    if not oversubscribe:
+        from .launch import check_world_fits
+        sizes = " ".join(f"--{k} {v}" for k, v in (("tp", cfg.tp), ("dp", cfg.dp), ("cp", cfg.cp), ("pp", cfg.pp))
+                         if v > 1)
+        check_world_fits(world, "gloo", sizes or "1 rank", force="--oversubscribe")
+
+
+def run(cfg: DemoConfig, plot_path: str | None = "timeline.png", oversubscribe: bool = False) -> int:
     """Run the demo (spawning ranks, or in-process under torchrun) and print the results."""
     from .launch import spawn
 
@@ -266,13 +284,11 @@ def run(cfg: DemoConfig, plot_path: str | None = "timeline.png") -> int:
         if rank != 0:
             return 0 if results[0]["steps"][-1]["rel_err"] <= TOLERANCE else 1
     else:
-        if cfg.device == "cuda" and torch.cuda.device_count() < world:
-            raise SystemExit(f"--device cuda needs tp*dp*cp={world} GPUs, this machine has "
-                             f"{torch.cuda.device_count()} (NCCL refuses two ranks on one GPU)")
+        check_world(cfg, oversubscribe)
         backend = "nccl" if cfg.device == "cuda" else "gloo"
         say(f"starting {world} {backend} ranks (each imports torch first, a few seconds)")
         results = spawn(run_rank, world, cfg, backend=backend, timeout_s=cfg.timeout_s,
-                        on_message=lambda rank, text: say(f"rank {rank}: {text}"))
+                        on_message=lambda rank, text: say(f"rank {rank}: {text}"), oversubscribe=True)
         say("all ranks finished; results follow")
     return print_results(cfg, results, plot_path)
 

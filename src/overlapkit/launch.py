@@ -102,14 +102,51 @@ def shutdown(joined: bool = True) -> None:
     dist.destroy_process_group()
 
 
+RANKS_PER_CORE = 4
+"""Most CPU ranks `spawn` starts per core without being told to oversubscribe (at least MIN_RANKS)."""
+MIN_RANKS = 8
+"""Ranks `spawn` always allows, whatever the core count: a laptop runs a 2 x 2 x 2 demo."""
+
+
+def cpu_cores() -> int:
+    """The CPU cores this process may run on (its affinity mask, else the machine's count)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def check_world_fits(world_size: int, backend: str = "gloo", what: str = "",
+                     force: str = "spawn(oversubscribe=True)") -> None:
+    """Refuse (ValueError) to start far more CPU ranks than this machine has cores, before starting any.
+
+    Each gloo rank is a process that imports torch and spins threads: 4096 of them on two cores
+    load the machine for as long as they are let run and finish nothing. NCCL ranks are bounded
+    by the GPUs instead (one a GPU).
+    """
+    if backend == "nccl":
+        return
+    cores = cpu_cores()
+    most = max(MIN_RANKS, RANKS_PER_CORE * cores)
+    if world_size > most:
+        raise ValueError(f"{what or f'{world_size} ranks'}: {world_size} {backend} ranks on {cores} CPU core"
+                         f"{'s' if cores != 1 else ''} is more than the {most} this machine runs in reasonable time "
+                         f"({RANKS_PER_CORE} a core, at least {MIN_RANKS}); ask for fewer, or pass {force} to start "
+                         "them anyway")
+
+
 def spawn(fn: Callable, world_size: int, *args: Any, backend: str = "gloo",
-          timeout_s: float = 60.0, on_message: Callable[[int, str], None] | None = None) -> list[Any]:
+          timeout_s: float = 60.0, on_message: Callable[[int, str], None] | None = None,
+          oversubscribe: bool = False) -> list[Any]:
     """Run `fn(*args)` on `world_size` fresh processes with an initialized default group.
 
     Returns the list of per-rank return values (they must be picklable). Raises RankFailed
     naming the rank (its error on the first line, its traceback after) if any rank fails.
     `on_message(rank, text)` receives what ranks send with `progress()` while they run.
+    Far more CPU ranks than cores are refused (ValueError, nothing started) unless `oversubscribe`.
     """
+    if not oversubscribe:
+        check_world_fits(world_size, backend)
     ctx = mp.get_context("spawn")
     manager = ctx.Manager()
     results = manager.dict()
