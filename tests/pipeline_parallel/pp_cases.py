@@ -86,7 +86,8 @@ def pipeline_case(groups: Layout, schedule: str, v: int, m: int, overlap: bool, 
     model = copy.deepcopy(ref)
     if tp > 1:
         model = parallelize(model, groups.tp, sequence_parallel=sequence_parallel, overlap="none")
-    chunks, layout = gpt_chunks(model, pp, groups.rank("pp"), v)
+    from overlapkit.pipeline_parallel import placement
+    chunks, layout = gpt_chunks(model, pp, groups.rank("pp"), v, style=placement(schedule))
     if dp > 1:
         chunks = [DataParallel(c, groups.dp, sequence_parallel_group=groups.tp if tp > 1 else None)
                   for c in chunks]
