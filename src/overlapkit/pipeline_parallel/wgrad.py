@@ -17,6 +17,7 @@ bucket reductions happen exactly as in an ordinary backward.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Callable, Iterable
 
 import torch
@@ -107,13 +108,22 @@ def emit(store: WeightGradStore) -> None:
 
 
 class _SplitLinear(torch.autograd.Function):
-    """y = x W^T + b whose backward computes dx and db and leaves dW = dy^T x to `store`."""
+    """y = x W^T + b whose backward computes dx and db and leaves dW = dy^T x to `store`.
+
+    Under autocast the GEMM runs in the autocast dtype, as nn.Linear's would; the cast operands are
+    what backward uses, so it needs no autocast of its own (a pair's backward runs on another thread)."""
 
     @staticmethod
     def forward(ctx, x, w, b, store):
+        dt = x.device.type
+        ctx.param = w
+        if dt in ("cpu", "cuda") and torch.is_autocast_enabled(dt):
+            cdt = torch.get_autocast_dtype(dt)
+            x, w, b = (t.to(cdt) if t is not None and t.dtype != cdt else t for t in (x, w, b))
         ctx.save_for_backward(x, w)
         ctx.store, ctx.has_bias = store, b is not None
-        return F.linear(x, w, b)
+        with torch.autocast(dt, enabled=False) if dt in ("cpu", "cuda") else contextlib.nullcontext():
+            return F.linear(x, w, b)
 
     @staticmethod
     def backward(ctx, dy):
@@ -122,7 +132,7 @@ class _SplitLinear(torch.autograd.Function):
         dy2 = dy.reshape(-1, dy.shape[-1])
         db = dy2.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         if ctx.needs_input_grad[1]:
-            ctx.store.add(w, dy2, x.reshape(-1, x.shape[-1]))
+            ctx.store.add(ctx.param, dy2, x.reshape(-1, x.shape[-1]))
         return dx, None, db, None
 
 
