@@ -35,7 +35,8 @@ def stage_signature(chunks, device: torch.device) -> dict:
 
 
 def infer_shapes(engine, in_sig) -> list[tuple[tuple[int, ...], torch.dtype]]:
-    """The output shape and dtype of every chunk but the last, by running each once, chunk after chunk, on zeros.
+    """The output shape and dtype of every chunk but the last, by running each once, chunk after chunk, on zeros
+    (the last one too: that it takes what the one before gives it).
 
     The shapes travel through the job's store (not the pipeline group), so this sweep sends nothing
     the timetable does not expect; each rank waits at most the group's timeout. A chunk that cannot
@@ -48,7 +49,7 @@ def infer_shapes(engine, in_sig) -> list[tuple[tuple[int, ...], torch.dtype]]:
     timeout = datetime.timedelta(seconds=group_timeout_s(engine.group))
     shape, dtype = in_sig
     n = engine.n_chunks
-    for c in range(n - 1):
+    for c in range(n):
         if engine.table.rank_of(c) != engine.rank:
             continue
         got = None
@@ -70,13 +71,12 @@ def infer_shapes(engine, in_sig) -> list[tuple[tuple[int, ...], torch.dtype]]:
                                    f"(what {'the input' if c == 0 else f'chunk {c - 1}'} gives it): "
                                    f"{type(e).__name__}: {e}"}
         store.set(prefix + str(c), json.dumps(result))
-    keys = [prefix + str(c) for c in range(n - 1)]
-    if keys:
-        store.wait(keys, timeout)
+    keys = [prefix + str(c) for c in range(n)]
+    store.wait(keys, timeout)
     out = []
     for k in keys:
         got = json.loads(store.get(k))
         if "error" in got:
             raise RankMismatchError(f"pipeline step: {got['error']}")
         out.append((tuple(got["shape"]), getattr(torch, got["dtype"].removeprefix("torch."))))
-    return out
+    return out[:-1]
