@@ -60,8 +60,15 @@ class SlotActions:
             self._weight(slot[0], st)
         elif ops == "BW":  # a whole backward: its weight gradients in the same pass
             self._backward(slot[0], tick, st, early=True)
-        else:  # "FBW": the overlapped pair
-            self._pairs.run(lambda: self._forward(slot[0], st), lambda: self._backward(slot[1], tick, st, early=False))
+        else:  # "FBW": the pair. Its inputs are waited for first, so that only its own work runs inside.
+            for a in slot[:2]:
+                if st.tc.has(a):
+                    st.results[("F", a.chunk - 1, a.mb) if a.op == "F" else ("B", a.chunk + 1, a.mb)] = st.tc.take(a)
+            if self.config.overlap_pairs:
+                self._pairs.run(lambda: self._forward(slot[0], st), lambda: self._backward(slot[1], tick, st, early=False))
+            else:  # one after the other: the reference
+                self._forward(slot[0], st)
+                self._backward(slot[1], tick, st, early=False)
         t1 = time.perf_counter()
         st.actions += [(a.op, a.mb, a.chunk, t0, t1) for a in slot]
 

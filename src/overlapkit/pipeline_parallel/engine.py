@@ -60,6 +60,9 @@ class PipelineConfig:
     compute. False waits for every tick's transfers at once: the synchronous reference."""
     broadcast_loss: bool = False
     """Return the loss on every pipeline rank (one small all-reduce), not only on the last."""
+    overlap_pairs: bool = True
+    """DualPipeV: run each pair's forward and backward interleaved, each one's communication under the
+    other's compute (pair.py). False runs the forward, then the backward: the reference."""
     costs: tuple[float, float, float] = (1.0, 1.0, 1.0)
     """Relative durations of a chunk's forward, input-gradient backward and weight-gradient backward:
     zbv builds its order for them (equal by default, where its steady state has no bubble)."""
@@ -71,7 +74,7 @@ class PipelineConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"PipelineConfig.{name} must be an integer >= 1, got {v!r}")
-        for name in ("overlap_p2p", "broadcast_loss"):
+        for name in ("overlap_p2p", "broadcast_loss", "overlap_pairs"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"PipelineConfig.{name} must be True or False, got {getattr(self, name)!r}")
         if self.schedule in ("1f1b", "zb1p") and self.virtual_stages != 1:
@@ -123,7 +126,7 @@ class PipelineEngine(SlotActions):
         cfg = config
         agree(group, "PipelineEngine", schedule=cfg.schedule, microbatches=cfg.microbatches,
               virtual_stages=cfg.virtual_stages, overlap_p2p=cfg.overlap_p2p, broadcast_loss=cfg.broadcast_loss,
-              costs=list(cfg.costs), chunks_here=len(self.chunks))
+              overlap_pairs=cfg.overlap_pairs, costs=list(cfg.costs), chunks_here=len(self.chunks))
         if len(self.chunks) != cfg.virtual_stages:
             raise ValueError(f"PipelineEngine: rank {self.rank} holds {len(self.chunks)} chunks but "
                              f"virtual_stages={cfg.virtual_stages}")

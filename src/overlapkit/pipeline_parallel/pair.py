@@ -17,6 +17,8 @@ import queue
 import threading
 from typing import Callable
 
+import torch
+
 from .. import comm
 
 
@@ -62,8 +64,11 @@ class PairRunner:
         self._turn, self._done = 0, [False, False]
         errors: list[BaseException] = []
         finished = threading.Event()
+        threads = torch.get_num_threads()
 
         def back_side() -> None:
+            if torch.get_num_threads() != threads:  # per thread (OpenMP): the caller's, not every core
+                torch.set_num_threads(threads)
             with self._cv:
                 while self._turn != 1:
                     self._cv.wait()
