@@ -3,7 +3,7 @@
 ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble (ZB-H1 with one stage a rank),
 ScheduleZBVZeroBubble and ScheduleDualPipeV (those this torch has) on the same chunks of the same GPT.
 
-Measured: step time (slowest rank, median; variants take turns, the order rotating every round);
+Measured: step time (slowest rank, median; variants take turns in a balanced order, _common.time_variants);
 the bubble (the recorder's waits for a neighbour that had not sent, plus the drain) over compute,
 from recorded steps; the peak of the bytes a step allocates (torch.profiler's CPU memory events, the
 rank that allocates most); exactness of each of ours against torch's same schedule (loss and every
@@ -32,7 +32,7 @@ from dataclasses import asdict
 import torch
 import torch.distributed as dist
 
-from _common import add_common_args, device_label, line_up, write_results
+from _common import add_common_args, device_label, line_up, time_variants, write_results
 from overlapkit.groups import ParallelGroups
 from overlapkit.launch import spawn
 from overlapkit.models.gpt import GPT, GPTConfig, lm_loss
@@ -123,17 +123,13 @@ def _dense_body(preset: dict, steps: int, warmup: int, recorded: int, threads: i
         runs[_theirs(s)] = (run, theirs)
     exact = _exactness(runs)
     names = list(runs)
-    times: dict[str, list[float]] = {k: [] for k in names}
-    for i in range(warmup + steps):
-        for name in names[i % len(names):] + names[:i % len(names)]:
-            fn, chunks = runs[name]
-            for c in chunks:
-                c.zero_grad(set_to_none=False)
-            line_up(torch.device("cpu"))
-            t0 = time.perf_counter()
-            fn()
-            if i >= warmup:
-                times[name].append((time.perf_counter() - t0) * 1e3)
+
+    def step(name: str) -> None:
+        fn, chunks = runs[name]
+        for c in chunks:
+            c.zero_grad(set_to_none=False)
+        fn()
+    times = time_variants(step, names, steps, warmup, torch.device("cpu"))
     peak = {}
     for name in names:
         line_up(torch.device("cpu"))

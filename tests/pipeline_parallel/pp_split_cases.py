@@ -102,3 +102,26 @@ def moe_pair_case(groups, m: int = 4, chunks_per_moe: int = 1) -> dict:
                                            for _, local, full in expected_local_ep(c, ref, "grad")])
     pairs = [(a[3], a[4]) for a in engine.timings[0].actions if a[0] == "F"]
     return dict(err=err, spans=_spans(rec), pairs=sorted(set(pairs)), timing=engine.timings[0])
+
+
+def tp_deferral_case(groups, schedule: str, m: int = 4) -> dict:
+    """pp=2 x tp=2 (sequence parallel, bulk): the names of the TP layers' weight-gradient GEMM spans of a
+    recorded step, and the error against one process. Split, those GEMMs run in W (under W's own span)."""
+    from overlapkit.models import expected_local, parallelize
+    from overlapkit.tensor_parallel.layers import allreduce_sequence_parallel_grads
+
+    v = 2 if placement(schedule) == "v" else 1
+    ref = tiny_gpt(2, 2 * v)
+    model = parallelize(copy.deepcopy(ref), groups.tp, sequence_parallel=True, overlap="bulk")
+    chunks, _ = gpt_chunks(model, 2, groups.pp_rank, v, style=placement(schedule))
+    engine = PipelineEngine(chunks, groups.pp, PipelineConfig(schedule, m, v, broadcast_loss=True), loss_fn)
+    idx, tgt = data(ref.cfg, 1, m)
+    ref_loss = reference_grads(ref, idx, tgt, m)
+    with record() as rec:
+        loss = engine.step(idx[0], tgt[0])
+    for c in chunks:
+        allreduce_sequence_parallel_grads(c, groups.tp)
+    err = max([rel(loss, ref_loss)] + [rel(local, full) for c in chunks for _, local, full in
+                                       expected_local(c, ref, "grad")])
+    return dict(err=err, wgrad=sorted({s.name for s in rec.spans if ".bwd.wgrad" in s.name}),
+                w_spans=sum(s.name.startswith("pp.W") and s.name.endswith(".wgrad") for s in rec.spans))

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from distributed import distributed
 from overlapkit.groups import ParallelGroups
 from pp_cases import Layout, layout_of, pipeline_case, sharded_case
-from pp_split_cases import dp_drain_case, linears_case, moe_pair_case
+from pp_split_cases import dp_drain_case, linears_case, moe_pair_case, tp_deferral_case
 
 TOL = 1e-5
 
@@ -53,7 +53,9 @@ def _world4():
     out["drain zb1p"] = dp_drain_case(two, "zb1p", 4)
     out["drain zbv"] = dp_drain_case(two, "zbv", 4)
     out["moe"] = moe_pair_case(two)
-    tp = layout_of(ParallelGroups.build(pp=2, tp=2))
+    tp_groups = ParallelGroups.build(pp=2, tp=2)
+    out["tp deferral"] = {s: tp_deferral_case(tp_groups, s) for s in ("1f1b", "zb1p")}
+    tp = layout_of(tp_groups)
     for c in PP2_TP2:
         grads[("pp2 tp2",) + c] = pipeline_case(tp, *c[:5], steps=c[5], tp_overlap=c[6])
     out["grads"] = grads
@@ -101,6 +103,15 @@ def test_every_w_runs_after_its_b_with_the_weight_gradient_gemms_inside():
             for a, b in gemms:
                 assert any(s <= a and b <= e for s, e in ws.values()), (key, rank, a, b)
                 assert not any(s < b and a < e for s, e in bs.values() if (s, e) not in ws.values()), (key, rank)
+
+
+def test_tp_layers_leave_their_weight_gradient_gemms_to_w():
+    for rank, res in enumerate(_results()):
+        whole, split = res["tp deferral"]["1f1b"], res["tp deferral"]["zb1p"]
+        assert whole["err"] <= TOL and split["err"] <= TOL, (rank, whole["err"], split["err"])
+        # 1F1B: each TP linear's wgrad GEMM is its own span inside backward; zb1p: none is, they ran in W.
+        assert whole["wgrad"] and not split["wgrad"], (rank, whole["wgrad"], split["wgrad"])
+        assert whole["w_spans"] == 0 < split["w_spans"]
 
 
 def test_kept_weight_gradient_inputs_are_what_the_timetable_prices():

@@ -19,6 +19,7 @@ before any transfer, and what must match across ranks and does not fails on ever
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -35,8 +36,8 @@ from .p2p import TickComm, producer_key, record_bubbles, recording, restamp_rece
 from .schedules import SCHEDULES, SPLIT_SCHEDULES, check_costs, check_schedule, chunks_of, placement
 from .shapes import infer_shapes, stage_signature
 from .timetable import timetable
-from .wgrad import linear_weights
 from .pair import PairRunner
+from .wgrad import linear_weights
 
 
 @dataclass(frozen=True)
@@ -159,6 +160,8 @@ class PipelineEngine(SlotActions):
         self._shapes: dict[tuple, list] = {}
         self.timings: list[StepTiming] = []
         """One entry per step run while a CPU timeline recorder was active."""
+        self.last_kept_w_peak_bytes = 0
+        """The most bytes the last step's deferred weight-gradient GEMMs kept at once on this rank."""
 
     def _check_placement(self, mine: list[int]) -> None:
         """A chunk cut for another placement (pipeline_chunk set by gpt_chunks / sequential_chunks) fails here."""
@@ -211,7 +214,6 @@ class PipelineEngine(SlotActions):
             timing.kept_w_peak_bytes = st.peak_kept_bytes
             self._split_bubble(tc, timing)
         self.last_kept_w_peak_bytes = st.peak_kept_bytes
-        """The most bytes the last step's deferred weight-gradient GEMMs kept at once on this rank."""
         if self.config.broadcast_loss:
             out = st.loss_sum.clone() if last else torch.zeros((), device=self.device)
             comm.all_reduce(out, self.group, kind="pp_send", name="loss", async_op=False)
@@ -262,7 +264,6 @@ class PipelineEngine(SlotActions):
     def _split_bubble(self, tc: TickComm, timing: StepTiming) -> None:
         """Split every receive wait into bubble (before the neighbour sent) and transfer (after), and
         count the drain (this rank done, the pipeline not yet) as bubble too. Host clocks: one host."""
-        import time
         mine = (tc.send_times, time.perf_counter())
         seen = [None] * self.pp
         dist.all_gather_object(seen, mine, group=self.group)

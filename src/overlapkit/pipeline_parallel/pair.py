@@ -94,9 +94,3 @@ class PairRunner:
         if errors:
             raise errors[0]
         return out
-
-    def close(self) -> None:
-        if self._worker is not None:
-            self._jobs.put(None)
-            self._worker.join(timeout=5.0)
-            self._worker = None
