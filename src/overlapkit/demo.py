@@ -297,7 +297,9 @@ def print_results(cfg: DemoConfig, results: list[dict], plot_path: str | None) -
 
     console = Console()
     steps = results[0]["steps"]
-    table = Table(title=f"tp={cfg.tp} dp={cfg.dp}{f' cp={cfg.cp}' if cfg.cp > 1 else ''} overlap={cfg.overlap} vs one process (fp32)")
+    pipeline = f" pp={cfg.pp} {cfg.schedule}" if cfg.pp > 1 else ""
+    table = Table(title=f"tp={cfg.tp} dp={cfg.dp}{f' cp={cfg.cp}' if cfg.cp > 1 else ''}{pipeline} overlap={cfg.overlap} "
+                        "vs one process (fp32)")
     for col in ("step", "loss", "max abs err", "max rel err", "check"):
         table.add_column(col, justify="right")
     ok = True
