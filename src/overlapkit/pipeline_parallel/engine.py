@@ -34,7 +34,7 @@ from ..timeline import recorder as _rec
 from .actions import SlotActions, StepState
 from .p2p import TickComm, producer_key, record_bubbles, recording, restamp_receives
 from .schedules import SCHEDULES, SPLIT_SCHEDULES, check_costs, check_schedule, chunks_of, placement
-from .shapes import infer_shapes, stage_signature
+from .shapes import StageSignature, infer_shapes
 from .timetable import timetable
 from .pair import PairRunner
 from .wgrad import linear_weights
@@ -158,6 +158,7 @@ class PipelineEngine(SlotActions):
         self._linear_weights = {c: linear_weights([self._local(c)]) for c in mine}
         self._pairs = PairRunner()
         self._shapes: dict[tuple, list] = {}
+        self._signature = StageSignature()
         self.timings: list[StepTiming] = []
         """One entry per step run while a CPU timeline recorder was active."""
         self.last_kept_w_peak_bytes = 0
@@ -233,7 +234,7 @@ class PipelineEngine(SlotActions):
                 "targets": describe(targets, lambda t: list(t.shape))}
         if isinstance(mine["inputs"], str) or isinstance(mine["targets"], str):
             mine = {"problem": mine["inputs"] if isinstance(mine["inputs"], str) else mine["targets"]}
-        mine["stage"] = stage_signature(self.chunks, self.device)
+        mine["stage"] = self._signature.of(self.chunks, self.device)
         seen = [None] * self.pp
         dist.all_gather_object(seen, mine, group=self.group)
         bad = [f"pipeline rank {r}: {s['problem']}" for r, s in enumerate(seen) if "problem" in s]

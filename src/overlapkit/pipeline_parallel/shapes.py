@@ -22,16 +22,37 @@ _SWEEPS: dict[str, int] = {}
 same store keys on every rank, and no sweep reads an earlier one's (stale) shapes."""
 
 
-def stage_signature(chunks, device: torch.device) -> dict:
-    """This rank's part of what decides the inter-stage shapes: autocast (on the chunks' device type),
-    the floating-point parameter dtypes, and a digest of every parameter's name, shape and dtype."""
-    dt = device.type
-    autocast = [torch.is_autocast_enabled(dt), str(torch.get_autocast_dtype(dt))] \
-        if dt in ("cpu", "cuda") else [False, None]
-    layout = [(n, list(p.shape), str(p.dtype)) for c in chunks for n, p in c.named_parameters()]
-    dtypes = sorted({str(p.dtype) for c in chunks for p in c.parameters() if p.is_floating_point()})
-    digest = hashlib.sha1(json.dumps(layout).encode()).hexdigest()[:16]
-    return {"autocast": autocast if autocast[0] else [False, None], "dtypes": dtypes, "layout": digest}
+class StageSignature:
+    """This rank's part of what decides the inter-stage shapes, read every step: autocast (on the
+    chunks' device type), the floating-point parameter dtypes, and a digest of every parameter's
+    shape and dtype in module order (recomputed only when those change)."""
+
+    def __init__(self) -> None:
+        self._layout: list | None = None
+        self._digest: dict = {}
+
+    def of(self, chunks, device: torch.device) -> dict:
+        dt = device.type
+        autocast = [True, str(torch.get_autocast_dtype(dt))] \
+            if dt in ("cpu", "cuda") and torch.is_autocast_enabled(dt) else [False, None]
+        layout = _layout(chunks)
+        if layout != self._layout:
+            dtypes = sorted({str(d) for d, _ in layout if d.is_floating_point})
+            text = json.dumps([(str(d), list(s)) for d, s in layout])
+            self._layout, self._digest = layout, {"dtypes": dtypes,
+                                                  "layout": hashlib.sha1(text.encode()).hexdigest()[:16]}
+        return {"autocast": autocast, **self._digest}
+
+
+def _layout(chunks) -> list:
+    """(dtype, shape) of every parameter of the chunks, module by module: a plain walk, because
+    Module.parameters() costs ~2.5 µs a parameter, which a check made every step should not pay."""
+    out, stack = [], list(reversed(chunks))
+    while stack:
+        module = stack.pop()
+        out += [(p.dtype, p.shape) for p in module._parameters.values() if p is not None]
+        stack += [m for m in reversed(module._modules.values()) if m is not None]
+    return out
 
 
 def infer_shapes(engine, in_sig) -> list[tuple[tuple[int, ...], torch.dtype]]:
