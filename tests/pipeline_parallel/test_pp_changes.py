@@ -129,3 +129,18 @@ def test_a_change_on_one_rank_fails_on_every_rank_naming_it(schedule, check, nee
     assert len(set(messages)) == 1, messages
     for needle in needles:
         assert needle in messages[0], messages[0]
+
+
+def test_an_output_that_is_not_what_the_sweep_found_is_refused_before_it_is_sent():
+    from types import SimpleNamespace
+
+    from overlapkit.pipeline_parallel.actions import SlotActions
+    from overlapkit.pipeline_parallel.schedules import Action
+
+    shapes = [((2, 5), torch.float32)]
+    engine = SimpleNamespace(rank=0)
+    SlotActions._check_output(engine, Action("F", 1, 0), torch.zeros(2, 5), shapes)  # as learned: passes
+    with pytest.raises(RuntimeError, match=r"chunk 0 \(rank 0\) produced \(3, 5\) torch.float32 for micro-batch 1"):
+        SlotActions._check_output(engine, Action("F", 1, 0), torch.zeros(3, 5), shapes)
+    with pytest.raises(RuntimeError, match="torch.bfloat16"):
+        SlotActions._check_output(engine, Action("F", 1, 0), torch.zeros(2, 5, dtype=torch.bfloat16), shapes)
