@@ -19,7 +19,6 @@ Writes benchmarks/results/pp_zero_bubble_cpu_ws<pp>.json and .md.
 
 from __future__ import annotations
 
-import argparse
 import copy
 import json
 import os
@@ -32,7 +31,8 @@ from dataclasses import asdict
 import torch
 import torch.distributed as dist
 
-from _common import add_common_args, device_label, line_up, time_variants, write_results
+from _common import device_label, line_up, time_variants, write_results
+from pp_overlap import pipeline_args
 from overlapkit.groups import ParallelGroups
 from overlapkit.launch import spawn
 from overlapkit.models.gpt import GPT, GPTConfig, lm_loss
@@ -288,13 +288,7 @@ def markdown(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_common_args(ap)
-    ap.add_argument("--threads", type=int, default=1, help="torch threads a rank")
-    ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--recorded", type=int, default=3)
-    ap.add_argument("--microbatches", type=int, default=None, help="m (default 2·pp)")
+    ap = pipeline_args(__doc__.split("\n\n")[0])
     ap.add_argument("--ep", type=int, default=2, help="expert-parallel ranks per stage in the MoE run (0: skip it)")
     ap.add_argument("--tiny", action="store_true", help="tiny sizes (a smoke run)")
     args = ap.parse_args(argv)
