@@ -133,13 +133,19 @@ def reported_problems(group) -> list[dict]:
 
 
 def raise_explained(group, what: str, error: BaseException, doing: str = "") -> None:
-    """Re-raise `error`, a failed collective of `group`, as the reason a peer left with `report_problem`, if any.
+    """Re-raise `error`, a failed collective of `group`, as the reason a peer left, if one did.
 
-    `doing` says what this rank was waiting for (e.g. "the all-gather of blocks.1 (forward)").
+    A peer's reason is what it left with `report_problem`, or a configuration check it is waiting
+    in that this rank never reached (it has a configuration this rank reused, say one rank cast
+    its model to float64: its layers compare the new signature while this rank, with the one it
+    had seen, went on into the collective). `doing` says what this rank was waiting for.
     Without a reason from a peer, `error` itself is raised (the transport's message is all there is).
     Call it inside the `except` that caught `error`.
     """
-    told = reported_problems(group)
+    if isinstance(error, RankMismatchError):
+        raise error  # explained already, by a wait nested inside this one
+    told = reported_problems(group) if group is not None else []
+    told += _checks_ahead(group) if group is not None else []
     if not told:
         raise error
     first = (str(error).strip().splitlines() or [type(error).__name__])[0]
@@ -148,6 +154,25 @@ def raise_explained(group, what: str, error: BaseException, doing: str = "") -> 
     here = f"rank {dist.get_rank()}" + (f", waiting for {doing}" if doing else "")
     raise RankMismatchError(f"{what}: another rank broke step with this one ({here}: {first[:200]}); "
                             f"{reasons}") from error
+
+
+def _checks_ahead(group) -> list[dict]:
+    """Peers of `group` waiting in a configuration check this rank has not made (its next one)."""
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        name, me = group.group_name, dist.get_rank(group)
+        ranks = dist.get_process_group_ranks(group)
+        seq = _SEQ.get(name, 0)
+        out = []
+        for r in range(len(ranks)):
+            key = f"overlapkit/agree/{name}/{seq}/{r}"
+            if r != me and store.check([key]):
+                theirs = json.loads(store.get(key))
+                out.append({"rank": ranks[r], "text": f"{theirs.get('what')} compared a configuration this rank did "
+                            f"not (this rank went on with one it had used before): {_fmt(theirs)}"})
+        return out
+    except Exception:  # noqa: BLE001 - no store to read: nothing to add
+        return []
 
 
 def _fmt(signature: dict) -> str:

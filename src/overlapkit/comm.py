@@ -65,14 +65,20 @@ def before_waits(fn: Callable[[], None]):
 
 
 class Handle:
-    """One or more works in flight. `wait()` joins them: the caller's stream on CUDA, the thread on CPU."""
+    """One or more works in flight. `wait()` joins them: the caller's stream on CUDA, the thread on CPU.
 
-    __slots__ = ("_works", "_pending", "_rec", "_done")
+    A wait that fails (a peer timed out, died or broke step) raises, when a peer of the group left a
+    reason on the store (`agreement.report_problem`, or a configuration check it is in and this rank
+    is not), a RankMismatchError that names that rank and its reason instead of the transport's words.
+    """
 
-    def __init__(self, works: Sequence[dist.Work], pending=None, rec=None) -> None:
+    __slots__ = ("_works", "_pending", "_rec", "_done", "_group", "_label")
+
+    def __init__(self, works: Sequence[dist.Work], pending=None, rec=None, group=None, label: str = "") -> None:
         self._works = [w for w in works if w is not None]
         self._pending, self._rec = pending, rec
         self._done = False
+        self._group, self._label = group, label
 
     def wait(self) -> None:
         if self._done:
@@ -85,8 +91,13 @@ class Handle:
         # CUDA) is not compute, even inside a compute span that encloses it.
         t0 = rec._now() if rec is not None else None
         with _rec.wait_range():  # the same stretch, marked for a profiler trace's reader
-            for w in self._works:
-                w.wait()
+            try:
+                for w in self._works:
+                    w.wait()
+            except Exception as e:  # noqa: BLE001 - a peer that broke step may have said why
+                from .agreement import raise_explained
+                raise_explained(self._group, _ENGINES.get(self._label.split("_", 1)[0], "overlapkit"), e,
+                                f"the {self._label}")
         if rec is not None:
             if not rec.cuda:
                 rec.comm_done(self._pending)
@@ -97,17 +108,22 @@ class Handle:
         return self._done or all(w.is_completed() for w in self._works)
 
 
+_ENGINES = {"tp": "tensor parallel", "dp": "data parallel", "zero": "ZeRO", "ep": "expert parallel",
+            "cp": "context parallel", "pp": "pipeline"}
+
+
 def _launch(kind: str, name: str, nbytes: int, group, issue) -> Handle:
     """Issue a collective (the `issue` thunk returns its works) and stamp it if recording."""
     rec = _rec.active()
+    label = f"{kind} {name}".strip()
     if rec is None:
         with _rec.comm_range(kind, name):  # names the transfer in a profiler trace, if one runs
-            return Handle(issue())
+            return Handle(issue(), group=group, label=label)
     pending = rec.comm_issued(kind, name, nbytes, group_size(group))
     with _rec.comm_range(kind, name):
         works = [w for w in issue() if w is not None]
     _stamp_done(rec, pending, works)
-    return Handle(works, pending, rec)
+    return Handle(works, pending, rec, group=group, label=label)
 
 
 def _stamp_done(rec, pending, works) -> None:
@@ -253,10 +269,10 @@ def send_recv(sends: Sequence[tuple[torch.Tensor, int, int]], recvs: Sequence[tu
     else:
         split = [works] * len(parts)
     handles = []
-    for p, ws in zip(pend, split):
+    for p, (k, _), ws in zip(pend, parts, split):
         if p is not None:
             _stamp_done(rec, p, ws)
-        handles.append(Handle(ws, p, rec if p is not None else None))
+        handles.append(Handle(ws, p, rec if p is not None else None, group=group, label=f"{k} {name}".strip()))
     if not sends:
         handles.insert(0, Handle([]))
     return handles[0], handles[1:]
