@@ -67,7 +67,7 @@ def test_bad_inputs_fail_on_every_rank_and_chunks_overlap():
     for rank_bad in bad:
         assert "MoEConfig.num_experts=3 is not divisible by the expert-parallel size 2" in rank_bad["indivisible"]
         assert "MoEConfig.top_k=5 exceeds num_experts=4" in rank_bad["top_k"]
-        assert "MoEConfig.chunks must be an integer >= 1, got 0" in rank_bad["chunks"]
+        assert "MoEConfig.chunks must be an integer >= 1 or 'auto', got 0" in rank_bad["chunks"]
         assert "RankMismatchError" in rank_bad["chunks_differ"] and "chunks differs (rank 0: 1, rank 1: 2)" in rank_bad["chunks_differ"]
         assert "top_k differs (rank 0: 1, rank 1: 9)" in rank_bad["top_k_one_rank"]
         assert "width differs (rank 0: 8, rank 1: 9)" in rank_bad["width_differs"]
