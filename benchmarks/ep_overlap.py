@@ -44,7 +44,8 @@ PRESETS = {
     "cuda": dict(hidden=2048, ffn_hidden=1408, experts_per_rank=8, top_k=2, tokens=8192, dtype="bfloat16",
                  capacity_factor=1.25),
 }
-FIXED = (1, 2, 4, 8)
+FIXED = (1, "ranks", 2, 4, 8)
+"""The fixed settings (chunks="ranks": a chunk per source rank; the same as 1 on one rank, so left out there)."""
 ROUTINGS = ("uniform", "skewed")
 MLP = "plain MLP"
 CAPACITY = ("capacity exact", "capacity padded")
@@ -66,6 +67,10 @@ def _plain_mlp(hidden: int, inner: int, device, dtype):
     return torch.nn.Sequential(torch.nn.Linear(hidden, inner), torch.nn.GELU(), torch.nn.Linear(inner, hidden)).to(device, dtype)
 
 
+def _fixed(ws: int) -> tuple:
+    return FIXED if ws > 1 else tuple(c for c in FIXED if c != "ranks")
+
+
 def _layers(p: dict, ws: int, rank: int, device, dtype):
     """{variant: (layer, input)}; every MoE starts from the same weights."""
     h, f, k, tokens = p["hidden"], p["ffn_hidden"], p["top_k"], p["tokens"]
@@ -82,7 +87,7 @@ def _layers(p: dict, ws: int, rank: int, device, dtype):
 
     for routing in ROUTINGS:
         out[f"{routing} auto"] = moe(routing, "auto")
-        for c in FIXED:
+        for c in _fixed(ws):
             out[f"{routing} chunks={c}"] = moe(routing, c)
     for name, pad in zip(CAPACITY, (False, True)):
         out[name] = moe("uniform", 1, capacity_factor=p["capacity_factor"], pad_to_capacity=pad)
@@ -159,6 +164,7 @@ def _median(xs):
 
 def summarize(per_rank: list[dict]) -> dict:
     times = per_rank[0]["times"]  # already the slowest rank's, round by round
+    fixed = _fixed(len(per_rank))
     step = {n.split("|")[0]: ms for n, ms in times.items() if n.endswith("|fwd+bwd")}
     fwd = {n.split("|")[0]: ms for n, ms in times.items() if n.endswith("|fwd")}
     rows = []
@@ -186,8 +192,8 @@ def summarize(per_rank: list[dict]) -> dict:
     for routing in ROUTINGS:
         name = f"{routing} auto"
         decided = per_rank[0]["auto"][name]
-        best = min(FIXED, key=lambda c: by[f"{routing} chunks={c}"]["step_ms"])
-        chunked = min(FIXED[1:], key=lambda c: by[f"{routing} chunks={c}"]["step_ms"])
+        best = min(fixed, key=lambda c: by[f"{routing} chunks={c}"]["step_ms"])
+        chunked = min(fixed[1:], key=lambda c: by[f"{routing} chunks={c}"]["step_ms"])
         cb = by[f"{routing} chunks={chunked}"]
         autos[routing] = dict(
             **decided, best_fixed=best, best_chunked=chunked,

@@ -14,9 +14,9 @@ from overlapkit.expert_parallel.config import CHUNK_CANDIDATES
 from overlapkit.timeline import record
 from worlds import world
 
-# Seconds each chunk count is slowed by, per rank, in forward and in backward alike. Rank 0 alone would
-# keep 2 chunks and rank 1 alone 4; the slowest rank's times (1: 0.08, 2: 0.1, 4: 0.04, 8: 0.12) keep 4.
-DELAYS = ({1: 0.08, 2: 0.0, 4: 0.04, 8: 0.12}, {1: 0.08, 2: 0.1, 4: 0.02, 8: 0.12})
+# Seconds each candidate is slowed by, per rank, in forward and in backward alike. Rank 0 alone would keep
+# 2 chunks and rank 1 alone 4; the slowest rank's times (1: 0.08, ranks: 0.12, 2: 0.1, 4: 0.04, 8: 0.12) keep 4.
+DELAYS = ({1: 0.08, "ranks": 0.12, 2: 0.0, 4: 0.04, 8: 0.12}, {1: 0.08, "ranks": 0.12, 2: 0.1, 4: 0.02, 8: 0.12})
 
 
 def _auto_chunks() -> dict:
@@ -27,7 +27,7 @@ def _auto_chunks() -> dict:
     pipeline = dispatch.run_pipeline
 
     def slowed(rows, plan, *args, **kwargs):
-        time.sleep(DELAYS[rank][len(plan.chunk_rows)])
+        time.sleep(DELAYS[rank][plan.schedule])
         return pipeline(rows, plan, *args, **kwargs)
 
     dispatch.run_pipeline = slowed

@@ -1,7 +1,7 @@
 """The EP MoE equals a plain single-process MoE: output, input grad, router grad, every expert grad.
 
 One spawned world per world size (worlds.py) runs every case (top-1/2, uniform/skewed routing,
-chunks 1-4, ranks with few or zero tokens, a capacity factor with exact split sizes and padded to
+chunks 1-4 and by source rank, ranks with few or zero tokens, a capacity factor with exact split sizes and padded to
 the capacity, which needs the same number of tokens on every rank).
 """
 
@@ -81,11 +81,13 @@ def _all_cases() -> dict:
     out = {}
     for top_k in (1, 2):
         for skew in (False, True):
-            for chunks in (1, 2, 3, 4):
+            for chunks in (1, 2, 3, 4, "ranks"):
                 out[(top_k, skew, chunks, None)] = _case(experts, top_k, chunks, skew)
     out[(2, True, 3, 1.0)] = _case(experts, 2, 3, True, capacity_factor=1.0)
     out[(1, False, 2, 0.5)] = _case(experts, 1, 2, False, capacity_factor=0.5)
-    for top_k, skew, chunks, cf in ((2, True, 3, 1.0), (1, False, 2, 0.5), (2, False, 1, 1.5), (2, True, 4, 0.6)):
+    out[(2, True, "ranks", 1.0)] = _case(experts, 2, "ranks", True, capacity_factor=1.0)
+    for top_k, skew, chunks, cf in ((2, True, 3, 1.0), (1, False, 2, 0.5), (2, False, 1, 1.5), (2, True, 4, 0.6),
+                                    (2, True, "ranks", 1.0), (1, False, "ranks", 0.5)):
         out[(top_k, skew, chunks, f"{cf} padded")] = _case(experts, top_k, chunks, skew, capacity_factor=cf, pad=True)
     return out
 

@@ -6,8 +6,8 @@ import math
 from dataclasses import dataclass
 
 
-CHUNK_CANDIDATES = (1, 2, 4, 8)
-"""The chunk counts `chunks="auto"` times on more than one EP rank (the first one is preferred on a tie)."""
+CHUNK_CANDIDATES = (1, "ranks", 2, 4, 8)
+"""What `chunks="auto"` times on more than one EP rank, in order of preference on a tie (less machinery first)."""
 
 
 @dataclass(frozen=True)
@@ -25,7 +25,9 @@ class MoEConfig:
     chunks: int | str = "auto"
     """Chunks the dispatch/compute/combine pipeline runs in. 1 is the sequential reference:
     dispatch all, compute all, combine all. With c > 1 the dispatch of chunk i+1 and the combine
-    of chunk i-1 are in flight while the experts compute chunk i, forward and backward. "auto":
+    of chunk i-1 are in flight while the experts compute chunk i, forward and backward. "ranks":
+    a chunk per source rank, EP-1 point-to-point rounds instead of all-to-alls (as many messages
+    as chunks=1; each round hides behind the rows of the round before; pairwise.py). "auto":
     1 on one EP rank (nothing travels, so nothing to hide); on more, each of CHUNK_CANDIDATES is
     timed on the layer's first calls (forward and backward, the slowest rank's median) and the
     fastest kept, the same on every rank (whether chunking pays depends on how fast the transport
@@ -44,8 +46,9 @@ class MoEConfig:
     softmax probability, so that the router gets a gradient from the output."""
 
     def __post_init__(self) -> None:
-        if self.chunks != "auto" and (not isinstance(self.chunks, int) or isinstance(self.chunks, bool) or self.chunks < 1):
-            raise ValueError(f"MoEConfig.chunks must be an integer >= 1 or 'auto', got {self.chunks!r}")
+        if self.chunks not in ("auto", "ranks") and (not isinstance(self.chunks, int) or isinstance(self.chunks, bool)
+                                                      or self.chunks < 1):
+            raise ValueError(f"MoEConfig.chunks must be an integer >= 1, 'ranks' or 'auto', got {self.chunks!r}")
         for name in ("hidden", "ffn_hidden", "num_experts", "top_k"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:

@@ -30,19 +30,26 @@ import torch
 
 from .. import comm
 from ..timeline.recorder import compute_span
+from . import pairwise
 from .experts import Groups, count, device_ints, experts_backward, experts_forward, grouped_on
+
+RANKS = "ranks"
+"""`chunks="ranks"`: a chunk per source rank (pairwise.py) instead of token chunks."""
 
 
 @dataclass
 class DispatchPlan:
-    """Where every send row of one forward goes, and how the received rows group, chunk by chunk."""
+    """Where every send row of one forward goes, and how the received rows group, chunk by chunk (or, with
+    chunks="ranks", source rank by source rank)."""
 
     row_token: torch.Tensor
     """[rows] the local token each send row carries (rows sorted by chunk, then expert)."""
     row_assignment: torch.Tensor
     """[rows] the flat (token * top_k + choice) assignment of each send row."""
+    schedule: int | str
+    """The chunks the plan was made for: a token-chunk count, or "ranks"."""
     chunk_rows: list[int]
-    """Send rows of each chunk (they are consecutive, chunk by chunk)."""
+    """Send rows of each token chunk (they are consecutive, chunk by chunk); one chunk under "ranks"."""
     send_splits: list[list[int]] | None
     """[chunk][ep rank] rows this rank sends to each EP rank (None on one EP rank: nothing is sent)."""
     recv_splits: list[list[int]] | None
@@ -50,7 +57,8 @@ class DispatchPlan:
     recv_rows: list[int]
     """Rows this rank's experts compute, per chunk (consecutive in the receive buffer)."""
     groups: list[Groups]
-    """[chunk] how its received rows, grouped by expert, split into local experts."""
+    """[chunk] how its received rows, grouped by expert, split into local experts ([source rank] under "ranks",
+    where a source's rows arrive grouped by expert already)."""
     recv_perm: torch.Tensor | None
     """[all received rows] the receive-buffer row of each row once grouped by expert within its chunk
     (rows arrive by source rank, then expert); None on one EP rank, where they arrive grouped."""
@@ -60,8 +68,8 @@ class DispatchPlan:
     """Every (token, choice) assignment has a row (nothing was dropped by a capacity)."""
     sent_per_expert: torch.Tensor
     """[num_experts] assignments of this rank's tokens each expert takes (after drops)."""
-    dropped_per_expert: torch.Tensor
-    """[num_experts] assignments of this rank's tokens dropped for lack of capacity."""
+    dropped_per_expert: torch.Tensor | None
+    """[num_experts] assignments of this rank's tokens dropped for lack of capacity (None: dropless)."""
     received_per_expert: torch.Tensor
     """[local experts] rows this rank's experts computed, from every rank."""
 
@@ -108,9 +116,11 @@ def plan_dispatch(experts: torch.Tensor, num_experts: int, chunks: int, capacity
                   name: str) -> DispatchPlan:
     """Collective over the EP group (one all-to-all of counts, on more than one rank): the plan of one forward.
 
-    `experts` [tokens, top_k] are the router's choices on this rank.
+    `experts` [tokens, top_k] are the router's choices on this rank; `chunks` a count or "ranks".
     """
     ep = comm.group_size(group)
+    schedule, by_rank = chunks, chunks == RANKS and ep > 1
+    chunks = 1 if chunks == RANKS else chunks
     tokens, top_k = experts.shape
     local = num_experts // ep
     dev = experts.device
@@ -134,7 +144,7 @@ def plan_dispatch(experts: torch.Tensor, num_experts: int, chunks: int, capacity
         got = torch.empty_like(send)
         comm.all_to_all_single(got, send, group, kind="ep_dispatch", name=f"{name}.fwd.counts", async_op=False)
         recv = got.transpose(0, 1)  # [chunk, source rank, local expert]
-    per_chunk = recv.sum(1)  # [chunk, local expert]: rows each local expert computes
+    per_chunk = recv[0] if by_rank else recv.sum(1)  # [piece, local expert]: rows each local expert computes
     send_splits = recv_splits = expert_rows = None
     if ep > 1 or capacity is not None or dev.type == "cpu":
         # The forward's one host sync (none on a CPU): transfers need their split sizes on the host.
@@ -143,33 +153,35 @@ def plan_dispatch(experts: torch.Tensor, num_experts: int, chunks: int, capacity
         recv_splits = [[sum(recv_l[c][s]) for s in range(ep)] for c in range(chunks)]
         expert_rows = [[sum(recv_l[c][s][e] for s in range(ep)) for e in range(local)] for c in range(chunks)]
         chunk_rows = [sum(s) for s in send_splits]
-        recv_rows = [sum(s) for s in recv_splits]
+        recv_rows = recv_splits[0] if by_rank else [sum(s) for s in recv_splits]
+        if by_rank:
+            expert_rows = recv_l[0]
     else:  # one rank, dropless: chunk c holds exactly its tokens' assignments
         bounds = chunk_bounds(tokens, chunks)
         chunk_rows = recv_rows = [(bounds[c + 1] - bounds[c]) * top_k for c in range(chunks)]
     rows = order[:sum(chunk_rows)] if keep is not None else order  # the kept ones, by chunk then expert
     total = sum(recv_rows)
+    pieces = ep if by_rank else chunks
     ends = per_chunk.cumsum(1).to(torch.int32)
     expert = None
     if grouped_on(dev):  # each row's local expert, for the grouped GEMMs' biases (the loop needs none)
-        expert = torch.repeat_interleave(torch.arange(local, device=dev).repeat(chunks), per_chunk.reshape(-1),
+        ids = torch.arange(local, device=dev)
+        expert = torch.repeat_interleave(ids if pieces == 1 else ids.repeat(pieces), per_chunk.reshape(-1),
                                          output_size=total)
     groups, off = [], 0
-    for c in range(chunks):
+    for c in range(pieces):
         groups.append(Groups(per_chunk[c], recv_rows[c], expert_rows[c] if expert_rows else None, ends[c],
                              expert[off:off + recv_rows[c]] if expert is not None else None))
         off += recv_rows[c]
-    if keep is None:
-        sent, dropped = counts.sum(0).reshape(-1), torch.zeros(num_experts, dtype=torch.long, device=dev)
-    else:
-        sent = counts.sum(0).reshape(-1)
-        dropped = per_expert - sent
+    sent = counts.reshape(-1) if chunks == 1 else counts.sum(0).reshape(-1)
+    dropped = None if keep is None else per_expert - sent  # None: nothing dropped (no kernel to say so)
     return DispatchPlan(
-        row_token=rows.div(top_k, rounding_mode="floor"), row_assignment=rows, chunk_rows=chunk_rows,
+        row_token=rows.div(top_k, rounding_mode="floor"), row_assignment=rows, schedule=schedule, chunk_rows=chunk_rows,
         send_splits=send_splits if ep > 1 else None, recv_splits=recv_splits if ep > 1 else None,
-        recv_rows=recv_rows, groups=groups, recv_perm=_receive_layout(recv, total, dev) if ep > 1 else None,
+        recv_rows=recv_rows, groups=groups,
+        recv_perm=_receive_layout(recv, total, dev) if ep > 1 and not by_rank else None,
         assignments=flat.numel(), dropless=keep is None, sent_per_expert=sent, dropped_per_expert=dropped,
-        received_per_expert=per_chunk.sum(0))
+        received_per_expert=per_chunk[0] if pieces == 1 else per_chunk.sum(0))
 
 
 class _Done:
@@ -201,6 +213,8 @@ def run_pipeline(rows: torch.Tensor, plan: DispatchPlan, group, compute, name: s
     """Send the rows (in send order, chunk after chunk) to their experts, `compute(i, grouped rows)` each
     chunk on arrival (rows grouped by local expert), return the results (`width` columns) in send order."""
     n = len(plan.chunk_rows)
+    if plan.send_splits is not None and plan.recv_perm is None:  # chunks="ranks"
+        return _run_by_rank(rows, plan, group, compute, name, width)
     if plan.send_splits is None:  # one EP rank: the rows are already grouped by expert, nothing travels
         outs, off = [], 0
         for i, r in enumerate(plan.chunk_rows):
@@ -234,6 +248,23 @@ def run_pipeline(rows: torch.Tensor, plan: DispatchPlan, group, compute, name: s
     return result
 
 
+def _run_by_rank(rows: torch.Tensor, plan: DispatchPlan, group, compute, name: str, width: int) -> torch.Tensor:
+    """run_pipeline under chunks="ranks": pairwise rounds, a source's rows computed as they arrive."""
+    ep, me = comm.group_size(group), comm.group_rank(group)
+    soff, roff = pairwise.offsets(plan.send_splits[0]), pairwise.offsets(plan.recv_splits[0])
+    received = rows.new_empty((roff[-1],) + tuple(rows.shape[1:]))
+    result = rows.new_empty((soff[-1], width))
+
+    def run(src, got, out):
+        y = compute(src, got)
+        return y if out is None else out.copy_(y)
+
+    pairwise.run(me, ep, group, [rows[soff[d]:soff[d + 1]] for d in range(ep)],
+                 [received[roff[s]:roff[s + 1]] for s in range(ep)], [result[soff[d]:soff[d + 1]] for d in range(ep)],
+                 run, name)
+    return result
+
+
 def _slots(plan: DispatchPlan, rows: torch.Tensor, assignments: int) -> torch.Tensor:
     """[assignments, width]: each row in its (token, choice) slot; slots of dropped assignments 0."""
     make = rows.new_empty if plan.dropless else rows.new_zeros
@@ -248,12 +279,12 @@ class ExpertsA2A(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w1, b1, w2, b2, plan: DispatchPlan, group, add_output_bias: bool, name: str, trial=None):
         ctx.plan, ctx.group, ctx.name, ctx.trial, ctx.tokens = plan, group, name, trial, x.shape[0]
-        ctx.saved = []
+        ctx.saved = {}  # by chunk (or source rank)
 
         def compute(i, grouped):
             with compute_span(f"{name}.fwd.experts[{i}]"):
                 y, pre = experts_forward(grouped, plan.groups[i], w1, b1, w2, b2, add_output_bias)
-            ctx.saved.append((grouped, pre))
+            ctx.saved[i] = (grouped, pre)
             return y
 
         ctx.save_for_backward(w1, w2)

@@ -105,7 +105,7 @@ class MoE(nn.Module):
         if self._load_stats is None and self._load is not None:
             tokens, sent, dropped, received = self._load
             self._load_stats = LoadStats(tokens=tokens, sent_per_expert=sent.tolist(),
-                                         dropped_per_expert=dropped.tolist(),
+                                         dropped_per_expert=[0] * len(sent) if dropped is None else dropped.tolist(),
                                          received_per_expert=received.tolist(),
                                          first_expert=self.local_experts.start)
         return self._load_stats
@@ -133,8 +133,8 @@ class MoE(nn.Module):
         return rows[:, :, self.local_ffn] if param == "w2" else rows
 
     @property
-    def chunks(self) -> int | None:
-        """The chunk count the layer runs with (None while `chunks="auto"` is still timing candidates)."""
+    def chunks(self) -> int | str | None:
+        """The chunks the layer runs with, a count or "ranks" (None while `chunks="auto"` still times candidates)."""
         return self.chunk_choice.decided
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -157,7 +157,7 @@ class MoE(nn.Module):
             out = self._route_and_compute(x2, chunks, padded, trial)
         return out.view(x.shape)
 
-    def _route_and_compute(self, x2: torch.Tensor, chunks: int, padded: bool, trial) -> torch.Tensor:
+    def _route_and_compute(self, x2: torch.Tensor, chunks, padded: bool, trial) -> torch.Tensor:
         cfg = self.config
         routing = self.router(x2)
         xin = x2

@@ -26,8 +26,9 @@ import torch
 
 from .. import comm
 from ..timeline.recorder import compute_span
-from .dispatch import DONE, chunk_bounds, chunk_of, positions, schedule
-from .experts import batched_backward, batched_forward, count
+from . import pairwise
+from .dispatch import DONE, RANKS, chunk_bounds, chunk_of, positions, schedule
+from .experts import batched_backward, batched_forward
 
 
 @dataclass
@@ -40,6 +41,8 @@ class PaddedPlan:
     """C: rows each expert takes from each rank."""
     bounds: list[int]
     """Chunk boundaries over the queue places 0 … C (chunk i: places bounds[i] … bounds[i+1])."""
+    by_rank: bool
+    """chunks="ranks": one slot chunk, pipelined by source rank (pairwise.py) instead."""
     top_k: int
     sent_per_expert: torch.Tensor
     """[num_experts] assignments of this rank's tokens each expert takes."""
@@ -51,9 +54,12 @@ class PaddedPlan:
     """The counts' all-to-all in flight; waited for at the end of the forward (a stream wait on CUDA)."""
 
 
-def plan_padded(experts: torch.Tensor, num_experts: int, chunks: int, capacity: int, group, name: str) -> PaddedPlan:
-    """The padded plan of one forward; issues the (asynchronous) counts all-to-all over the EP group."""
+def plan_padded(experts: torch.Tensor, num_experts: int, chunks, capacity: int, group, name: str) -> PaddedPlan:
+    """The padded plan of one forward (`chunks`: a count or "ranks"); issues the (asynchronous) counts
+    all-to-all over the EP group."""
     ep = comm.group_size(group)
+    by_rank = chunks == RANKS and ep > 1
+    chunks = 1 if chunks == RANKS else chunks
     flat = experts.reshape(-1)
     place, per_expert = positions(flat, experts.shape[1], num_experts)
     keep = place < capacity
@@ -70,7 +76,7 @@ def plan_padded(experts: torch.Tensor, num_experts: int, chunks: int, capacity: 
     if ep > 1:
         received = torch.empty_like(sent)
         handle = comm.all_to_all_single(received, sent, group, kind="ep_dispatch", name=f"{name}.fwd.counts")
-    return PaddedPlan(slot=slot, capacity=c, bounds=chunk_bounds(c, chunks), top_k=experts.shape[1],
+    return PaddedPlan(slot=slot, capacity=c, bounds=chunk_bounds(c, chunks), by_rank=by_rank, top_k=experts.shape[1],
                       sent_per_expert=sent, dropped_per_expert=per_expert - sent, received_per_source=received,
                       counts_handle=handle)
 
@@ -92,6 +98,9 @@ def _run(plan: PaddedPlan, send: torch.Tensor, result: torch.Tensor, group, num_
     result[E·p_i : E·p_i+1] — d0, d1, [compute 0], c0, ... as `schedule` runs them."""
     ep = comm.group_size(group)
     local = num_experts // ep
+    if plan.by_rank:
+        _run_by_rank(plan, send, result, group, local, compute, name)
+        return
     chunks = _chunk_views(plan, num_experts)
     hidden = send.shape[1]
 
@@ -120,6 +129,20 @@ def _run(plan: PaddedPlan, send: torch.Tensor, result: torch.Tensor, group, num_
         return comm.all_to_all_single(result[a:b], back, group, kind="ep_combine", name=f"{name}.combine[{c}]")
 
     schedule(len(chunks), dispatch, run, combine)
+
+
+def _run_by_rank(plan: PaddedPlan, send: torch.Tensor, result: torch.Tensor, group, local: int, compute, name: str):
+    """`_run` under chunks="ranks": rank d's rows are send[d·local·C : (d+1)·local·C], [local, C, hidden]."""
+    ep, me, c = comm.group_size(group), comm.group_rank(group), plan.capacity
+    step = local * c
+    received = send.new_empty((ep * step, send.shape[1]))
+
+    def run(src, got, out):
+        y = compute(src, got.view(local, c, -1), None if out is None else out.view(local, c, -1))
+        return None if y is None else y.reshape(step, -1)
+
+    views = lambda t: [t[d * step:(d + 1) * step] for d in range(ep)]  # noqa: E731
+    pairwise.run(me, ep, group, views(send), views(received), views(result), run, name)
 
 
 class PaddedExpertsA2A(torch.autograd.Function):
