@@ -44,7 +44,7 @@ from _common import add_common_args, backend, device_label, line_up, time_varian
 from _ratios import per_round, text, verdict
 from cp_waits import attribute, rank_spans
 from overlapkit import comm
-from overlapkit.context_parallel import ContextParallelConfig, RingAttention, ring_attention, shard
+from overlapkit.context_parallel import ContextParallelConfig, RingAttention, shard
 from overlapkit.launch import spawn
 from overlapkit.timeline import record
 from overlapkit.timeline.report import measure

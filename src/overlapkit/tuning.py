@@ -58,6 +58,11 @@ class Trial:
             yield
 
 
+def timed(trial: Trial | None, phase: str):
+    """`trial.forward()` or `trial.backward()` (phase "forward" / "backward"), or nothing when there is no trial."""
+    return contextlib.nullcontext() if trial is None else getattr(trial, phase)()
+
+
 class MeasuredChoice:
     """Candidates tried on the first calls, then the fastest kept (the same on every rank of `group`).
 

@@ -214,9 +214,8 @@ def auto_overlap(group) -> dict:
     with the trial clock made to fail if read: what ran, and what was kept."""
     import time
 
-    from overlapkit import tuning
     from overlapkit.context_parallel import RingAttention, attention
-    from overlapkit.timeline import record
+    from trial_clock import recorded_without_trial_clock
 
     rank = dist.get_rank(group)
     g = torch.Generator().manual_seed(5)
@@ -238,15 +237,7 @@ def auto_overlap(group) -> dict:
     finally:
         attention.ring_forward = forward
 
-    def no_clock(*_):
-        raise AssertionError("a trial clock was read after the decision")
-    real_stamp, tuning._stamp = tuning._stamp, no_clock
-    try:
-        with record() as rec:
-            for _ in range(3):  # the deciding call, then two that run as a fixed configuration would
-                rec.next_step()
-                ring(ql, kl, vl).sum().backward()
-    finally:
-        tuning._stamp = real_stamp
-    names = [sorted(s.name for s in rec.spans if s.step == i and s.is_comm) for i in (1, 2, 3)]
+    # The deciding call, then two that run as a fixed configuration would.
+    spans = recorded_without_trial_clock(lambda: ring(ql, kl, vl).sum().backward())
+    names = [sorted(s.name for s in spans if s.step == i and s.is_comm) for i in (1, 2, 3)]
     return dict(decided=choice.decided, reason=choice.reason, names=names)

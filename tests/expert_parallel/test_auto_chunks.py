@@ -7,11 +7,10 @@ import time
 import torch
 import torch.distributed as dist
 
-from overlapkit import tuning
 from overlapkit.agreement import RankMismatchError
 from overlapkit.expert_parallel import MoE, dispatch
 from overlapkit.expert_parallel.config import CHUNK_CANDIDATES
-from overlapkit.timeline import record
+from trial_clock import recorded_without_trial_clock
 from worlds import world
 
 # Seconds each candidate is slowed by, per rank, in forward and in backward alike. Rank 0 alone would keep
@@ -38,18 +37,10 @@ def _auto_chunks() -> dict:
         dispatch.run_pipeline = pipeline
     undecided = moe.chunks
 
-    def no_clock(*_):
-        raise AssertionError("a trial clock was read after the decision")
-    real_stamp, tuning._stamp = tuning._stamp, no_clock
-    try:
-        with record() as rec:
-            for _ in range(3):  # the deciding call, then two that run as a fixed layer would
-                rec.next_step()
-                moe(x).sum().backward()
-    finally:
-        tuning._stamp = real_stamp
-    names = [sorted(s.name for s in rec.spans if s.step == k and s.is_comm) for k in (1, 2, 3)]
-    computes = sorted(s.name for s in rec.spans if s.step == 3 and s.is_compute)
+    # The deciding call, then two that run as a fixed layer would.
+    spans = recorded_without_trial_clock(lambda: moe(x).sum().backward())
+    names = [sorted(s.name for s in spans if s.step == k and s.is_comm) for k in (1, 2, 3)]
+    computes = sorted(s.name for s in spans if s.step == 3 and s.is_compute)
     return dict(undecided=undecided, decided=moe.chunks, reason=moe.chunk_choice.reason,
                 measured=moe.chunk_choice.measured, names=names, computes=computes)
 

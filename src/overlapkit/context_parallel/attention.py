@@ -9,7 +9,6 @@ rank, via `overlapkit.agreement`) and wires the schedule into autograd.
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -18,7 +17,7 @@ from torch import nn
 from ..agreement import Agreement
 from ..comm import group_rank, group_size
 from ..groups import resolve_group
-from ..tuning import MeasuredChoice
+from ..tuning import MeasuredChoice, timed
 from .kernels import KERNELS, check_kernel
 from .ring import Ring, ring_backward, ring_forward
 from .split import LAYOUTS, check_layout, chunks_per_rank
@@ -68,7 +67,7 @@ class _RingAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, ring: Ring, trial=None):
-        with trial.forward() if trial is not None else contextlib.nullcontext():
+        with timed(trial, "forward"):  # auto's trials time it; nothing once decided
             out, lse, rests, first = ring_forward(ring, q, k, v)
         ctx.save_for_backward(q, k, v, out, lse, *(first or ()))
         ctx.ring, ctx.rests, ctx.trial = ring, rests, trial
@@ -77,7 +76,7 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse, *first = ctx.saved_tensors
-        with ctx.trial.backward() if ctx.trial is not None else contextlib.nullcontext():
+        with timed(ctx.trial, "backward"):
             dq, dk, dv = ring_backward(ctx.ring, dout, q, k, v, out, lse, ctx.rests, first or None)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
 

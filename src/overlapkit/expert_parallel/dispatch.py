@@ -30,8 +30,9 @@ import torch
 
 from .. import comm
 from ..timeline.recorder import compute_span
+from ..tuning import timed
 from . import pairwise
-from .experts import Groups, count, device_ints, experts_backward, experts_forward, grouped_on
+from .experts import Groups, count, device_ints, experts_backward, experts_forward, fill_grads, grouped_on
 
 RANKS = "ranks"
 """`chunks="ranks"`: a chunk per source rank (pairwise.py) instead of token chunks."""
@@ -293,9 +294,7 @@ class ExpertsA2A(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dslots):
-        if ctx.trial is None:
-            return ExpertsA2A._backward(ctx, dslots)
-        with ctx.trial.backward():
+        with timed(ctx.trial, "backward"):  # auto's trials time it; nothing once decided
             return ExpertsA2A._backward(ctx, dslots)
 
     @staticmethod
@@ -314,8 +313,6 @@ class ExpertsA2A(torch.autograd.Function):
         ctx.saved = None
         dslot_x = _slots(plan, dx, plan.assignments)
         dx2 = dslot_x if plan.assignments == ctx.tokens else dslot_x.view(ctx.tokens, -1, dslot_x.shape[1]).sum(1)
-        for i, (g, shape) in enumerate(zip(grads, (w1.shape, w1.shape[:2], w2.shape, w2.shape[:2]))):
-            if g is None:  # no chunk had rows
-                grads[i] = torch.zeros(shape, dtype=w1.dtype, device=w1.device)
+        fill_grads(grads, w1, w2)  # experts no chunk reached
         return dx2, grads[0], grads[1], grads[2], grads[3], None, None, None, None, None
 

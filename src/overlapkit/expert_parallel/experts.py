@@ -196,7 +196,7 @@ def experts_backward(dy: torch.Tensor, x: torch.Tensor, pre: torch.Tensor, group
 
     done = _try_grouped(_key(dy, w1), grouped) if _grouped(dy, w1, x, pre, w2) else None
     if done is None:
-        _fill(grads, w1, w2)
+        fill_grads(grads, w1, w2)
         return _loop_backward(dy, x, pre, g.sizes, w1, w2, grads)
     dx, parts = done
     accumulate(grads, parts)
@@ -209,7 +209,8 @@ def accumulate(grads: list, parts) -> None:
         grads[i] = d if grads[i] is None else grads[i].add_(d)
 
 
-def _fill(grads: list, w1, w2) -> None:
+def fill_grads(grads: list, w1, w2) -> None:
+    """Zeros for the entries of [dW1, db1, dW2, db2] still None (no rows reached them)."""
     for i, shape in enumerate((w1.shape, w1.shape[:2], w2.shape, w2.shape[:2])):
         if grads[i] is None:
             grads[i] = torch.zeros(shape, dtype=w1.dtype, device=w1.device)

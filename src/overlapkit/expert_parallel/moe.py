@@ -11,7 +11,6 @@ exactly as with that count fixed.
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -20,7 +19,7 @@ from torch import nn
 from .. import comm
 from ..agreement import Agreement, RankMismatchError, agree
 from ..groups import resolve_group
-from ..tuning import MeasuredChoice
+from ..tuning import MeasuredChoice, timed
 from .config import CHUNK_CANDIDATES, MoEConfig
 from .dispatch import ExpertsA2A, plan_dispatch
 from .experts import Experts, init_full_experts
@@ -153,7 +152,7 @@ class MoE(nn.Module):
         if chunks is None:  # auto, still timing: this call runs one candidate
             trial = self.chunk_choice.trial(x.device)
             chunks = self.chunk_choice.decided if trial is None else trial.choice
-        with trial.forward() if trial is not None else contextlib.nullcontext():
+        with timed(trial, "forward"):
             out = self._route_and_compute(x2, chunks, padded, trial)
         return out.view(x.shape)
 

@@ -26,9 +26,10 @@ import torch
 
 from .. import comm
 from ..timeline.recorder import compute_span
+from ..tuning import timed
 from . import pairwise
 from .dispatch import DONE, RANKS, chunk_bounds, chunk_of, positions, schedule
-from .experts import batched_backward, batched_forward
+from .experts import batched_backward, batched_forward, fill_grads
 
 
 @dataclass
@@ -175,9 +176,7 @@ class PaddedExpertsA2A(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dslots):
-        if ctx.trial is None:
-            return PaddedExpertsA2A._backward(ctx, dslots)
-        with ctx.trial.backward():
+        with timed(ctx.trial, "backward"):  # auto's trials time it; nothing once decided
             return PaddedExpertsA2A._backward(ctx, dslots)
 
     @staticmethod
@@ -207,9 +206,7 @@ class PaddedExpertsA2A(torch.autograd.Function):
         dx2 = dx.index_select(0, slots[:, 0])
         for j in range(1, plan.top_k):
             dx2 = dx2 + dx.index_select(0, slots[:, j])
-        for i, (g, shape) in enumerate(zip(grads, (w1.shape, w1.shape[:2], w2.shape, w2.shape[:2]))):
-            if g is None:
-                grads[i] = torch.zeros(shape, dtype=w1.dtype, device=w1.device)
+        fill_grads(grads, w1, w2)  # experts no chunk reached
         return dx2, grads[0], grads[1], grads[2], grads[3], None, None, None, None, None
 
 
