@@ -41,3 +41,21 @@ def test_moe_paths_at_one_rank_match_the_reference_in_fp32(device, capacity, pad
     errs += [_rel(p.grad.cpu(), r.grad) for p, r in zip((e.w1, e.b1, e.w2, e.b2), ref[1:])]
     assert max(errs) <= 1e-5, errs
     assert moe.last_load.dropped == dropped
+
+
+@pytest.mark.parametrize("capacity,pad", [(None, None), (1.25, True), (1.25, False)])
+def test_moe_under_autocast_runs_each_path_in_the_autocast_dtype(capacity, pad):
+    # Under autocast the layer casts its input and expert weights itself (as autocast would for a linear) and
+    # runs the expert functions with autocast off: one dtype inside, fp32 gradients on the fp32 parameters.
+    torch.manual_seed(0)
+    moe = MoE(16, 32, 4, 2, None, chunks=2, capacity_factor=capacity, pad_to_capacity=pad)
+    x = torch.randn(24, 16)
+    ref = moe(x).detach()
+    xb = x.clone().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = moe(xb)
+    out.float().square().sum().backward()
+    assert out.dtype == torch.bfloat16 and _rel(out.float(), ref) < 2e-2
+    e = moe.experts
+    assert xb.grad.dtype == torch.float32 and all(p.grad is not None and p.grad.dtype == torch.float32
+                                                  for p in (e.w1, e.b1, e.w2, e.b2))

@@ -11,6 +11,7 @@ exactly as with that count fixed.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -164,17 +165,25 @@ class MoE(nn.Module):
             from ..tensor_parallel.mappings import copy_to_tp
             xin = copy_to_tp(x2, self.tp_group, f"{self.name}.experts_in")  # partial dx summed over TP
         e = self.experts
+        weights, precision = (e.w1, e.b1, e.w2, e.b2), contextlib.nullcontext()
+        if torch.is_autocast_enabled(x2.device.type):
+            # What autocast would do for a linear, done once outside the expert functions (as the tensor-parallel
+            # ones do): inputs and weights in its dtype, differentiably, and the functions run with autocast off,
+            # every tensor in one dtype (and the grouped GEMMs, which take no part in autocast, usable).
+            from ..tensor_parallel.precision import autocast_dtype, autocast_off, cast
+            cdt = autocast_dtype(x2)
+            xin, weights, precision = cast(xin, cdt), [cast(w, cdt) for w in weights], autocast_off(x2, cdt)
         if padded:
             plan = plan_padded(routing.experts, cfg.num_experts, chunks, cfg.capacity(x2.shape[0]), self.group,
                                self.name)
-            slots = PaddedExpertsA2A.apply(xin, e.w1, e.b1, e.w2, e.b2, plan, self.group, e.add_output_bias,
-                                           self.name, trial)
+            with precision:
+                slots = PaddedExpertsA2A.apply(xin, *weights, plan, self.group, e.add_output_bias, self.name, trial)
             received = received_per_expert(plan, self.ep)
         else:
             plan = plan_dispatch(routing.experts, cfg.num_experts, chunks, cfg.capacity(x2.shape[0]), self.group,
                                  self.name)
-            slots = ExpertsA2A.apply(xin, e.w1, e.b1, e.w2, e.b2, plan, self.group, e.add_output_bias, self.name,
-                                     trial)
+            with precision:
+                slots = ExpertsA2A.apply(xin, *weights, plan, self.group, e.add_output_bias, self.name, trial)
             received = plan.received_per_expert
         if self.tp_group is not None:
             from ..tensor_parallel.mappings import reduce_from_tp
