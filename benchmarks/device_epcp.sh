@@ -27,6 +27,7 @@ step pytest_cuda 150 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_moe
 # H200, world size 1: the MoE's fixed cost over a dense MLP (target <= 2x, fwd and fwd+bwd), chunk counts,
 # capacity exact vs padded; the ring's fixed cost vs SDPA and torch's context_parallel, auto's choice.
 step ep_cuda_ws1 90 python3 benchmarks/ep_overlap.py --device cuda --world 1 "${ep[@]}" --out "$r"
+step ep_profile 45 python3 benchmarks/ep_profile.py --out "$r"   # where a forward's host and device time go now
 step cp_cuda_ws1 90 python3 benchmarks/cp_overlap.py --device cuda --world 1 --rounds 8 "${cp[@]}" --out "$r"
 
 # 16 CPU cores, gloo: the configurations (4 ranks x 3 threads), then 8 ranks x 1 thread;
