@@ -97,8 +97,13 @@ class Handle:
         return self._done or all(w.is_completed() for w in self._works)
 
 
-def _launch(kind: str, name: str, nbytes: int, group, issue) -> Handle:
-    """Issue a collective (the `issue` thunk returns its works) and stamp it if recording."""
+def _launch(kind: str, name: str, nbytes: int, group, issue, watch: bool = True) -> Handle:
+    """Issue a collective (the `issue` thunk returns its works) and stamp it if recording.
+
+    `watch=False`: works that tell their completion only when waited (gloo's send/recv, whose
+    is_completed() stays False until then) are not polled on CPU — the wait stamps their end;
+    polling them would only take cores and the GIL from the ranks being measured.
+    """
     rec = _rec.active()
     if rec is None:
         with _rec.comm_range(kind, name):  # names the transfer in a profiler trace, if one runs
@@ -106,7 +111,8 @@ def _launch(kind: str, name: str, nbytes: int, group, issue) -> Handle:
     pending = rec.comm_issued(kind, name, nbytes, group_size(group))
     with _rec.comm_range(kind, name):
         works = [w for w in issue() if w is not None]
-    _stamp_done(rec, pending, works)
+    if watch or rec.cuda:
+        _stamp_done(rec, pending, works)
     return Handle(works, pending, rec)
 
 
@@ -179,24 +185,56 @@ def all_reduce_coalesced(tensors: Sequence[torch.Tensor], group, *, kind: str, n
             offset += t.numel()
 
 
+def _p2p(sends, recvs, group):
+    """A thunk that issues the sends, then the receives, and returns their works (one per op on gloo, where
+    nothing coalesces; NCCL batches them into one)."""
+    if group is not None and _is_gloo(group):
+        # gloo does not coalesce: batch_isend_irecv would issue these one by one, in this order, with
+        # tag 0; issuing them on the group (peers are group ranks) skips ~30 µs of P2POp checks.
+        def issue():
+            return [group.send([t], p, 0) for t, p in sends] + [group.recv([t], p, 0) for t, p in recvs]
+        return issue
+    ops = [dist.P2POp(dist.isend, t, dist.get_global_rank(group, p), group) for t, p in sends]
+    ops += [dist.P2POp(dist.irecv, t, dist.get_global_rank(group, p), group) for t, p in recvs]
+    return lambda: dist.batch_isend_irecv(ops)
+
+
 def exchange(sends: Sequence[tuple[torch.Tensor, int]], recvs: Sequence[tuple[torch.Tensor, int]],
              group, *, kind: str = "tp_all_gather", name: str = "", async_op: bool = True) -> Handle:
     """Batched point-to-point: send each (tensor, group_peer) and receive each (tensor, group_peer)."""
     if not sends and not recvs:
         return Handle([])
     nbytes = sum(t.numel() * t.element_size() for t, _ in sends)
-    if group is not None and _is_gloo(group):
-        # gloo does not coalesce: batch_isend_irecv would issue these one by one, in this order, with
-        # tag 0; issuing them on the group (peers are group ranks) skips ~30 µs of P2POp checks.
-        def issue():
-            return [group.send([t], p, 0) for t, p in sends] + [group.recv([t], p, 0) for t, p in recvs]
-    else:
-        ops = [dist.P2POp(dist.isend, t, dist.get_global_rank(group, p), group) for t, p in sends]
-        ops += [dist.P2POp(dist.irecv, t, dist.get_global_rank(group, p), group) for t, p in recvs]
+    return _finish(_launch(kind, name, nbytes, group, _p2p(sends, recvs, group), watch=not _is_gloo(group)),
+                   async_op)
 
-        def issue():
-            return dist.batch_isend_irecv(ops)
-    return _finish(_launch(kind, name, nbytes, group, issue), async_op)
+
+def ring_exchange(sends: Sequence[tuple[torch.Tensor, int]], recvs: Sequence[tuple[torch.Tensor, int]],
+                  group, *, kind: str, name: str = "") -> tuple[Handle, Handle]:
+    """`exchange`, as (the receives' handle, the sends' handle) to join apart.
+
+    A ring waits for what it receives before computing on it, and for what it sent only before that
+    buffer changes or is freed. Joining both at once ties each rank to its successor as well as its
+    predecessor: a gloo send completes only after the peer has posted its receive, so a late
+    successor would stall this rank too. The timeline's span is the receives' (under NCCL's one
+    coalesced work, both handles join the same work).
+    """
+    if not sends and not recvs:
+        return Handle([]), Handle([])
+    nbytes = sum(t.numel() * t.element_size() for t, _ in sends)
+    issue = _p2p(sends, recvs, group)
+    rec = _rec.active()
+    pending = rec.comm_issued(kind, name, nbytes, group_size(group)) if rec is not None else None
+    with _rec.comm_range(kind, name):
+        works = [w for w in issue() if w is not None]
+    if len(works) == len(sends) + len(recvs):
+        sent, received = works[:len(sends)], works[len(sends):]
+    else:
+        sent = received = works
+    if rec is not None and rec.cuda:
+        _stamp_done(rec, pending, received)
+    # On CPU a p2p work tells its completion only when waited: the receives' wait stamps the end.
+    return Handle(received, pending, rec), Handle(sent)
 
 
 _gloo: dict = {}
