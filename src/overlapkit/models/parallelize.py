@@ -28,6 +28,7 @@ from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 from ..agreement import agree
 from ..groups import ParallelGroups, resolve_group
 from ..tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from ..tensor_parallel.region import attach_region
 from ..tensor_parallel.vocab import VocabParallelEmbedding
 from . import plans
 from .gpt import GPT
@@ -118,6 +119,7 @@ def parallelize(model: nn.Module, mesh, *, overlap: str | None = None, sequence_
             module.__dict__.pop("_overlapkit_name", None)
     if plans.is_hf_llama(model):
         plans.after_llama(model, group)
+    attach_region(model)  # sequence parallelism steps aside where a forward's sequence does not split
     return model
 
 
