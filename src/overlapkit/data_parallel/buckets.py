@@ -8,6 +8,10 @@ the first bucket fills early and its reduction has the most backward left to hid
 The first bucket is small (PyTorch DDP's 1 MiB) so that communication starts as soon as
 possible; the rest are large (25 MiB) so that each collective runs near full bandwidth.
 
+A DTensor parameter (a TP layer's shard, a replicated norm) keeps its type: the buffer holds its
+local tensor's gradient and `.grad` is a DTensor of the parameter's spec around that view, so an
+optimizer, `clip_grad_norm_` and DCP see the DTensor while the collectives send plain memory.
+
 Every bucket is padded to a multiple of `pad_to` elements (the data-parallel size times an
 alignment), so that it splits into equal shards for a reduce-scatter / all-gather and every
 shard starts aligned.
@@ -21,7 +25,14 @@ from typing import Sequence
 import torch
 from torch import nn
 
+from ..tensor_parallel.params import grad_as_param, is_dtensor, param_parts
+
 MIB = 1024 * 1024
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """The plain tensor behind `t` (its local shard when `t` is a DTensor)."""
+    return t._local_tensor if is_dtensor(t) else t
 
 
 def assign_buckets(nbytes: Sequence[int], first_cap_bytes: float, cap_bytes: float) -> list[list[int]]:
@@ -87,7 +98,7 @@ class GradBuffer:
         self.pad_to = pad_to
         backward_order = list(reversed(named_params))
         item = torch.empty((), dtype=self.dtype).element_size()
-        groups = assign_buckets([p.numel() * item for _, p in backward_order],
+        groups = assign_buckets([local(p).numel() * item for _, p in backward_order],
                                 first_bucket_mb * MIB, bucket_mb * MIB)
         self.buckets: list[Bucket] = []
         self._where: dict[nn.Parameter, tuple[int, int, int]] = {}  # param -> (offset, numel, bucket)
@@ -96,10 +107,11 @@ class GradBuffer:
             bucket = Bucket(index=b, offset=offset, numel=0)
             for i in members:
                 name, p = backward_order[i]
-                self._where[p] = (offset + bucket.numel, p.numel(), b)
+                n = local(p).numel()
+                self._where[p] = (offset + bucket.numel, n, b)
                 bucket.params.append(p)
                 bucket.names.append(name)
-                bucket.numel += p.numel()
+                bucket.numel += n
             bucket.numel = -(-bucket.numel // pad_to) * pad_to
             offset += bucket.numel
             self.buckets.append(bucket)
@@ -117,11 +129,11 @@ class GradBuffer:
         return self._where[p][2]
 
     def view(self, p: nn.Parameter, data: torch.Tensor | None = None) -> torch.Tensor:
-        """p's slice of the buffer (its gradient), or of `data`, a tensor laid out like the buffer."""
+        """p's slice of the buffer (its local gradient), or of `data`, a tensor laid out like the buffer."""
         if data is None:
             return self._views[p]
         offset, numel, _ = self._where[p]
-        return data[offset:offset + numel].view_as(p)
+        return data[offset:offset + numel].view_as(local(p))
 
     def bucket_data(self, b: int) -> torch.Tensor:
         bucket = self.buckets[b]
@@ -134,17 +146,22 @@ class GradBuffer:
         at all (None) means zero.
         """
         view = self._views[p]
-        g = p.grad
+        g = None if p.grad is None else local(p.grad)
         if g is view or g is not None and g.data_ptr() == view.data_ptr() and g.shape == view.shape:
             return
         if g is None:
             view.zero_()
         else:
             view.copy_(g)
-        p.grad = view
+        p.grad = self._as_grad(p, view)
+
+    @staticmethod
+    def _as_grad(p: nn.Parameter, view: torch.Tensor) -> torch.Tensor:
+        spec, loc = param_parts(p)
+        return view if spec is None else grad_as_param(view, spec, loc)
 
     def zero_(self) -> None:
         """Zero every gradient in place, keeping the views."""
         self.data.zero_()
         for p, view in self._views.items():
-            p.grad = view
+            p.grad = self._as_grad(p, view)

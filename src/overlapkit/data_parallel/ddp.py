@@ -29,7 +29,7 @@ from ..timeline.recorder import compute_span
 from ..tensor_parallel.params import localize_parameters
 from ..groups import resolve_group
 from .agree import check_same_on_ranks, check_same_per_item, copy_from_first_rank, raise_if_any
-from .buckets import GradBuffer
+from .buckets import GradBuffer, local
 
 MAX_BUCKET_MB = float(2**20)
 """Largest bucket cap accepted (1 TiB): more than any device holds, and far from the int64 byte counts overflowing."""
@@ -209,7 +209,7 @@ class GradSync:
         Done here, before the bucket's own reduction, because a sharded optimizer's
         reduce-scatter leaves no full gradient behind to fix up after backward.
         """
-        comm.all_reduce_coalesced([p.grad for p in self._sp_params[b]], self.sp_group, kind="tp_all_reduce",
+        comm.all_reduce_coalesced([local(p.grad) for p in self._sp_params[b]], self.sp_group, kind="tp_all_reduce",
                                   name=f"sequence_parallel_grads.bucket{b}")
 
     def _end_backward(self) -> None:
@@ -257,6 +257,16 @@ class GradSync:
                 "them, or set requires_grad=False on parameters that are never used.")
 
 
+def _strip_module_prefix(_module, state_dict, prefix, _local_metadata):
+    for key in [k for k in state_dict if k.startswith(prefix + "module.")]:
+        state_dict[prefix + key[len(prefix) + len("module."):]] = state_dict.pop(key)
+
+
+def _add_module_prefix(module, state_dict, prefix, *_):
+    for key in [k for k in state_dict if k.startswith(prefix) and not k.startswith(prefix + "module.")]:
+        state_dict[prefix + "module." + key[len(prefix):]] = state_dict.pop(key)
+
+
 class DataParallel(nn.Module):
     """Wraps `module` so that its gradients are averaged over the data-parallel `group` during backward.
 
@@ -283,10 +293,9 @@ class DataParallel(nn.Module):
         self.module = module
         # None is the default group, as everywhere in torch.distributed (no group only without it).
         self.group = group = resolve_group(group, "dp")
-        # The TP layers compute on local shards: their DTensor parameters become the plain local
-        # tensors this engine's flat buffers need (their state_dict() still gives DTensors), as
-        # torch's own DDP + TP path swaps DTensors for local tensors.
-        localize_parameters(module)
+        # DTensor parameters (TP shards, replicated norms) stay DTensors, so the optimizer's
+        # states, clip_grad_norm_ and DCP see their placements; the buffers hold their local
+        # tensors (buckets.py).
         experts = [n for n, p in module.named_parameters() if getattr(p, "expert_parallel", False)]
         if experts and comm.group_size(group) > 1:
             # Each EP rank holds other experts: averaging (and the rank-0 copy below) would mix
@@ -297,16 +306,61 @@ class DataParallel(nn.Module):
                 "overlapkit.expert_parallel.average_data_parallel_grads for a model with MoE layers")
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         self.sync = GradSync(named, group, self.config, sequence_parallel_group)
+        # No .grad before the first forward, as with torch's DDP: torch's get_state_dict takes
+        # existing gradients for "this optimizer has stepped" and gives a fresh optimizer an empty
+        # template, so set_state_dict would restore no optimizer state at all, silently. The
+        # buffer views are attached (zeroed) when the first forward runs.
+        for p in self.sync.params:
+            p.grad = None
+        self._grads_attached = False
         # With a sequence_parallel_group the TP sum of sequence-parallel gradients happens in
         # backward; allreduce_sequence_parallel_grads refuses to do it a second time.
         self.sums_sequence_parallel_grads = sequence_parallel_group is not None
         with torch.no_grad():
-            copy_from_first_rank(list(module.parameters()) + list(module.buffers()), group)
+            copy_from_first_rank([local(t) for t in (*module.parameters(), *module.buffers())], group)
+        # state_dict() without the "module." prefix: a DataParallel's checkpoint (DCP, torch.save)
+        # is the wrapped model's, loadable into it unwrapped (a plain HF model) and back.
+        self._register_state_dict_hook(_strip_module_prefix)
+        self._register_load_state_dict_pre_hook(_add_module_prefix, with_module=True)
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+        """The wrapped module's parameters under the names `state_dict()` gives (no "module." prefix),
+        so that torch's get_optimizer_state_dict keys the optimizer state as the model state."""
+        return self.module.named_parameters(prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate)
+
+    def named_buffers(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+        return self.module.named_buffers(prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate)
+
+    def _fqn_modifiers(self) -> dict[str, str]:
+        # torch.distributed.checkpoint.state_dict's hook for wrappers whose state_dict() renames
+        # keys: each top-level name of the wrapped module lives under `self.module`, so
+        # get_state_dict / set_state_dict use the same unprefixed names state_dict() gives.
+        m = self.module
+        return {name: "module" for name in (*m._modules, *m._parameters, *m._buffers)}
+
+    def localize_for_flat_parameters(self) -> None:
+        """Make the parameters plain local tensors and rebuild the gradient buffer on them.
+
+        For engines that turn parameters into views of one flat buffer (ShardedOptimizer);
+        `state_dict()` still gives DTensors for the TP layers.
+        """
+        if not any(hasattr(p, "device_mesh") for p in self.module.parameters()):
+            return  # plain already: the buffer fits
+        for h in self.sync._hooks:
+            h.remove()
+        for p in self.sync.params:
+            p._overlapkit_grad_sync = False  # this sync is replaced, not doubled
+        localize_parameters(self.module)
+        named = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
+        self.sync = GradSync(named, self.group, self.config, self.sync.sp_group)
 
     def forward(self, *args, **kwargs):
         if not self.sync._in_backward:
             self.check_layout()
             self.sync.reset()
+        if not self._grads_attached:
+            self.sync.buffer.zero_()
+            self._grads_attached = True
         with compute_span("forward"):
             out = self.module(*args, **kwargs)
         if torch.is_grad_enabled():

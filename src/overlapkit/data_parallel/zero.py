@@ -56,6 +56,8 @@ class ShardedOptimizer(PerParameterCheckpoint):
         if isinstance(params_or_dp, DataParallel):
             if params_or_dp.group is not dp_group:
                 raise ValueError("ShardedOptimizer dp_group is not the group of the DataParallel it shards")
+            # The parameters become views of one flat buffer below: plain local tensors.
+            params_or_dp.localize_for_flat_parameters()
             self.sync, module = params_or_dp.sync, params_or_dp.module
         else:
             if overlap_param_gather:

@@ -1,8 +1,9 @@
-"""A tiny plain GPT, built-in plans (GPT, HF Llama), and the function that parallelizes a model after the fact."""
+"""A tiny plain GPT, built-in plans (GPT, HF Llama), plans translated from transformers' tp_plan, and the function that parallelizes a model after the fact."""
 
 from .gpt import GPT, GPTConfig, lm_loss
 from .parallelize import builtin_plan, expected_local, parallelize, tp_mesh
+from .hf_plans import hf_tp_plan, translate_hf_plan
 from .plans import gpt_plan, llama_plan
 
 __all__ = ["GPT", "GPTConfig", "lm_loss", "parallelize", "expected_local", "builtin_plan", "tp_mesh",
-           "gpt_plan", "llama_plan"]
+           "gpt_plan", "llama_plan", "hf_tp_plan", "translate_hf_plan"]

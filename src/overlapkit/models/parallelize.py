@@ -3,18 +3,20 @@
 The plan (module path -> style, see overlapkit.tensor_parallel.styles) is applied by torch's
 `parallelize_module` on the mesh's "tp" dim; the styles install overlapkit's layers, whose
 overlap mode decides how much of the all-gathers / reduce-scatters hides behind the GEMMs.
-With `plan=None` the plan is picked by model type (plans.py: our GPT, HF LlamaForCausalLM).
+With `plan=None` the plan is picked by model type (plans.py: our GPT, HF LlamaForCausalLM), or
+translated from a transformers model's own `tp_plan` (hf_plans.py). Parameters shared by
+several modules (tied weights) stay one parameter, or the plan is refused naming them.
 
 Before anything is sliced every rank checks the same things and fails alike, naming values:
 the mesh has a "tp" dim, every plan key names a module, the model's sizes split over tp,
 and every rank of the TP group was given the same plan and options (store-based agreement,
 so a rank with another plan fails instead of hanging in a collective).
 
-Parameters that live in the sequence-parallel region (norms, row-parallel biases) see only
-their rank's tokens: they are marked `param.sequence_parallel = True`, and their gradients
-must be summed over the TP group after backward and before the optimizer step —
-`allreduce_sequence_parallel_grads(model, tp_group)`, or DataParallel's
-`sequence_parallel_group=` (the demo does).
+Every parameter comes out a DTensor on the TP mesh: the TP layers' sharded, every other one
+(norms, biases outside the TP layers) `Replicate()` (tensor_parallel/replicated.py), so
+`clip_grad_norm_`, foreach/fused optimizers and EMA loops work on `model.parameters()` as they
+are. Parameters in the sequence-parallel region (norms) see only their rank's tokens; their
+gradients are summed over TP inside autograd, complete when backward returns.
 """
 
 from __future__ import annotations
@@ -29,9 +31,12 @@ from ..agreement import agree
 from ..groups import ParallelGroups, resolve_group
 from ..tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from ..tensor_parallel.region import attach_region
+from ..tensor_parallel.replicated import replicate_parameters
 from ..tensor_parallel.vocab import VocabParallelEmbedding
 from . import plans
 from .gpt import GPT
+from .hf_plans import translate_hf_plan
+from .tied import check_tied_plan, find_tied, retie
 
 
 def tp_mesh(mesh):
@@ -58,15 +63,25 @@ def tp_mesh(mesh):
                      "tensor parallelism needs a dim named 'tp' (e.g. init_device_mesh(..., mesh_dim_names=('dp', 'tp')))")
 
 
-def builtin_plan(model: nn.Module, tp: int, *, overlap: str, sequence_parallel: bool, **layer_kwargs) -> dict:
-    """The built-in plan for this model's type; ValueError naming the type when there is none."""
+def builtin_plan(model: nn.Module, tp: int, *, overlap: str, sequence_parallel: bool | None,
+                 **layer_kwargs) -> dict:
+    """The plan for this model: built in (our GPT, HF Llama), else translated from a transformers
+    model's own `tp_plan` (hf_plans.py); ValueError naming the type when there is neither.
+
+    `sequence_parallel=None`: on for the built-in plans, on where the model allows it for a
+    translated one.
+    """
     if isinstance(model, GPT):
-        return plans.gpt_plan(model, tp, overlap=overlap, sequence_parallel=sequence_parallel, **layer_kwargs)
+        return plans.gpt_plan(model, tp, overlap=overlap, sequence_parallel=sequence_parallel is not False,
+                              **layer_kwargs)
     if plans.is_hf_llama(model):
-        return plans.llama_plan(model, tp, overlap=overlap, sequence_parallel=sequence_parallel, **layer_kwargs)
-    raise ValueError(f"parallelize: no built-in plan for {type(model).__module__}.{type(model).__name__} (built in: "
-                     "overlapkit.models.GPT, transformers LlamaForCausalLM); pass plan={module path: ParallelStyle} "
-                     "(docs/plans.md)")
+        return plans.llama_plan(model, tp, overlap=overlap, sequence_parallel=sequence_parallel is not False,
+                                **layer_kwargs)
+    if not plans.is_hf(model):
+        raise ValueError(f"parallelize: no built-in plan for {type(model).__module__}.{type(model).__name__} (built "
+                         "in: overlapkit.models.GPT, transformers models with a tp_plan); pass plan={module path: "
+                         "ParallelStyle} (docs/plans.md)")
+    return translate_hf_plan(model, tp, overlap=overlap, sequence_parallel=sequence_parallel, **layer_kwargs)
 
 
 def check_plan(model: nn.Module, plan: dict) -> None:
@@ -88,8 +103,9 @@ def parallelize(model: nn.Module, mesh, *, overlap: str | None = None, sequence_
     """Make `model` tensor (and sequence) parallel over the mesh's "tp" dim, in place; return it.
 
     `mesh`: a DeviceMesh with a "tp" dim (or a 1-D one), a ParallelGroups, or a TP ProcessGroup.
-    `plan=None` picks the built-in plan by model type, built with `overlap` (default "none")
-    and `sequence_parallel` (default True); any extra keyword (transport=, chunks=, hardware=)
+    `plan=None` picks the built-in plan by model type, or translates a transformers model's own
+    `tp_plan`, built with `overlap` (default "none") and `sequence_parallel` (default: on for the
+    built-in plans, on where the model allows it for a translated one); any extra keyword (transport=, chunks=, hardware=)
     goes to every parallel linear layer. A plan you pass carries its options in its styles,
     so `overlap`, `sequence_parallel` and layer keywords are refused with it.
     Collective over the TP group (one store round trip to compare the plan across ranks).
@@ -99,7 +115,6 @@ def parallelize(model: nn.Module, mesh, *, overlap: str | None = None, sequence_
     tp = mesh_1d.size()
     if plan is None:
         overlap = "none" if overlap is None else overlap
-        sequence_parallel = True if sequence_parallel is None else sequence_parallel
         plan = builtin_plan(model, tp, overlap=overlap, sequence_parallel=sequence_parallel, **layer_kwargs)
     elif overlap is not None or sequence_parallel is not None or layer_kwargs:
         given = dict(overlap=overlap, sequence_parallel=sequence_parallel, **layer_kwargs)
@@ -108,8 +123,10 @@ def parallelize(model: nn.Module, mesh, *, overlap: str | None = None, sequence_
     if not isinstance(plan, dict):
         raise TypeError(f"parallelize: plan must be a dict of module path -> ParallelStyle, got {type(plan).__name__}")
     check_plan(model, plan)
+    tied = find_tied(model)
     agree(group, "parallelize", model=type(model).__name__, tp=tp,
-          plan=sorted((k, repr(v)) for k, v in plan.items()))
+          plan=sorted((k, repr(v)) for k, v in plan.items()), tied=tied)
+    check_tied_plan(plan, tied)
     for name, module in model.named_modules():
         module._overlapkit_name = name  # styles name their layers (timeline spans) by path
     try:
@@ -117,8 +134,12 @@ def parallelize(model: nn.Module, mesh, *, overlap: str | None = None, sequence_
     finally:
         for module in model.modules():
             module.__dict__.pop("_overlapkit_name", None)
-    if plans.is_hf_llama(model):
-        plans.after_llama(model, group)
+    retie(model, tied)
+    # Every other parameter a DTensor Replicate() on the same mesh, so whole-model loops
+    # (clip_grad_norm_, foreach optimizers) see one kind; the modules compute on local views.
+    replicate_parameters(model, mesh_1d, group)
+    if plans.is_hf(model):
+        plans.after_hf(model, group)
     attach_region(model)  # sequence parallelism steps aside where a forward's sequence does not split
     return model
 

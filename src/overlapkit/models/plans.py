@@ -112,12 +112,23 @@ def causal_lm_loss(logits, labels, vocab_size: int, num_items_in_batch=None, ign
     return total / num_items_in_batch
 
 
-def after_llama(model: nn.Module, group) -> None:
-    """What the Llama plan needs beyond the styles: HF's loss on split logits, tied weights re-tied."""
-    # HF computes `labels=` losses with model.loss_function, over the full vocabulary: on the
-    # split logits it would be wrong, so it becomes the vocabulary-parallel one.
-    model.loss_function = functools.partial(causal_lm_loss, group=group)
-    if getattr(model.config, "tie_word_embeddings", False):
-        # Both are split by vocabulary rows the same way, so the shard can be shared again.
-        model.lm_head.weight = model.model.embed_tokens.weight
+def is_hf(model: nn.Module) -> bool:
+    """A transformers PreTrainedModel (checked by class, without importing transformers)."""
+    return any(c.__name__ == "PreTrainedModel" and c.__module__.startswith("transformers.")
+               for c in type(model).__mro__)
+
+
+def after_hf(model: nn.Module, group) -> None:
+    """What an HF model needs beyond the styles: with an output head split over the vocabulary,
+    HF's `labels=` loss on split logits; a `save_pretrained` that writes whole tensors."""
+    from ..tensor_parallel.layers import ColumnParallelLinear
+    from .hf_checkpoint import wrap_save_pretrained
+
+    wrap_save_pretrained(model)
+
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if isinstance(head, ColumnParallelLinear) and not head.gather_output and hasattr(model, "loss_function"):
+        # HF computes `labels=` losses with model.loss_function, over the full vocabulary: on the
+        # split logits it would be wrong, so it becomes the vocabulary-parallel one.
+        model.loss_function = functools.partial(causal_lm_loss, group=group)
 

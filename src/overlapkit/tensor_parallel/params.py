@@ -173,6 +173,9 @@ class LocalShardParams:
             value, param = state_dict[key], getattr(self, name)
             shape = tuple(self._global_shape(name))
             if is_dtensor(value):
+                if is_dtensor(param) and value.device_mesh == param.device_mesh and \
+                        tuple(value.placements) == tuple(param.placements):
+                    continue  # the parameter's own layout (FSDP2's 2-D on top): nn.Module copies it
                 if self.mesh is None or value.device_mesh != self.mesh:
                     raise ValueError(f"{label}: state_dict[{key!r}] is a DTensor on {value.device_mesh}; this "
                                      f"layer's parameters live on {self.mesh}")
@@ -186,26 +189,39 @@ class LocalShardParams:
                 local = self.shard_of(value)
             state_dict[key] = local if not is_dtensor(param) else self._as_dtensor(name, local)
 
-    def localize_parameters(self) -> None:
+    def localize_parameters(self, done: dict | None = None) -> None:
         """Replace DTensor parameters by plain Parameters of their local shards (same storage).
 
-        For engines that flatten parameters into buffers (overlapkit's DataParallel and
-        ShardedOptimizer): this layer computes on local shards anyway, and `state_dict()`
-        still wraps them as DTensors.
+        For engines that flatten parameters into buffers (overlapkit's ShardedOptimizer): this
+        layer computes on local shards anyway, and `state_dict()` still wraps them as DTensors.
+        `done` (id of a DTensor parameter -> its plain one) keeps a parameter tied to another
+        layer's one parameter.
         """
+        done = {} if done is None else done
         for name in self._placements:
             p = getattr(self, name)
             if p is not None and is_dtensor(p):
-                local = nn.Parameter(p._local_tensor, requires_grad=p.requires_grad)
-                setattr(self, name, local)
+                if id(p) not in done:
+                    done[id(p)] = nn.Parameter(p._local_tensor, requires_grad=p.requires_grad)
+                setattr(self, name, done[id(p)])
 
     def _global_shape(self, name: str) -> Sequence[int]:
         raise NotImplementedError
 
 
 def localize_parameters(module: nn.Module) -> nn.Module:
-    """`localize_parameters()` on every submodule that computes on local shards; returns `module`."""
+    """Plain local tensors for every DTensor parameter: `localize_parameters()` on the submodules
+    that compute on local shards, plain Parameters of the local tensor for replicated DTensor
+    parameters elsewhere (norms; their modules compute on local views anyway). Tied parameters
+    stay one. Returns `module`."""
+    done: dict[int, nn.Parameter] = {}
     for m in module.modules():
         if isinstance(m, LocalShardParams):
-            m.localize_parameters()
+            m.localize_parameters(done)
+            continue
+        for name, p in list(m._parameters.items()):
+            if p is not None and is_dtensor(p):
+                if id(p) not in done:
+                    done[id(p)] = nn.Parameter(p._local_tensor, requires_grad=p.requires_grad)
+                m._parameters[name] = done[id(p)]
     return module

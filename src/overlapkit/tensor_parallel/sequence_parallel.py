@@ -2,17 +2,17 @@
 
 Nothing here overlaps anything (each sum is a small synchronous all-reduce in backward).
 Under sequence parallelism a layer norm sees only its rank's tokens, so its weight gradient
-is a partial sum. `mark_sequence_parallel(norm, tp)` makes the norm's parameters' gradients
-complete inside autograd: a gradient hook sums them over the TP group before they are
-accumulated. Whatever consumes `.grad` afterwards — an optimizer, our DataParallel, FSDP2's
+is a partial sum. `mark_sequence_parallel(norm, mesh)` makes the norm's parameters DTensors
+`Replicate()` on the TP mesh (replicated.py) whose gradients are complete inside autograd: the
+local view the norm computes on sums its gradient over the TP group in backward. Whatever
+consumes `.grad` afterwards — an optimizer, `clip_grad_norm_`, our DataParallel, FSDP2's
 reduce-scatter over dp — sees the full gradient, and nobody has to remember a call after
 backward.
 
-Why a hook attached in a forward pre-hook, not one on the Parameter at marking time: FSDP2
-(`fully_shard`), `to_empty` and `load_state_dict(assign=True)` replace Parameter objects (and
-drop Python attributes such as `.sequence_parallel`); the module object stays. Before each
-forward the pre-hook finds the tensors the norm is about to use — under FSDP2 the unsharded
-parameters — and hooks any it has not hooked yet.
+Why hooks on the module, not on the Parameter: FSDP2 (`fully_shard`), `to_empty` and
+`load_state_dict(assign=True)` replace Parameter objects (and drop Python attributes); the
+module object stays, and before each forward its pre-hook wraps whatever tensors it holds
+then — under FSDP2 the unsharded parameters.
 
 The row-parallel bias needs none of this: the layer computes its gradient from the
 all-gathered output gradient, complete on every rank.
@@ -23,56 +23,34 @@ all-gathered output gradient, complete on every rank.
 
 from __future__ import annotations
 
-import torch
 import torch.distributed as dist
 from torch import nn
 
 from .. import comm
-from ..groups import resolve_group
-from .params import is_dtensor
-
-_HOOKED = "_overlapkit_sp_grad_hook"
-"""Attribute set on a tensor whose gradient hook is in place (so it is hooked once)."""
-
-
-def _sum_over_tp(group, name: str):
-    def hook(grad: torch.Tensor) -> torch.Tensor:
-        grad = grad.contiguous().clone()
-        comm.all_reduce(grad, group, kind="tp_all_reduce", name=name, async_op=False)
-        return grad
-    return hook
+from .params import tp_mesh_and_group
+from .replicated import replicate_module, sums_gradients
 
 
 def mark_sequence_parallel(module: nn.Module, mesh_or_group, *, name: str = "") -> nn.Module:
     """Make the gradients of `module`'s parameters sums over the TP group; returns `module`.
 
-    For modules that run inside the sequence-parallel region on this rank's tokens (layer
-    norms, RMS norms). Idempotent. DTensor parameters are refused: their own Partial →
-    Replicate semantics already sum them (torch's SequenceParallel style).
+    For modules that run on part of the data on each TP rank (layer norms inside the
+    sequence-parallel region, a norm over this rank's heads). Its own parameters become
+    DTensors `Replicate()` on the TP mesh (plain tensors when `mesh_or_group` is a bare group in
+    a world without a mesh); DTensors with other placements are refused. Idempotent.
     """
-    group = resolve_group(mesh_or_group, "tp")
+    mesh, group = tp_mesh_and_group(mesh_or_group)
     label = name or type(module).__name__
-    for pname, p in module.named_parameters():
-        if is_dtensor(p):
-            raise ValueError(f"mark_sequence_parallel({label}): parameter {pname!r} is a DTensor; its placements "
-                             "already decide how its gradient is reduced")
-    if comm.group_size(group) == 1 or getattr(module, _HOOKED, None) is not None:
+    if comm.group_size(group) == 1:
         return module
-    hook = _sum_over_tp(group, f"sequence_parallel_grads.{label}")
-
-    def pre_forward(mod, args):
-        for p in mod.parameters():
-            if p.requires_grad and not getattr(p, _HOOKED, False):
-                p.register_hook(hook)
-                setattr(p, _HOOKED, True)
-
-    setattr(module, _HOOKED, module.register_forward_pre_hook(pre_forward))
+    for sub_name, sub in module.named_modules():
+        replicate_module(sub, mesh, group, sum_over=group, label=f"{label}.{sub_name}" if sub_name else label)
     return module
 
 
 def is_marked_sequence_parallel(module: nn.Module) -> bool:
     """Whether `mark_sequence_parallel` was applied to `module`."""
-    return getattr(module, _HOOKED, None) is not None
+    return sums_gradients(module)
 
 
 def allreduce_sequence_parallel_grads(module: nn.Module, group: dist.ProcessGroup) -> None:

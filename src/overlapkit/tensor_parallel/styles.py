@@ -123,10 +123,9 @@ class ColwiseParallel(_LinearStyle):
                  **layer_kwargs) -> None:
         super().__init__(overlap=overlap, sequence_parallel=sequence_parallel, sequence_dim=sequence_dim,
                          **layer_kwargs)
-        if input_gathered and (sequence_parallel or gather_output):
+        if input_gathered and sequence_parallel:
             raise ValueError("ColwiseParallel: input_gathered=True computes locally on an already gathered input; "
-                             f"it takes neither sequence_parallel=True nor gather_output=True (got "
-                             f"sequence_parallel={sequence_parallel}, gather_output={gather_output})")
+                             "it does not take sequence_parallel=True")
         if gather_output and not use_local_output:
             raise ValueError("ColwiseParallel: gather_output=True returns whole columns; use_local_output=False "
                              "(a DTensor of this rank's columns) contradicts it")
@@ -137,12 +136,14 @@ class ColwiseParallel(_LinearStyle):
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
         _check_type(module, nn.Linear, "ColwiseParallel")
         check_unsharded(module, device_mesh, "ColwiseParallel")
-        group = resolve_group(device_mesh, "tp")
+        # The mesh, not its group: the parameters then live on the caller's (named) mesh dim, which
+        # FSDP2's fully_shard over the same root mesh's "dp" dim requires.
+        mesh = _one_dim(device_mesh)
         if self.input_gathered:
             opts = dict(overlap="none", sequence_parallel=False, name=_name(module), **self.layer_kwargs)
-            _become(module, GatheredInputColumnLinear.from_full(module, group, **opts))
+            _become(module, GatheredInputColumnLinear.from_full(module, mesh, **opts))
         else:
-            _become(module, ColumnParallelLinear.from_full(module, group, **self._options(_name(module))))
+            _become(module, ColumnParallelLinear.from_full(module, mesh, **self._options(_name(module))))
         if not self.use_local_output:
             module.register_forward_hook(functools.partial(_as_column_dtensor, _one_dim(device_mesh)))
         return module
@@ -155,7 +156,8 @@ class ColwiseParallel(_LinearStyle):
 def _one_dim(device_mesh):
     if device_mesh.ndim == 1:
         return device_mesh
-    return device_mesh["tp"]  # resolve_group has already refused a mesh without one
+    resolve_group(device_mesh, "tp")  # refuses a mesh without a "tp" dim, naming the dims it has
+    return device_mesh["tp"]
 
 
 def _as_column_dtensor(mesh, module, _args, out: torch.Tensor):
@@ -183,8 +185,7 @@ class RowwiseParallel(_LinearStyle):
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
         _check_type(module, nn.Linear, "RowwiseParallel")
         check_unsharded(module, device_mesh, "RowwiseParallel")
-        group = resolve_group(device_mesh, "tp")
-        return _become(module, RowParallelLinear.from_full(module, group, **self._options(_name(module))))
+        return _become(module, RowParallelLinear.from_full(module, _one_dim(device_mesh), **self._options(_name(module))))
 
 
 class GatheredInputColumnLinear(ColumnParallelLinear):
@@ -192,26 +193,51 @@ class GatheredInputColumnLinear(ColumnParallelLinear):
 
     The input gradient it returns is this rank's partial sum (its output columns only); the
     `GatherSequence` that produced the input reduce-scatters the sum of all such partials in
-    backward, once for all the layers that read it (q, k and v of an attention).
+    backward, once for all the layers that read it (q, k and v of an attention). With
+    `gather_output` the columns of every rank are concatenated (an attention that slices a
+    fused q/k/v output by fixed offsets needs them all).
     """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # The gathered input is sequence-major (layout.py): read in that order, nothing is copied.
         order = layout.gemm_order(x)
-        return layout.restore(F.linear(layout.as_rows(x, order), self.local(self.weight), self.local(self.bias)), order)
+        y = layout.restore(F.linear(layout.as_rows(x, order), self.local(self.weight), self.local(self.bias)), order)
+        return mappings.gather_from_tp(y, self.group, self.name + ".out") if self.gather_output else y
 
 
 class VocabParallel(ParallelStyle):
-    """nn.Embedding -> VocabParallelEmbedding: rows (the vocabulary) split over TP, output replicated."""
+    """nn.Embedding -> VocabParallelEmbedding: rows (the vocabulary) split over TP, output replicated.
+
+    `output_scale`: the name of a buffer the embedding multiplies its output by (HF's
+    `*ScaledWordEmbedding`, an nn.Embedding subclass, scales by `embed_scale`): the buffer is
+    kept and the lookup's output scaled by it, as the subclass's forward did.
+    """
+
+    def __init__(self, *, output_scale: str | None = None) -> None:
+        self.output_scale = output_scale
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
-        _check_type(module, nn.Embedding, "VocabParallel")
+        if self.output_scale is None:
+            _check_type(module, nn.Embedding, "VocabParallel")
+        elif not isinstance(module, nn.Embedding) or not isinstance(getattr(module, self.output_scale, None),
+                                                                    torch.Tensor):
+            raise TypeError(f"VocabParallel(output_scale={self.output_scale!r}) applies to an nn.Embedding with a "
+                            f"tensor {self.output_scale!r}, got {type(module).__name__}")
         check_unsharded(module, device_mesh, "VocabParallel")
-        layer = VocabParallelEmbedding.from_full(module, resolve_group(device_mesh, "tp"), name=_name(module))
-        return _become(module, layer)
+        scale = getattr(module, self.output_scale) if self.output_scale else None
+        layer = VocabParallelEmbedding.from_full(module, _one_dim(device_mesh), name=_name(module))
+        _become(module, layer)
+        if scale is not None:
+            module.register_buffer(self.output_scale, scale, persistent=False)
+            module.register_forward_hook(functools.partial(_scale_output, self.output_scale))
+        return module
 
     def __repr__(self) -> str:
-        return "VocabParallel()"
+        return f"VocabParallel(output_scale={self.output_scale!r})" if self.output_scale else "VocabParallel()"
+
+
+def _scale_output(buffer: str, module: nn.Module, _args, out: torch.Tensor) -> torch.Tensor:
+    return out * getattr(module, buffer).to(out.dtype)
 
 
 class SequenceParallel(ParallelStyle):

@@ -66,6 +66,7 @@ class VocabParallelEmbedding(LocalShardParams, nn.Module):
         if padding_idx is not None and not -num_embeddings <= padding_idx < num_embeddings:
             raise ValueError(f"{name}: padding_idx={padding_idx} is outside the vocabulary [0, {num_embeddings})")
         self.padding_idx = padding_idx % num_embeddings if padding_idx is not None else None
+        """nn.Embedding's padding_idx (a global id): that row starts at zero and its gradient stays zero."""
         local_pad = None if self.padding_idx is None else self.padding_idx - self.vocab_start
         self._local_padding_idx = local_pad if local_pad is not None and 0 <= local_pad < self.vocab_end - \
             self.vocab_start else None

@@ -1,0 +1,299 @@
+"""A plan of overlapkit's styles from a transformers model's own tensor-parallel plan (`model.tp_plan`).
+
+Nothing here overlaps anything: it decides which style each module gets, and the styles'
+layers overlap as `overlap` says. transformers writes its plan as module path -> style name
+in the config (`base_model_tp_plan`) and on the CausalLM class (`_tp_plan`, the output head);
+`model.tp_plan` is the merged, prefixed dict on every version we support. What the names mean
+(transformers/distributed/tensor_parallel.py, or integrations/tensor_parallel.py before 5.x):
+
+| HF style | what transformers does | what it becomes here |
+|---|---|---|
+| colwise, local_colwise | weight rows split, input replicated, output this rank's columns | `ColwiseParallel` |
+| colwise_rep, colwise_gather_output | the same, output columns all-gathered | `ColwiseParallel(gather_output=True)`; on the output head a vocabulary-split head and loss instead |
+| rowwise, local_rowwise | weight columns split, partial outputs all-reduced | `RowwiseParallel` |
+| rowwise_rep, rowwise_split_input | the same on a replicated input (each rank slices its part) | `RowwiseParallel(input_is_parallel=False)` |
+| embedding_rowwise | embedding rows (vocabulary) split, output all-reduced | `VocabParallel` |
+| replicated_with_grad_allreduce | replicated parameters whose gradient is partial (a norm over heads) | `SequenceParallel` (gradient summed over TP) |
+| sequence_parallel | a norm on this rank's slice of the sequence | `SequenceParallel` under SP, nothing without |
+| replicate, local | every rank keeps the whole parameter | nothing (a replicated DTensor) |
+
+Anything else (packed/fused projections, MoE experts and routers, MLA, a plan entry naming a
+parameter) is refused with the module and style named. With `sequence_parallel` the sequence
+is split as it enters the first decoder layer and stays split through the norms and residual
+adds, as in the built-in Llama plan: a module that needs the whole sequence (attention) gets a
+`GatherSequence` and its column layers compute on the gathered input; the MLP's column layers
+gather for themselves, behind their GEMMs.
+"""
+
+from __future__ import annotations
+
+import re
+from fnmatch import fnmatch
+
+import torch
+from torch import nn
+
+from ..tensor_parallel.styles import (ColwiseParallel, GatherSequence, RowwiseParallel, ScatterSequence,
+                                      SequenceParallel, VocabParallel)
+
+COLWISE = ("colwise", "local_colwise")
+COLWISE_GATHERED = ("colwise_rep", "colwise_gather_output")
+ROWWISE = ("rowwise", "local_rowwise")
+ROWWISE_REPLICATED_INPUT = ("rowwise_rep", "rowwise_split_input")
+EMBEDDING = ("embedding_rowwise",)
+GRAD_SUM = ("replicated_with_grad_allreduce",)
+SEQUENCE = ("sequence_parallel",)
+REPLICATED = ("replicate", "local")
+TRANSLATED = (*COLWISE, *COLWISE_GATHERED, *ROWWISE, *ROWWISE_REPLICATED_INPUT, *EMBEDDING, *GRAD_SUM, *SEQUENCE,
+              *REPLICATED)
+"""The transformers style names this translation expresses."""
+
+_MLP_NAMES = ("mlp", "feed_forward", "ffn")
+"""Module names of blocks that only chain linears: their column layers may gather their own input."""
+
+
+def hf_tp_plan(model: nn.Module) -> dict[str, str]:
+    """The model's own tensor-parallel plan, module path -> transformers style name ({} when it has none)."""
+    plan = getattr(model, "tp_plan", None)
+    if plan is None:  # transformers releases before `tp_plan`: the config's plan under the base model
+        config = getattr(model, "config", None)
+        base = getattr(config, "base_model_tp_plan", None) or {}
+        prefix = getattr(model, "base_model_prefix", "")
+        prefix = f"{prefix}." if prefix and hasattr(model, prefix) else ""
+        plan = {**{prefix + k: v for k, v in base.items()}, **(getattr(type(model), "_tp_plan", None) or {})}
+    return dict(plan or {})
+
+
+def _matches(pattern: str, path: str) -> bool:
+    tokens, parts = pattern.split("."), path.split(".")
+    return len(tokens) == len(parts) and all(fnmatch(p, t) for p, t in zip(parts, tokens))
+
+
+def _divides(model: nn.Module, tp: int, **sizes) -> None:
+    cls = type(getattr(model, "config", model)).__name__
+    for field, value in sizes.items():
+        if value is not None and value % tp:
+            raise ValueError(f"{cls}.{field}={value} is not divisible by the tensor-parallel size {tp}")
+
+
+def _module_styles(model: nn.Module, hf_plan: dict[str, str]) -> dict[str, str]:
+    """Module path -> HF style name, every plan entry resolved; refusals name the module and the style."""
+    paths = dict(model.named_modules())
+    params = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+    cls = type(model).__name__
+    out: dict[str, str] = {}
+    for pattern, style in hf_plan.items():
+        hits = [p for p in paths if p and _matches(pattern, p)]
+        if not hits:
+            if any(_matches(pattern, p) for p in params):
+                raise ValueError(f"parallelize: {cls}'s tp_plan shards the parameter {pattern!r} directly "
+                                 f"({style!r}); overlapkit's styles work on modules: pass plan= (docs/plans.md)")
+            continue  # e.g. a head the config names but this model class lacks
+        if style not in TRANSLATED:
+            raise ValueError(f"parallelize: {cls}'s tp_plan gives {hits[0]!r} the style {style!r}, which overlapkit "
+                             f"cannot express (it translates {sorted(TRANSLATED)}); pass plan= (docs/plans.md)")
+        for path in hits:
+            out[path] = style
+    return out
+
+
+def _parent(path: str) -> str:
+    return path.rpartition(".")[0]
+
+
+def _own_params(module: nn.Module) -> bool:
+    return any(True for _ in module.parameters(recurse=False))
+
+
+def _is_per_token(module: nn.Module) -> bool:
+    """Whether a module with parameters is known to act on each token alone (safe on a slice of the sequence)."""
+    return isinstance(module, (nn.LayerNorm, nn.Linear, getattr(nn, "RMSNorm", nn.LayerNorm))) or \
+        "norm" in type(module).__name__.lower()
+
+
+class _SPRefused(ValueError):
+    """Why this model cannot run sequence parallel under the translated plan."""
+
+
+def translate_hf_plan(model: nn.Module, tp: int, *, overlap: str, sequence_parallel: bool | None,
+                      **layer_kwargs) -> dict:
+    """overlapkit's plan for a transformers causal LM from its own `tp_plan`.
+
+    `sequence_parallel=None` turns it on where the model's structure allows it (and off, with
+    the reason in a ValueError only when it was asked for with True). ValueError naming the
+    module for anything the translation cannot express, and naming the config field for sizes
+    that do not split over `tp`.
+    """
+    hf_plan = hf_tp_plan(model)
+    if not hf_plan:
+        raise ValueError(f"parallelize: {type(model).__name__} has no tensor-parallel plan in its config "
+                         "(base_model_tp_plan) and overlapkit has no built-in one; pass plan={module path: "
+                         "ParallelStyle} (docs/plans.md)")
+    styles = _module_styles(model, hf_plan)
+    modules = dict(model.named_modules())
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    names = {id(m): n for n, m in modules.items()}
+    emb_path = names.get(id(emb)) if isinstance(emb, nn.Embedding) else None
+    head_path = names.get(id(head)) if isinstance(head, nn.Linear) else None
+    for path, style in styles.items():
+        if style in EMBEDDING and path != emb_path:
+            raise ValueError(f"parallelize: {path!r} has the style {style!r} but is not the input embedding "
+                             f"({emb_path!r}): only that one is split over the vocabulary")
+    linears = {p: s for p, s in styles.items() if s in (*COLWISE, *COLWISE_GATHERED, *ROWWISE,
+                                                         *ROWWISE_REPLICATED_INPUT) and p != head_path}
+    for path in linears:
+        if type(modules[path]) is not nn.Linear:
+            raise ValueError(f"parallelize: {path!r} ({type(modules[path]).__name__}) has the style "
+                             f"{styles[path]!r}; overlapkit's column/row styles apply to an nn.Linear")
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    local_heads = any(s in COLWISE for p, s in linears.items() if not _is_mlp(p))
+    _divides(model, tp, vocab_size=getattr(text, "vocab_size", None),
+             **({"num_attention_heads": getattr(text, "num_attention_heads", None),
+                 "num_key_value_heads": getattr(text, "num_key_value_heads", None)} if local_heads else {}))
+    for path, style in linears.items():
+        lin = modules[path]
+        size, field = (lin.in_features, "in_features") if style in (*ROWWISE, *ROWWISE_REPLICATED_INPUT) \
+            else (lin.out_features, "out_features")
+        if size % tp:
+            raise ValueError(f"parallelize: {path}.{field}={size} is not divisible by the tensor-parallel size {tp}")
+
+    blocks = {_parent(p) for p in linears}
+    layers = _layers_list(modules, blocks, type(model).__name__)
+    sp = sequence_parallel
+    try:
+        checks = _sp_plan(model, modules, styles, blocks, layers, emb_path, head_path)
+    except _SPRefused as why:
+        if sp:
+            raise ValueError(f"parallelize: sequence_parallel=True: {why}; pass sequence_parallel=False") from None
+        checks, sp = None, False
+    sp = checks is not None if sp is None else sp
+
+    _refuse_partial_grads(modules, styles, blocks, linears)
+    seq = dict(sequence_parallel=True, sequence_dim=1) if sp else {}
+    lin_opts = dict(overlap=overlap, **seq, **layer_kwargs)
+    plan: dict = {}
+    if emb_path is not None:
+        plan[emb_path] = _vocab_style(modules[emb_path], emb_path)
+    for block in sorted(blocks):
+        gathers = sp and not _is_mlp(block)
+        if gathers:
+            plan[block] = GatherSequence(sequence_dim=1)
+        for path in sorted(p for p in linears if _parent(p) == block):
+            style = linears[path]
+            if style in (*COLWISE, *COLWISE_GATHERED):
+                gather = dict(gather_output=True) if style in COLWISE_GATHERED else {}
+                opts = dict(input_gathered=True) if gathers else lin_opts
+                plan[path] = ColwiseParallel(**opts, **gather)
+            else:
+                rep = dict(input_is_parallel=False) if style in ROWWISE_REPLICATED_INPUT else {}
+                plan[path] = RowwiseParallel(**lin_opts, **rep)
+    for path, style in styles.items():
+        if style in GRAD_SUM or (style in SEQUENCE and sp):
+            plan[path] = SequenceParallel()
+    if sp:
+        plan[f"{layers}.0"] = ScatterSequence(sequence_dim=1)
+        for path in checks:
+            plan[path] = SequenceParallel()
+    if head_path is not None and styles.get(head_path) in (*COLWISE, *COLWISE_GATHERED):
+        plan[head_path] = ColwiseParallel(**lin_opts, use_local_output=False)
+    return _with_wildcards(plan, layers, len(modules[layers]) if layers is not None else 0)
+
+
+def _vocab_style(emb: nn.Embedding, path: str) -> VocabParallel:
+    if type(emb) is nn.Embedding:
+        return VocabParallel()
+    # transformers' scaled embeddings (Gemma's): the lookup times a buffer, nothing else.
+    if type(emb).__name__.endswith("ScaledWordEmbedding") and isinstance(getattr(emb, "embed_scale", None),
+                                                                         torch.Tensor):
+        return VocabParallel(output_scale="embed_scale")
+    raise ValueError(f"parallelize: the input embedding {path!r} is a {type(emb).__name__}, whose forward overlapkit "
+                     "does not know; pass plan= (docs/plans.md)")
+
+
+def _is_mlp(block: str) -> bool:
+    return block.rpartition(".")[2] in _MLP_NAMES
+
+
+def _layers_list(modules: dict, blocks: set, cls: str) -> str | None:
+    """The path of the ModuleList of decoder layers that holds every column/row block."""
+    lists = set()
+    for block in sorted(blocks):
+        parts = block.split(".")
+        where = [i for i in range(1, len(parts)) if parts[i].isdigit()
+                 and isinstance(modules.get(".".join(parts[:i])), nn.ModuleList)]
+        if not where:
+            return None
+        lists.add(".".join(parts[:where[0]]))
+    return lists.pop() if len(lists) == 1 else None
+
+
+def _sp_plan(model, modules: dict, styles: dict, blocks: set, layers: str | None, emb_path, head_path) -> list[str]:
+    """The modules that run on a slice of the sequence under SP (to be SequenceParallel), or _SPRefused why not."""
+    if layers is None:
+        raise _SPRefused("the column/row layers do not all sit in one list of decoder layers")
+    if head_path is None or styles.get(head_path) not in (*COLWISE, *COLWISE_GATHERED):
+        raise _SPRefused("the output head is not split by the plan (it would need the whole sequence)")
+    in_blocks = {m for b in blocks for m in (b, *(f"{b}.{n}" for n, _ in modules[b].named_modules() if n))}
+    region: list[str] = []
+    layer_list = modules[layers]
+    for i, layer in enumerate(layer_list):
+        for name, sub in layer.named_modules():
+            path = f"{layers}.{i}.{name}" if name else f"{layers}.{i}"
+            if path in in_blocks or not _own_params(sub) or any(path.startswith(b + ".") for b in blocks):
+                continue
+            if not _is_per_token(sub):
+                raise _SPRefused(f"{path} ({type(sub).__name__}) has parameters and is not known to act per "
+                                 "token, so it cannot run on a slice of the sequence")
+            region.append(path)
+    # After the last layer and before the head (the final norm): the modules of the layers'
+    # parent registered after the layer list.
+    parent_path = _parent(layers)
+    parent = modules[parent_path] if parent_path else model
+    after = False
+    for name, sub in parent.named_children():
+        path = f"{parent_path}.{name}" if parent_path else name
+        if path == layers:
+            after = True
+            continue
+        if after and path not in (emb_path, head_path) and any(True for _ in sub.parameters()):
+            for sub_name, leaf in sub.named_modules():
+                if _own_params(leaf):
+                    if not _is_per_token(leaf):
+                        raise _SPRefused(f"{path} ({type(leaf).__name__}) runs after the decoder layers and is not "
+                                         "known to act per token")
+                    region.append(f"{path}.{sub_name}" if sub_name else path)
+    return region
+
+
+def _refuse_partial_grads(modules: dict, styles: dict, blocks: set, linears: dict) -> None:
+    """A module with parameters beside column layers that output local heads would see only this
+    rank's heads: its gradient is a partial sum unless the plan says so (replicated_with_grad_allreduce)."""
+    for block in sorted(blocks):
+        if _is_mlp(block) or not any(linears.get(f"{block}.{n}") in COLWISE for n, _ in modules[block].named_children()):
+            continue
+        for name, sub in modules[block].named_modules():
+            path = f"{block}.{name}"
+            if name and path not in styles and path not in linears and _own_params(sub) \
+                    and not any(path.startswith(p + ".") for p in styles):
+                raise ValueError(f"parallelize: {path} ({type(sub).__name__}) has parameters inside {block}, whose "
+                                 "column layers give this rank's heads only, and the model's tp_plan does not say "
+                                 "how its gradient is summed; pass plan= (docs/plans.md)")
+
+
+def _with_wildcards(plan: dict, layers: str | None, n_layers: int) -> dict:
+    """Entries that are the same for every decoder layer written once, with `*` for the layer index."""
+    if layers is None:
+        return plan
+    pattern = re.compile(re.escape(layers) + r"\.\d+\.")
+    grouped: dict[str, list] = {}
+    for path, style in plan.items():
+        grouped.setdefault(pattern.sub(f"{layers}.*.", path, count=1), []).append((path, style))
+    out: dict = {}
+    for key, members in grouped.items():
+        if "*" in key and len(members) == n_layers and len({repr(s) for _, s in members}) == 1:
+            out[key] = members[0][1]
+        else:
+            out.update(members)
+    return out
