@@ -171,14 +171,20 @@ PRESET = dict(gpt=dict(vocab_size=1024, seq_len=64, hidden=256, num_heads=4, ffn
               mb_rows=2)
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def pipeline_args(description: str) -> argparse.ArgumentParser:
+    """The arguments every pipeline benchmark takes: _common's, threads a rank, steps, warm-up, recorded steps, m."""
+    ap = argparse.ArgumentParser(description=description)
     add_common_args(ap)
     ap.add_argument("--threads", type=int, default=1, help="torch threads a rank")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--recorded", type=int, default=3)
     ap.add_argument("--microbatches", type=int, default=None, help="m (default 2·pp)")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = pipeline_args(__doc__.split("\n\n")[0])
     ap.add_argument("--layers", type=int, default=None, help="GPT layers (default 2·pp: one per interleaved chunk)")
     args = ap.parse_args(argv)
     if args.device != "cpu":

@@ -18,7 +18,7 @@ def _demo(args) -> int:
     try:
         cfg = DemoConfig(tp=args.tp, dp=args.dp, steps=args.steps, overlap=args.overlap,
                          device=args.device, seed=args.seed, trace_dir=args.trace, timeout_s=args.timeout, ep=args.ep,
-                         cp=args.cp, pp=args.pp, zero=args.zero)
+                         cp=args.cp, pp=args.pp, zero=args.zero, schedule=args.schedule)
         plot = None if args.plot == "" else check_output_path(args.plot, "--plot")
     except ValueError as e:
         print(f"overlapkit demo: {e}", file=sys.stderr)
@@ -87,7 +87,10 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--cp", type=int, default=1,
                       help="context-parallel size (default 1): > 1 splits each sequence and runs ring attention; ranks = tp*dp*cp")
     demo.add_argument("--pp", type=int, default=1,
-                      help="pipeline-parallel size (default 1): > 1 cuts the GPT into stages run 1F1B; ranks = tp*dp*pp")
+                      help="pipeline-parallel size (default 1): > 1 cuts the GPT into stages run with --schedule; ranks = tp*dp*pp")
+    demo.add_argument("--schedule", default="1f1b", choices=("1f1b", "interleaved", "zb1p", "zbv", "dualpipev"),
+                      help="pipeline schedule with --pp > 1 (default 1f1b): interleaved 1F1B, zero-bubble ZB-H1 (zb1p) "
+                           "or ZB-V (zbv), DualPipeV; interleaved, zbv and dualpipev hold two chunks a rank")
     demo.add_argument("--zero", type=int, default=0, choices=(0, 3),
                       help="3: ZeRO-3, the blocks sharded over dp by FSDP2 with chosen prefetch (default 0: DataParallel)")
     demo.add_argument("--steps", type=int, default=3, help="training steps (default 3)")

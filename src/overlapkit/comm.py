@@ -8,9 +8,11 @@ having to remember to stamp it.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import threading
 import warnings
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -47,6 +49,26 @@ def group_rank(group: dist.ProcessGroup | None) -> int:
     return dist.get_rank(group) if torch.compiler.is_compiling() else _size_rank(group)[1]
 
 
+_before_wait = threading.local()
+
+
+@contextlib.contextmanager
+def before_waits(fn: Callable[[], None]):
+    """While active in this thread, `fn()` runs before every `Handle.wait()` of a handle not yet waited for.
+
+    A cooperative scheduler hands the thread over there (a pipeline's overlapped forward and backward
+    switch at every wait): the call depends only on the program's order, never on whether the
+    transfer happens to be done, so every rank switches at the same points and issues its
+    collectives in the same order.
+    """
+    before = getattr(_before_wait, "fn", None)
+    _before_wait.fn = fn
+    try:
+        yield
+    finally:
+        _before_wait.fn = before
+
+
 class Handle:
     """One or more works in flight. `wait()` joins them: the caller's stream on CUDA, the thread on CPU."""
 
@@ -60,6 +82,9 @@ class Handle:
     def wait(self) -> None:
         if self._done:
             return
+        hook = getattr(_before_wait, "fn", None)
+        if hook is not None:
+            hook()
         rec = self._rec
         # The stretch the caller spends waiting (the host on CPU, the current stream on
         # CUDA) is not compute, even inside a compute span that encloses it.

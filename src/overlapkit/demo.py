@@ -30,6 +30,10 @@ TOLERANCE = 1e-4
 """fp32 relative error allowed between parallel and single-process numbers (reduction order differs)."""
 
 
+DEMO_SCHEDULES = ("1f1b", "interleaved", "zb1p", "zbv", "dualpipev")
+"""The pipeline schedules `overlapkit demo --schedule` runs."""
+
+
 @dataclass(frozen=True)
 class DemoConfig:
     """What the demo runs."""
@@ -58,8 +62,11 @@ class DemoConfig:
     """Context-parallel size: ranks that split each sequence (zigzag) and run ring attention over it;
     gradients then average over dp x cp ranks."""
     pp: int = 1
-    """Pipeline-parallel size: > 1 cuts the GPT into pp stages run 1F1B with overlap_p2p (CPU only; with
-    tp and dp inside every stage; not combined with ep or cp). See overlapkit.pipeline_parallel.demo."""
+    """Pipeline-parallel size: > 1 cuts the GPT into pp stages run with `schedule` and overlap_p2p (CPU
+    only; with tp and dp inside every stage; not combined with ep or cp). See overlapkit.pipeline_parallel.demo."""
+    schedule: str = "1f1b"
+    """The pipeline schedule with pp > 1: 1f1b, interleaved (two chunks a rank), zb1p (ZB-H1), zbv (ZB-V)
+    or dualpipev (DeepSeek's DualPipeV); the last two cut the GPT into two chunks a rank in a V."""
     zero: int = 0
     """0: gradients averaged by DataParallel; 3: ZeRO-3, the blocks sharded over dp with
     data_parallel.fully_shard (FSDP2, prefetch="auto") on the TP layers (TP without SP; with pp > 1
@@ -77,6 +84,14 @@ class DemoConfig:
         if self.pp > 1 and (self.ep > 1 or self.cp > 1 or self.device != "cpu"):
             raise ValueError(f"DemoConfig.pp={self.pp} runs with tp and dp on the CPU only (got ep={self.ep}, "
                              f"cp={self.cp}, device={self.device!r})")
+        if self.schedule not in DEMO_SCHEDULES:
+            raise ValueError(f"DemoConfig.schedule={self.schedule!r} is not one of {DEMO_SCHEDULES}")
+        if self.schedule != "1f1b" and self.pp < 2:
+            raise ValueError(f"DemoConfig.schedule={self.schedule!r} is a pipeline schedule: it needs pp >= 2, "
+                             f"got pp={self.pp}")
+        if self.zero == 3 and self.schedule in ("zb1p", "zbv", "dualpipev"):
+            raise ValueError(f"DemoConfig.schedule={self.schedule!r} defers weight gradients past the backward, "
+                             "which fully_shard (zero=3) cannot take: use 1f1b or interleaved with zero=3")
         if self.zero not in (0, 3):
             raise ValueError(f"DemoConfig.zero={self.zero!r} must be 0 (DataParallel) or 3 (fully_shard)")
         if self.zero == 3 and (self.ep > 1 or self.cp > 1):
@@ -282,7 +297,9 @@ def print_results(cfg: DemoConfig, results: list[dict], plot_path: str | None) -
 
     console = Console()
     steps = results[0]["steps"]
-    table = Table(title=f"tp={cfg.tp} dp={cfg.dp}{f' cp={cfg.cp}' if cfg.cp > 1 else ''} overlap={cfg.overlap} vs one process (fp32)")
+    pipeline = f" pp={cfg.pp} {cfg.schedule}" if cfg.pp > 1 else ""
+    table = Table(title=f"tp={cfg.tp} dp={cfg.dp}{f' cp={cfg.cp}' if cfg.cp > 1 else ''}{pipeline} overlap={cfg.overlap} "
+                        "vs one process (fp32)")
     for col in ("step", "loss", "max abs err", "max rel err", "check"):
         table.add_column(col, justify="right")
     ok = True

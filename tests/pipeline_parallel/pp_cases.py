@@ -12,7 +12,7 @@ import torch.distributed as dist
 from overlapkit.data_parallel import DataParallel
 from overlapkit.groups import ParallelGroups
 from overlapkit.models import GPT, GPTConfig, expected_local, lm_loss, parallelize
-from overlapkit.pipeline_parallel import PipelineConfig, PipelineEngine, gpt_chunks
+from overlapkit.pipeline_parallel import PipelineConfig, PipelineEngine, gpt_chunks, placement
 from overlapkit.tensor_parallel.layers import allreduce_sequence_parallel_grads
 
 
@@ -79,14 +79,14 @@ def layout_of(groups: ParallelGroups, dp: bool = True, tp: bool = True) -> Layou
 
 
 def pipeline_case(groups: Layout, schedule: str, v: int, m: int, overlap: bool, layers: int,
-                  steps: int = 1, sequence_parallel: bool = True) -> float:
+                  steps: int = 1, sequence_parallel: bool = True, tp_overlap: str = "none") -> float:
     """Worst relative error (loss and every gradient, every step) of a pp x dp x tp pipeline vs one process."""
     tp, dp, pp = groups.size("tp"), groups.size("dp"), groups.size("pp")
     ref = tiny_gpt(tp, layers)
     model = copy.deepcopy(ref)
     if tp > 1:
-        model = parallelize(model, groups.tp, sequence_parallel=sequence_parallel, overlap="none")
-    chunks, layout = gpt_chunks(model, pp, groups.rank("pp"), v)
+        model = parallelize(model, groups.tp, sequence_parallel=sequence_parallel, overlap=tp_overlap)
+    chunks, layout = gpt_chunks(model, pp, groups.rank("pp"), v, style=placement(schedule))
     if dp > 1:
         chunks = [DataParallel(c, groups.dp, sequence_parallel_group=groups.tp if tp > 1 else None)
                   for c in chunks]
@@ -124,7 +124,7 @@ def sharded_case(groups: Layout, schedule: str, v: int, m: int, layers: int, ste
 
     dp, pp = groups.size("dp"), groups.size("pp")
     ref = tiny_gpt(1, layers)
-    chunks, _ = gpt_chunks(copy.deepcopy(ref), pp, groups.rank("pp"), v)
+    chunks, _ = gpt_chunks(copy.deepcopy(ref), pp, groups.rank("pp"), v, style=placement(schedule))
     chunks = [DataParallel(c, groups.dp) for c in chunks]
     opts = [ShardedOptimizer(c, torch.optim.SGD, groups.dp, lr=0.5) for c in chunks]
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)

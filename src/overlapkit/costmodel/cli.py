@@ -179,7 +179,7 @@ def run_plan(args) -> int:
     except (ConfigError, TypeError, ValueError, OverflowError) as e:  # one line, whatever the input got wrong
         print(f"overlapkit plan: error: {e}", file=sys.stderr)
         return 2
-    print(json.dumps(report.to_dict(), indent=1) if args.json else format_report(report))
+    print(json.dumps(_report_dict(report), indent=1) if args.json else format_report(report))
     if args.plot:
         return _plot(report, args)
     return 0
@@ -243,9 +243,16 @@ def _table(header: list[str], rows: list[list]) -> str:
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells)
 
 
+def _report_dict(report) -> dict:
+    """report.to_dict() and, with pp > 1, every pipeline schedule priced (schedule.price_pipeline_schedules)."""
+    from .schedule import price_pipeline_schedules
+
+    return report.to_dict() | {"pipeline_schedules": price_pipeline_schedules(report)}
+
+
 def format_report(report) -> str:
     """The plan as text: summary, per kind, per GEMM of one layer, recommendations."""
-    d = report.to_dict()
+    d = _report_dict(report)
     p = d["parallel"]
     ov = ", ".join(f"{k}={x}" for k, x in p["overlap"].items())
     out = [f"{d['model']} on {d['hardware']}: tp={p['tp']} cp={p['cp']} pp={p['pp']} vpp={p['vpp']} dp={p['dp']} ep={p['ep']} "
@@ -289,10 +296,19 @@ def _pipeline_lines(d: dict) -> list[str]:
     p = d["pipeline"]
     if not p:
         return []
-    return [f"pipeline {p['schedule']} (overlap_p2p {'on' if p['overlap_p2p'] else 'off'}): bubble "
-            f"{100 * p['bubble_fraction']:.1f}% of the step (ideal (p-1)/(v*m+p-1) {100 * p['ideal_bubble_fraction']:.1f}%), "
-            f"p2p {p['p2p_comm_s']:.4f} s of which {p['p2p_exposed_s']:.4f} s exposed "
-            f"({100 * p['p2p_exposed_fraction']:.0f}%)"]
+    out = [f"pipeline {p['schedule']} (overlap_p2p {'on' if p['overlap_p2p'] else 'off'}): bubble "
+           f"{100 * p['bubble_fraction']:.1f}% of the step (ideal (p-1)/(v*m+p-1) {100 * p['ideal_bubble_fraction']:.1f}%), "
+           f"p2p {p['p2p_comm_s']:.4f} s of which {p['p2p_exposed_s']:.4f} s exposed "
+           f"({100 * p['p2p_exposed_fraction']:.0f}%)"]
+    rows = d.get("pipeline_schedules") or []
+    if rows:
+        r0 = rows[0]
+        out.append(f"pipeline schedules (a stage's micro-batch: F {r0['f_ms']:.2f} + B {r0['b_ms']:.2f} + W "
+                   f"{r0['w_ms']:.2f} ms): " + "; ".join(
+                       f"{r['schedule']} bubble {r['bubble_s']:.4f} s ({r['bubble_vs_1f1b']:.2f}x 1f1b), "
+                       f"{r['activations_stage_microbatches']:g} stage activations, kept W {r['kept_w_gib']:.2f} GiB"
+                       for r in rows))
+    return out
 
 
 def _zero3_lines(d: dict) -> list[str]:

@@ -177,3 +177,92 @@ def _last_backward(lane: _Lane, report: StepReport, bwd_ms: float, deps, hw: Har
         end = lane.compute(f"B last until bucket {i}", bwd_ms * size / total, deps if i == 0 else ())
         lane.put(f"bucket {i}", kind, "comm", coll.time_ms(collective, size, group), (end,), nbytes=int(size), **meta)
     return end
+
+
+# -- what each pipeline schedule costs ------------------------------------------------------------
+
+PIPELINE_SCHEDULES = ("1f1b", "interleaved", "zb1p", "zbv", "dualpipev")
+"""The pipeline schedules priced (the engine's, with "interleaved" for interleaved-1f1b)."""
+
+
+def pipeline_bubble_ms(schedule: str, pp: int, f_ms: float, b_ms: float, w_ms: float, *, vpp: int = 2,
+                       hidden_ms: float = 0.0) -> float:
+    """Idle time of a rank in one step, for stage durations f (forward), b (input gradient), w (weight
+    gradient) of one micro-batch; `vpp` is the interleaved schedule's chunks per rank (zbv and
+    dualpipev always hold two); `hidden_ms` what a DualPipeV pair hides of one chunk's communication.
+
+    1F1B: (p-1)(F+B+W); interleaved: that over v; ZB-H1 (Qi et al.): (p-1)(F+B-W), never below the
+    warm-up's (p-1)F; ZB-V: its warm-up's (p-1) half-stage forwards, the bubble left at F = B = W
+    (with other costs its order adapts but memory bounds it: a lower bound); DualPipeV (DeepSeek):
+    (p-1)(F&B + B - 3W) in chunks, F&B = one chunk's F+B+W less what the pair hides. These equal the
+    engine's timetable priced with the same durations (tests/pipeline_parallel/test_pp_pricing.py).
+    """
+    if schedule not in PIPELINE_SCHEDULES:
+        raise ValueError(f"schedule={schedule!r} is not one of {PIPELINE_SCHEDULES}")
+    p = pp - 1
+    if schedule == "1f1b":
+        return p * (f_ms + b_ms + w_ms)
+    if schedule == "interleaved":
+        return p * (f_ms + b_ms + w_ms) / vpp
+    if schedule == "zb1p":
+        return p * max(f_ms, f_ms + b_ms - w_ms)
+    if schedule == "zbv":
+        return p * f_ms / 2
+    f, b, w = f_ms / 2, b_ms / 2, w_ms / 2  # one chunk: half a stage
+    return p * max(0.0, (f + b + w - hidden_ms) + (b + w) - 3 * w)
+
+
+def pipeline_memory(schedule: str, pp: int, vpp: int = 2) -> tuple[float, float]:
+    """(activations, kept weight-gradient inputs) at their peak on the rank that holds most, in
+    micro-batches of one stage: what the schedule promises.
+
+    Activations: 1F1B, ZB-H1 and ZB-V hold pp (ZB-H1 and ZB-V count a micro-batch until its W, so
+    their pending W's are inside the bound), interleaved pp + (pp-1)/v, DualPipeV pp + 1/2. Kept
+    W inputs (part of those activations): ZB-H1's last rank postpones pp-1 W's and holds one more
+    between its B and W, pp in all; DualPipeV's rank r keeps r+1 chunks', pp/2 stages; ZB-V at most
+    its activation bound (an upper bound; its order decides)."""
+    if schedule not in PIPELINE_SCHEDULES:
+        raise ValueError(f"schedule={schedule!r} is not one of {PIPELINE_SCHEDULES}")
+    return {"1f1b": (pp, 0.0), "interleaved": (pp + (pp - 1) / vpp, 0.0), "zb1p": (pp, pp),
+            "zbv": (pp, pp), "dualpipev": (pp + 0.5, pp / 2)}[schedule]
+
+
+def _wgrad_inputs(rows: list[dict], elem: int) -> tuple[float, float]:
+    """(ms, bytes) of one layer's weight-gradient GEMMs and of what they read (dY and X, m·(k+n) elements);
+    a wgrad row without its sizes takes those of the dgrad row of the same GEMM."""
+    sizes = {r["op"].rsplit(" ", 1)[0]: r for r in rows if "m" in r}
+    ms = nbytes = 0.0
+    for r in rows:
+        if r["op"].endswith(" wgrad"):
+            ms += r["gemm_ms"]
+            s = sizes.get(r["op"].rsplit(" ", 1)[0])
+            if s is not None:
+                nbytes += s["m"] * (s["k"] + s["n"]) * elem
+    return ms, nbytes
+
+
+def price_pipeline_schedules(report) -> list[dict]:
+    """Every schedule of PIPELINE_SCHEDULES priced for a StepReport's slowest stage: its bubble (seconds
+    and relative to 1F1B's), the stage activations it holds and the GiB its kept W inputs take.
+
+    The stage's one-micro-batch time is split as one layer's is: forward, the weight-gradient GEMMs
+    (W, which zero-bubble schedules move) and the rest of backward (B)."""
+    par = report.par
+    if par.pp < 2:
+        return []
+    fwd, bwd = report.layer_fwd.wall_ms, report.layer_bwd.wall_ms
+    elem = 1 if par.dtype == "fp8" else 2
+    w_layer, bytes_layer = _wgrad_inputs(report.layer_bwd.rows, elem)
+    stage = max(report.stage_ms) if report.stage_ms else report.layers_per_stage * (fwd + bwd)
+    f, w = stage * fwd / (fwd + bwd), stage * w_layer / (fwd + bwd)
+    b = stage - f - w
+    one = pipeline_bubble_ms("1f1b", par.pp, f, b, w)
+    out = []
+    for s in PIPELINE_SCHEDULES:
+        bubble = pipeline_bubble_ms(s, par.pp, f, b, w, vpp=max(par.vpp, 2))
+        acts, kept = pipeline_memory(s, par.pp, max(par.vpp, 2))
+        out.append({"schedule": s, "bubble_s": bubble * 1e-3, "bubble_vs_1f1b": bubble / one if one else 0.0,
+                    "activations_stage_microbatches": acts,
+                    "kept_w_gib": kept * bytes_layer * report.layers_per_stage / 2**30,
+                    "f_ms": f, "b_ms": b, "w_ms": w})
+    return out

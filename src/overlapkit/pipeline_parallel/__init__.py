@@ -1,11 +1,17 @@
 """Pipeline parallelism whose stage-to-stage sends and receives run under other micro-batches'
-compute (1F1B, interleaved 1F1B, GPipe as the reference), with data-parallel reduction inside the drain."""
+compute (1F1B, interleaved 1F1B, GPipe as the reference), whose weight-gradient GEMMs fill the
+bubble (ZB-H1, ZB-V, DualPipeV) and whose overlapped forward/backward pairs hide each other's
+communication (DualPipeV), with data-parallel reduction inside the drain."""
 
 from .engine import PipelineConfig, PipelineEngine, StepTiming
-from .schedules import SCHEDULES, Action, Timetable, bubble_fraction, check_schedule, rank_actions, timetable
+from .schedules import (SCHEDULES, SPLIT_SCHEDULES, V_SCHEDULES, Action, check_schedule, chunks_of, placement,
+                        rank_actions, rank_of, rank_slots)
 from .stages import GPTChunk, SequentialChunk, StageLayout, gpt_chunks, sequential_chunks, split_layers
+from .timetable import ScheduleCost, Timetable, bubble_fraction, price, timetable
 from .timing import PipelineTimes, pipeline_times
+from .wgrad import WeightGradStore
 
-__all__ = ["PipelineConfig", "PipelineEngine", "StepTiming", "SCHEDULES", "Action", "Timetable", "bubble_fraction",
-           "check_schedule", "rank_actions", "timetable", "GPTChunk", "SequentialChunk", "StageLayout", "gpt_chunks",
-           "sequential_chunks", "split_layers", "PipelineTimes", "pipeline_times"]
+__all__ = ["PipelineConfig", "PipelineEngine", "StepTiming", "SCHEDULES", "SPLIT_SCHEDULES", "V_SCHEDULES", "Action",
+           "check_schedule", "chunks_of", "placement", "rank_actions", "rank_of", "rank_slots", "GPTChunk",
+           "SequentialChunk", "StageLayout", "gpt_chunks", "sequential_chunks", "split_layers", "ScheduleCost",
+           "Timetable", "bubble_fraction", "price", "timetable", "PipelineTimes", "pipeline_times", "WeightGradStore"]

@@ -1,6 +1,7 @@
-"""`overlapkit demo --pp N`: the tiny GPT cut into N pipeline stages (1F1B, overlap_p2p), with TP+SP
-and DP inside every stage, checked against one process every step; each stage's bubble and exposed
-p2p printed from the timeline.
+"""`overlapkit demo --pp N --schedule S`: the tiny GPT cut into N pipeline stages (1F1B, interleaved,
+ZB-H1, ZB-V or DualPipeV, overlap_p2p), with TP+SP and DP inside every stage, checked against one
+process every step; each stage's bubble (next to what the timetable prices) and exposed p2p printed
+from the timeline.
 
 Called by overlapkit.demo.run_rank when pp > 1; returns what it returns (errors and spans).
 """
@@ -24,20 +25,24 @@ def run_rank(cfg) -> dict:
     from ..tensor_parallel.layers import allreduce_sequence_parallel_grads
     from ..timeline import record
     from .engine import PipelineConfig, PipelineEngine
+    from .schedules import placement
     from .stages import gpt_chunks
+    from .timetable import price, timetable
     from .timing import pipeline_times
 
     groups = ParallelGroups.build(tp=cfg.tp, dp=cfg.dp, pp=cfg.pp)
     if cfg.device != "cpu":
         raise ValueError("overlapkit demo --pp runs on the CPU (gloo): pipeline stages need a GPU each")
+    schedule = "interleaved-1f1b" if cfg.schedule == "interleaved" else cfg.schedule
+    v = 1 if schedule in ("1f1b", "zb1p") else 2
     mcfg = GPTConfig(vocab_size=16 * cfg.tp, seq_len=8 * cfg.tp, hidden=16 * cfg.tp, num_heads=2 * cfg.tp,
-                     ffn_hidden=32 * cfg.tp, num_layers=2 * cfg.pp)
+                     ffn_hidden=32 * cfg.tp, num_layers=2 * cfg.pp * v)
     torch.manual_seed(cfg.seed)
     reference = GPT(mcfg)
     model = copy.deepcopy(reference)
     if cfg.tp > 1:
         model = parallelize(model, groups, sequence_parallel=True, overlap=cfg.overlap)
-    chunks, layout = gpt_chunks(model, cfg.pp, groups.pp_rank)
+    chunks, layout = gpt_chunks(model, cfg.pp, groups.pp_rank, v, style=placement(schedule))
     if cfg.zero == 3:  # ZeRO-3: every chunk sharded over its stage's dp ranks (FSDP2 + overlapkit prefetch)
         from ..data_parallel import fully_shard
         chunks = [fully_shard(c, groups, prefetch="auto") for c in chunks]
@@ -45,7 +50,7 @@ def run_rank(cfg) -> dict:
         chunks = [DataParallel(c, groups.dp, sequence_parallel_group=groups.tp if cfg.tp > 1 else None)
                   for c in chunks]
     m = 2 * cfg.pp
-    engine = PipelineEngine(chunks, groups.pp, PipelineConfig("1f1b", m, broadcast_loss=True), lm_loss)
+    engine = PipelineEngine(chunks, groups.pp, PipelineConfig(schedule, m, v, broadcast_loss=True), lm_loss)
     from ..optim import optim_param_groups
     # One group per kind (plain, DTensor per mesh): foreach kernels refuse lists mixing the two.
     opt = torch.optim.SGD(optim_param_groups([p for c in chunks for p in c.parameters()]), lr=0.5, foreach=True)
@@ -54,7 +59,7 @@ def run_rank(cfg) -> dict:
     gen = torch.Generator().manual_seed(cfg.seed + 1)
     speaker = groups.tp_rank == 0 and groups.dp_rank == 0
     if groups.rank == 0:
-        progress(f"model cut into pp={cfg.pp} stages (tp={cfg.tp} dp={cfg.dp} inside each), 1F1B with "
+        progress(f"model cut into pp={cfg.pp} stages (tp={cfg.tp} dp={cfg.dp} inside each), {schedule} with "
                  f"overlap_p2p, m={m} micro-batches:\n" + layout.describe())
     steps = []
     with record() as rec:
@@ -90,7 +95,11 @@ def run_rank(cfg) -> dict:
                          f"max rel err vs one process {errs[1].item():.1e}")
     if speaker:
         t = pipeline_times(rec.spans, engine.timings[-1])
+        split = schedule in ("zb1p", "zbv", "dualpipev")
+        priced = price(timetable(schedule, cfg.pp, v, m), 1 / v, (1 if split else 2) / v, 1 / v if split else None)
+        kept = engine.timings[-1].kept_w_peak_bytes
         progress(f"stage {groups.pp_rank}, last step: compute {t.compute_ms:.1f} ms, bubble {t.bubble_ms:.1f} ms "
-                 f"({t.bubble_fraction:.2f} of compute; (p-1)/m = {(cfg.pp - 1) / m:.2f}), p2p {t.p2p_ms:.1f} ms of "
-                 f"which exposed {t.exposed_p2p_ms:.2f} ms (not counting the bubble)")
+                 f"({t.bubble_fraction:.2f} of compute; the timetable prices {priced.bubble_fraction:.2f} at "
+                 f"F = B = W), p2p {t.p2p_ms:.1f} ms of which exposed {t.exposed_p2p_ms:.2f} ms (not counting the "
+                 f"bubble)" + (f", weight-gradient inputs kept {kept / 1e3:.1f} kB at the peak" if split else ""))
     return dict(rank=groups.rank, steps=steps, spans=rec.spans, origin_unix_ms=rec.origin_unix_ms)

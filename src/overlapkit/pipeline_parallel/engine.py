@@ -1,22 +1,23 @@
-"""A pipeline-parallel training step whose stage-to-stage transfers run under the compute of
-other micro-batches (1F1B / interleaved 1F1B, overlap_p2p), and whose data-parallel gradient
-reduction starts inside the pipeline's cool-down, as soon as a chunk's last backward is done.
+"""A pipeline-parallel training step whose stage-to-stage transfers run under the compute of other
+micro-batches (1F1B, interleaved 1F1B, zero-bubble, DualPipeV; overlap_p2p), whose weight-gradient
+GEMMs fill what was the bubble (ZB-H1, ZB-V, DualPipeV), and whose data-parallel gradient reduction
+starts inside the pipeline's cool-down, as soon as a chunk's last gradients are done.
 
-Each rank runs its actions (schedules.rank_actions) in the timetable's tick order and issues
-each tick's transfers through `TickComm`. A chunk wrapped in `DataParallel` accumulates its
-micro-batch gradients under `no_sync`, except the micro-batch whose backward is the chunk's
-last: that backward launches the chunk's buckets as their gradients complete, while the other
-chunks and stages are still in their cool-down. The gradient for the previous stage is sent
-from a hook on the chunk's input, before DataParallel's end-of-backward wait, so the reduction
-never delays the neighbour. With a `ShardedOptimizer`, nothing waits for its parameter gathers
-before the step: each module's pre-forward hook waits for its own bucket at its first forward,
-so the gathers land while the stage waits for its first input (the warm-up).
+Each rank runs its slots (schedules.rank_slots) in the timetable's tick order and issues each
+tick's transfers through `TickComm`; the slots themselves are in actions.py. The gradient for the
+previous stage is sent from a hook on the chunk's input, before any end-of-backward wait, so a
+data-parallel reduction never delays the neighbour. With a `ShardedOptimizer`, nothing waits for
+its parameter gathers before the step: each module's pre-forward hook waits for its own bucket at
+its first forward, so the gathers land while the stage waits for its first input (the warm-up).
+
+Every step, the ranks compare what decides the inter-stage shapes (the first rank's inputs,
+autocast, each rank's parameter shapes and dtypes) in the step's one small all-gather; anything new
+(autocast turned on, stages cast to bf16, a width changed, on every rank alike) re-learns the shapes
+before any transfer, and what must match across ranks and does not fails on every rank, naming it.
 """
 
 from __future__ import annotations
 
-import contextlib
-import datetime
 import json
 import time
 from dataclasses import dataclass, field
@@ -29,16 +30,14 @@ from torch import nn
 from .. import comm
 from ..agreement import RankMismatchError, agree
 from ..data_parallel import DataParallel
-from ..groups import group_timeout_s
 from ..timeline import recorder as _rec
-from ..timeline.recorder import compute_span
+from .actions import SlotActions, StepState
 from .p2p import TickComm, producer_key, record_bubbles, recording, restamp_receives
-from .schedules import SCHEDULES, Action, check_schedule, rank_actions, timetable
-
-
-_SWEEPS: dict[str, int] = {}
-"""Shape sweeps run so far on each pipeline group, by group name: the k-th sweep of a group has the
-same store keys on every rank, and no sweep reads an earlier one's (stale) shapes."""
+from .schedules import SCHEDULES, SPLIT_SCHEDULES, check_costs, check_schedule, chunks_of, placement
+from .shapes import StageSignature, infer_shapes
+from .timetable import timetable
+from .pair import PairRunner
+from .wgrad import linear_weights
 
 
 @dataclass(frozen=True)
@@ -47,17 +46,27 @@ class PipelineConfig:
 
     schedule: str = "1f1b"
     """"gpipe" (all forwards, then all backwards: the simple reference), "1f1b" (one forward, one
-    backward in the steady state: at most pp micro-batches' activations alive) or
-    "interleaved-1f1b" (v chunks per rank: the bubble shrinks from (p-1)/m to (p-1)/(v·m))."""
+    backward in the steady state: at most pp micro-batches' activations alive), "interleaved-1f1b"
+    (v chunks per rank: the bubble shrinks from (p-1)/m to (p-1)/(v·m)), "zb1p" (ZB-H1: 1F1B whose
+    weight gradients fill the cool-down, at 1F1B's peak memory), "zbv" (ZB-V: two chunks a rank in
+    a V, weight gradients wherever a rank would wait) or "dualpipev" (DeepSeek's DualPipeV: a V whose
+    steady state overlaps the forward of one micro-batch with the backward of another)."""
     microbatches: int = 4
-    """Micro-batches per step (m). 1f1b needs m >= pp; interleaved-1f1b a multiple of pp."""
+    """Micro-batches per step (m). 1f1b and zb1p need m >= pp; interleaved-1f1b a multiple of pp;
+    dualpipev m >= 2·pp."""
     virtual_stages: int = 1
-    """Chunks per rank (v). More chunks: a smaller bubble, v times the transfers."""
+    """Chunks per rank (v). More chunks: a smaller bubble, v times the transfers. zbv and dualpipev: 2."""
     overlap_p2p: bool = True
     """Post the next receive before computing and never wait for a send, so transfers run under
     compute. False waits for every tick's transfers at once: the synchronous reference."""
     broadcast_loss: bool = False
     """Return the loss on every pipeline rank (one small all-reduce), not only on the last."""
+    overlap_pairs: bool = True
+    """DualPipeV: run each pair's forward and backward interleaved, each one's communication under the
+    other's compute (pair.py). False runs the forward, then the backward: the reference."""
+    costs: tuple[float, float, float] = (1.0, 1.0, 1.0)
+    """Relative durations of a chunk's forward, input-gradient backward and weight-gradient backward:
+    zbv builds its order for them (equal by default, where its steady state has no bubble)."""
 
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULES:
@@ -66,12 +75,19 @@ class PipelineConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"PipelineConfig.{name} must be an integer >= 1, got {v!r}")
-        for name in ("overlap_p2p", "broadcast_loss"):
+        for name in ("overlap_p2p", "broadcast_loss", "overlap_pairs"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"PipelineConfig.{name} must be True or False, got {getattr(self, name)!r}")
-        if self.schedule == "1f1b" and self.virtual_stages != 1:
+        if self.schedule in ("1f1b", "zb1p") and self.virtual_stages != 1:
             raise ValueError(f"PipelineConfig.virtual_stages={self.virtual_stages} needs schedule='interleaved-1f1b' "
-                             "(or 'gpipe'); '1f1b' runs one chunk per rank")
+                             f"(or 'gpipe', or zbv / dualpipev with 2); {self.schedule!r} runs one chunk per rank")
+        if self.schedule in ("zbv", "dualpipev") and self.virtual_stages != 2:
+            raise ValueError(f"PipelineConfig.virtual_stages={self.virtual_stages}: schedule {self.schedule!r} runs "
+                             "exactly two chunks per rank (virtual_stages=2)")
+        try:
+            check_costs(self.costs)
+        except ValueError as e:
+            raise ValueError(f"PipelineConfig.{e}") from None
 
 
 @dataclass
@@ -82,7 +98,9 @@ class StepTiming:
     bubbles: list[tuple[float, float]] = field(default_factory=list)
     """Intervals this rank waited for a neighbour that had not sent yet: the pipeline bubble."""
     actions: list[tuple[str, int, int, float, float]] = field(default_factory=list)
-    """(op, mb, chunk, start, end) of every forward and backward."""
+    """(op, mb, chunk, start, end) of every F, B and W (the two halves of a pair share its interval)."""
+    kept_w_peak_bytes: int = 0
+    """The most bytes the deferred weight-gradient GEMMs kept at once (their inputs, held gradients)."""
 
     @property
     def steady(self) -> tuple[float, float] | None:
@@ -92,8 +110,8 @@ class StepTiming:
         return (min(b), max(f)) if b and f and max(f) > min(b) else None
 
 
-class PipelineEngine:
-    """Runs a pipeline step over `chunks`, this rank's chunks (global chunk k·pp + rank at local k).
+class PipelineEngine(SlotActions):
+    """Runs a pipeline step over `chunks`, this rank's chunks in local order (schedules.chunks_of).
 
     `group` is the pipeline group (ParallelGroups.pp). A chunk may be a DataParallel; its
     reduction then runs inside the cool-down. `loss_fn(output, target)` is the per-micro-batch
@@ -109,27 +127,59 @@ class PipelineEngine:
         cfg = config
         agree(group, "PipelineEngine", schedule=cfg.schedule, microbatches=cfg.microbatches,
               virtual_stages=cfg.virtual_stages, overlap_p2p=cfg.overlap_p2p, broadcast_loss=cfg.broadcast_loss,
-              chunks_here=len(self.chunks))
+              overlap_pairs=cfg.overlap_pairs, costs=list(cfg.costs), chunks_here=len(self.chunks))
         if len(self.chunks) != cfg.virtual_stages:
             raise ValueError(f"PipelineEngine: rank {self.rank} holds {len(self.chunks)} chunks but "
                              f"virtual_stages={cfg.virtual_stages}")
         check_schedule(cfg.schedule, self.pp, cfg.virtual_stages, cfg.microbatches)
+        self.style = placement(cfg.schedule)
+        mine = chunks_of(self.rank, self.pp, cfg.virtual_stages, self.style)
+        self._check_placement(mine)
         # Data-parallel replicas must run the same step, or their bucket reductions would pair up wrong.
         for g in {id(c.group): c.group for c in self.chunks if isinstance(c, DataParallel)}.values():
             agree(g, "PipelineEngine (data-parallel replicas)", schedule=cfg.schedule,
                   microbatches=cfg.microbatches, virtual_stages=cfg.virtual_stages, pp=self.pp)
-        self.table = timetable(cfg.schedule, self.pp, cfg.virtual_stages, cfg.microbatches)
+        self.table = timetable(cfg.schedule, self.pp, cfg.virtual_stages, cfg.microbatches, cfg.costs)
         self.n_chunks = self.pp * cfg.virtual_stages
         self.device = torch.device(device) if device is not None else _device_of(self.chunks)
-        self._by_tick = {t: a for t, a in self.table.ticks[self.rank]}
+        self._local_of = {c: k for k, c in enumerate(mine)}
+        self._by_tick = {t: slot for t, slot in self.table.ticks[self.rank]}
         self._sends, self._recvs = self.table.sends(self.rank), self.table.recvs(self.rank)
-        self._last_backward = {}
-        for _, a in self.table.ticks[self.rank]:
-            if a.op == "B":
-                self._last_backward[a.chunk] = a.mb
+        self._last_backward, self._split_b = {}, set()
+        for _, slot in self.table.ticks[self.rank]:
+            for a in slot:
+                if a.op == "B":
+                    self._last_backward[a.chunk] = a.mb
+                    if not any(w.op == "W" and w.chunk == a.chunk and w.mb == a.mb for w in slot) \
+                            and cfg.schedule in SPLIT_SCHEDULES:
+                        self._split_b.add((a.chunk, a.mb))
+        if self._split_b:
+            self._refuse_unsplittable()
+        self._linear_weights = {c: linear_weights([self._local(c)]) for c in mine}
+        self._pairs = PairRunner()
         self._shapes: dict[tuple, list] = {}
+        self._signature = StageSignature()
         self.timings: list[StepTiming] = []
         """One entry per step run while a CPU timeline recorder was active."""
+        self.last_kept_w_peak_bytes = 0
+        """The most bytes the last step's deferred weight-gradient GEMMs kept at once on this rank."""
+
+    def _check_placement(self, mine: list[int]) -> None:
+        """A chunk cut for another placement (pipeline_chunk set by gpt_chunks / sequential_chunks) fails here."""
+        got = [getattr(c.module if isinstance(c, DataParallel) else c, "pipeline_chunk", None) for c in self.chunks]
+        if any(g is not None for g in got) and got != mine:
+            raise ValueError(f"PipelineEngine: schedule {self.config.schedule!r} places chunks {mine} on pipeline rank "
+                             f"{self.rank} ({self.style!r} placement), but this rank was given chunks {got}: cut the "
+                             f"model with style={self.style!r}")
+
+    def _refuse_unsplittable(self) -> None:
+        from torch.distributed.fsdp import FSDPModule
+        for c in self.chunks:
+            if any(isinstance(m, FSDPModule) for m in c.modules()):
+                raise ValueError(f"PipelineEngine: schedule {self.config.schedule!r} defers weight gradients past the "
+                                 "backward, but a chunk is sharded with fully_shard (FSDP2 reduce-scatters each "
+                                 "module's gradients at its backward and frees the unsharded weights): use 1f1b or "
+                                 "interleaved-1f1b with fully_shard, or DataParallel / ShardedOptimizer")
 
     # -- the step ------------------------------------------------------------------------------
     def step(self, inputs=None, targets=None) -> torch.Tensor | None:
@@ -139,96 +189,61 @@ class PipelineEngine:
         are a list of `microbatches` tensors, or one tensor split into that many along dim 0.
         """
         m = self.config.microbatches
-        first, last = self.rank == 0, self.rank == (self.n_chunks - 1) % self.pp
+        first, last = self.rank == 0, self.rank == self.table.rank_of(self.n_chunks - 1)
         inputs = _split(inputs, m) if first else None
         targets = _split(targets, m) if last else None
-        in_sig = self._check_microbatches(inputs, targets)
-        if in_sig not in self._shapes:
-            self._shapes[in_sig] = self._infer_shapes(in_sig)
-        tc = TickComm(self.table, self.rank, self.group, self.config.overlap_p2p, self._shapes[in_sig], self.device,
+        key = self._check_step(inputs, targets)
+        if key not in self._shapes:
+            self._shapes[key] = infer_shapes(self, key[0])
+        shapes = self._shapes[key]
+        tc = TickComm(self.table, self.rank, self.group, self.config.overlap_p2p, shapes, self.device,
                       self._sends, self._recvs)
         timing = StepTiming(step=_rec.active().step) if recording() else None
-        results: dict[tuple[str, int, int], torch.Tensor] = {}
-        stash: dict[tuple[int, int], tuple] = {}
-        loss_sum = torch.zeros((), device=self.device)
+        st = StepState(tc=tc, inputs=inputs, targets=targets, shapes=shapes,
+                       loss_sum=torch.zeros((), device=self.device))
         tc.start()
         for tick in range(self.table.n_ticks):
-            a = self._by_tick.get(tick)
-            if a is not None:
-                t0 = time.perf_counter()
-                if a.op == "F":
-                    loss = self._forward(a, tc, inputs, targets, results, stash)
-                    if loss is not None:
-                        loss_sum += loss.detach()
-                else:
-                    self._backward(a, tc, tick, results, stash)
-                if timing is not None:
-                    timing.actions.append((a.op, a.mb, a.chunk, *_ms((t0, time.perf_counter()))))
-            tc.post(tick, results)
+            slot = self._by_tick.get(tick)
+            if slot is not None:
+                self._run_slot(slot, tick, st)
+            tc.post(tick, st.results)
             for t in self._sends.get(tick, []):
-                results.pop(producer_key(t), None)
+                st.results.pop(producer_key(t), None)
         tc.finish()
         if timing is not None:
+            timing.actions = [(op, mb, c, *_ms((t0, t1))) for op, mb, c, t0, t1 in st.actions]
+            timing.kept_w_peak_bytes = st.peak_kept_bytes
             self._split_bubble(tc, timing)
+        self.last_kept_w_peak_bytes = st.peak_kept_bytes
         if self.config.broadcast_loss:
-            out = loss_sum.clone() if last else torch.zeros((), device=self.device)
+            out = st.loss_sum.clone() if last else torch.zeros((), device=self.device)
             comm.all_reduce(out, self.group, kind="pp_send", name="loss", async_op=False)
             return out
-        return loss_sum if last else None
+        return st.loss_sum if last else None
 
-    def _forward(self, a: Action, tc: TickComm, inputs, targets, results, stash):
-        chunk = self.chunks[a.chunk // self.pp]
-        if a.chunk == 0:
-            x = inputs[a.mb]
-        else:
-            x = tc.take(a) if tc.has(a) else results.pop(("F", a.chunk - 1, a.mb)).detach()
-            if x.is_floating_point():
-                x.requires_grad_(True)
-        sync = not isinstance(chunk, DataParallel) or a.mb == self._last_backward[a.chunk]
-        with compute_span(f"pp.F{a.mb}.c{a.chunk}"), (contextlib.nullcontext() if sync else chunk.no_sync()):
-            out = chunk(x)
-            loss = None
-            if a.chunk == self.n_chunks - 1:
-                loss = self.loss_fn(out, targets[a.mb]) / self.config.microbatches
-        stash[(a.chunk, a.mb)] = (x, loss if loss is not None else out)
-        if loss is None:
-            results[("F", a.chunk, a.mb)] = out
-        return loss
+    # -- checks ----------------------------------------------------------------------------------
+    def _check_step(self, inputs, targets) -> tuple:
+        """Every pipeline rank learns the first rank's input shapes, the last rank's target shapes and every
+        rank's stage signature; all raise the same error, before any transfer, if they do not fit together.
 
-    def _backward(self, a: Action, tc: TickComm, tick: int, results, stash) -> None:
-        x, out = stash.pop((a.chunk, a.mb))
-        if a.chunk == self.n_chunks - 1:
-            grad = None
-        else:
-            grad = tc.take(a) if tc.has(a) else results.pop(("B", a.chunk + 1, a.mb))
-        if a.chunk > 0:
-            def send_early(g, a=a):
-                # The previous chunk's gradient leaves now, before DataParallel's end-of-backward wait.
-                results[("B", a.chunk, a.mb)] = g
-                if self.config.overlap_p2p:
-                    tc.post(tick, results)
-            x.register_hook(send_early)
-        with compute_span(f"pp.B{a.mb}.c{a.chunk}"):
-            torch.autograd.backward(out, grad)
-
-    # -- checks and shapes -----------------------------------------------------------------------
-    def _check_microbatches(self, inputs, targets) -> tuple:
-        """Every pipeline rank learns the first rank's input shapes and the last rank's target shapes,
-        and all raise the same error, before any transfer, if they do not fit together."""
+        Returns the key of this step's inter-stage shapes: (input shape and dtype, autocast, every rank's
+        parameter layout). A new key (autocast turned on, a cast, a width changed) re-learns the shapes."""
         m = self.config.microbatches
         describe = lambda ts, f: ts if ts is None or isinstance(ts, str) else [f(t) for t in ts]  # noqa: E731
         mine = {"inputs": describe(inputs, lambda t: (list(t.shape), str(t.dtype))),
                 "targets": describe(targets, lambda t: list(t.shape))}
         if isinstance(mine["inputs"], str) or isinstance(mine["targets"], str):
             mine = {"problem": mine["inputs"] if isinstance(mine["inputs"], str) else mine["targets"]}
+        mine["stage"] = self._signature.of(self.chunks, self.device)
         seen = [None] * self.pp
         dist.all_gather_object(seen, mine, group=self.group)
         bad = [f"pipeline rank {r}: {s['problem']}" for r, s in enumerate(seen) if "problem" in s]
         if bad:
             raise RankMismatchError("pipeline step: " + "; ".join(bad))
-        ins, tgts = seen[0]["inputs"], seen[(self.n_chunks - 1) % self.pp]["targets"]
-        problems = [f"the {'first' if what == 'inputs' else 'last'} pipeline rank was given no {what}"
-                    for what, got in (("inputs", ins), ("targets", tgts)) if got is None]
+        problems = _stage_mismatches([s["stage"] for s in seen])
+        ins, tgts = seen[0]["inputs"], seen[self.table.rank_of(self.n_chunks - 1)]["targets"]
+        problems += [f"the {'first' if what == 'inputs' else 'last'} pipeline rank was given no {what}"
+                     for what, got in (("inputs", ins), ("targets", tgts)) if got is None]
         if problems:
             raise RankMismatchError("pipeline step: " + "; ".join(problems))
         for what, got in (("inputs", ins), ("targets", tgts)):
@@ -244,37 +259,8 @@ class PipelineEngine:
         if problems:
             raise RankMismatchError(f"pipeline step (pp ranks {dist.get_process_group_ranks(self.group)}): "
                                     + "; ".join(problems))
-        return (tuple(ins[0][0]), ins[0][1])
-
-    def _infer_shapes(self, in_sig) -> list[tuple[tuple[int, ...], torch.dtype]]:
-        """The output shape and dtype of every chunk, by running each once, chunk after chunk, on zeros.
-
-        The shapes travel through the job's store (not the pipeline group), so this sweep sends
-        nothing the timetable does not expect; each rank waits at most the group's timeout.
-        """
-        store = dist.distributed_c10d._get_default_store()
-        name = self.group.group_name
-        prefix = f"overlapkit/pp/{name}/shapes/{_SWEEPS.get(name, 0)}/"
-        _SWEEPS[name] = _SWEEPS.get(name, 0) + 1
-        timeout = datetime.timedelta(seconds=group_timeout_s(self.group))
-        shape, dtype = in_sig[0], in_sig[1]
-        for c in range(self.n_chunks - 1):
-            if c % self.pp == self.rank:
-                if c > 0:
-                    store.wait([prefix + str(c - 1)], timeout)
-                    shape, dtype = json.loads(store.get(prefix + str(c - 1)))
-                x = torch.zeros(shape, dtype=getattr(torch, dtype.removeprefix("torch.")), device=self.device)
-                with torch.no_grad():
-                    y = self.chunks[c // self.pp](x)
-                store.set(prefix + str(c), json.dumps([list(y.shape), str(y.dtype)]))
-        keys = [prefix + str(c) for c in range(self.n_chunks - 1)]
-        if keys:
-            store.wait(keys, timeout)
-        out = []
-        for k in keys:
-            s, d = json.loads(store.get(k))
-            out.append((tuple(s), getattr(torch, d.removeprefix("torch."))))
-        return out
+        stages = tuple(json.dumps(s["stage"], sort_keys=True) for s in seen)
+        return ((tuple(ins[0][0]), ins[0][1]), stages)
 
     def _split_bubble(self, tc: TickComm, timing: StepTiming) -> None:
         """Split every receive wait into bubble (before the neighbour sent) and transfer (after), and
@@ -290,6 +276,17 @@ class PipelineEngine:
         record_bubbles(bubbles, timing.step)
         timing.bubbles = [_ms(b) for b in bubbles]
         self.timings.append(timing)
+
+
+def _stage_mismatches(stages: list[dict]) -> list[str]:
+    """What must be the same on every pipeline rank and is not: autocast, and the parameters' dtypes."""
+    out = []
+    for key, what in (("autocast", "autocast"), ("dtypes", "floating-point parameter dtypes")):
+        values = [json.dumps(s[key]) for s in stages]
+        if len(set(values)) > 1:
+            out.append(f"{what} differ between pipeline ranks: " +
+                       ", ".join(f"rank {r}: {s[key]}" for r, s in enumerate(stages)))
+    return out
 
 
 def _ms(pair: tuple[float, float]) -> tuple[float, float]:

@@ -18,7 +18,8 @@ import torch
 
 from .. import comm
 from ..timeline import recorder as _rec
-from .schedules import Action, Timetable, Transfer
+from .schedules import Action
+from .timetable import Timetable, Transfer
 
 
 def producer_key(t: Transfer) -> tuple[str, int, int]:

@@ -1,6 +1,7 @@
 """Cut a model into pipeline chunks: pp stages, or pp × v virtual stages for the interleaved
-schedule (rank r holds chunks r, r + pp, r + 2·pp, ...). Nothing here communicates; the cut
-decides how much compute each stage has to hide its neighbours' transfers behind.
+schedule (rank r holds chunks r, r + pp, r + 2·pp, ...), or two chunks a rank in a V for zbv and
+dualpipev (rank r holds chunks r and 2·pp - 1 - r). Nothing here communicates; the cut decides
+how much compute each stage has to hide its neighbours' transfers behind.
 
 Chunks keep the parameter names of the model they came from (blocks live in a ModuleDict keyed
 by their index there), so a chunk's gradients compare with the unsplit model's by name and
@@ -16,6 +17,7 @@ import torch
 from torch import nn
 
 from ..models.gpt import GPT
+from .schedules import chunks_of
 
 
 @dataclass(frozen=True)
@@ -32,10 +34,15 @@ class StageLayout:
     """What chunk 0 holds besides its blocks (the GPT's embeddings)."""
     last_extra: str = ""
     """What the last chunk holds besides its blocks (the GPT's final norm and head)."""
+    style: str = "loop"
+    """Which rank holds which chunk: "loop" (chunk c on rank c % pp) or "v" (c and 2·pp-1-c on one rank)."""
 
     @property
     def n_chunks(self) -> int:
         return self.pp * self.virtual_stages
+
+    def rank_of(self, chunk: int) -> int:
+        return next(r for r in range(self.pp) if chunk in chunks_of(r, self.pp, self.virtual_stages, self.style))
 
     def layers_of(self, chunk: int) -> range:
         """Indices (in the unsplit model) of the blocks of a global chunk."""
@@ -51,7 +58,7 @@ class StageLayout:
             parts.append(f"blocks {r.start}-{r.stop - 1}" if len(r) else "no blocks")
             if c == self.n_chunks - 1 and self.last_extra:
                 parts.append(self.last_extra)
-            lines.append(f"chunk {c} (rank {c % self.pp}): {len(r)} layers: {' + '.join(parts)}")
+            lines.append(f"chunk {c} (rank {self.rank_of(c)}): {len(r)} layers: {' + '.join(parts)}")
         return "\n".join(lines)
 
 
@@ -133,28 +140,42 @@ class SequentialChunk(nn.Module):
 
 
 def gpt_chunks(model: GPT, pp: int, rank: int, virtual_stages: int = 1,
-               layer_counts: Sequence[int] | None = None) -> tuple[list[GPTChunk], StageLayout]:
-    """The chunks of a GPT (plain or parallelized) that pipeline rank `rank` holds, in local order."""
-    _check_rank(pp, rank)
+               layer_counts: Sequence[int] | None = None, style: str = "loop") -> tuple[list[GPTChunk], StageLayout]:
+    """The chunks of a GPT (plain or parallelized) that pipeline rank `rank` holds, in local order.
+
+    `style` "v" (zbv, dualpipev: virtual_stages=2) puts chunks r and 2·pp-1-r on rank r, so rank 0
+    holds the embeddings and the head."""
+    _check_rank(pp, rank, virtual_stages, style)
     counts = split_layers(len(model.blocks), pp, virtual_stages, layer_counts, ends_may_be_empty=True)
     layout = StageLayout(pp=pp, virtual_stages=virtual_stages, counts=counts,
-                         first_extra="embeddings", last_extra="final norm + head")
+                         first_extra="embeddings", last_extra="final norm + head", style=style)
     n = layout.n_chunks
-    chunks = [GPTChunk(model, layout.layers_of(c), first=c == 0, last=c == n - 1) for c in range(rank, n, pp)]
+    chunks = []
+    for c in chunks_of(rank, pp, virtual_stages, style):
+        chunks.append(GPTChunk(model, layout.layers_of(c), first=c == 0, last=c == n - 1))
+        chunks[-1].pipeline_chunk = c
     return chunks, layout
 
 
 def sequential_chunks(layers: Sequence[nn.Module], pp: int, rank: int, virtual_stages: int = 1,
-                      layer_counts: Sequence[int] | None = None) -> tuple[list[SequentialChunk], StageLayout]:
+                      layer_counts: Sequence[int] | None = None,
+                      style: str = "loop") -> tuple[list[SequentialChunk], StageLayout]:
     """The chunks of an nn.Sequential (or list of layers) that pipeline rank `rank` holds, in local order."""
-    _check_rank(pp, rank)
+    _check_rank(pp, rank, virtual_stages, style)
     layers = list(layers)
     layout = StageLayout(pp=pp, virtual_stages=virtual_stages,
-                         counts=split_layers(len(layers), pp, virtual_stages, layer_counts))
-    chunks = [SequentialChunk({i: layers[i] for i in layout.layers_of(c)}) for c in range(rank, layout.n_chunks, pp)]
+                         counts=split_layers(len(layers), pp, virtual_stages, layer_counts), style=style)
+    chunks = []
+    for c in chunks_of(rank, pp, virtual_stages, style):
+        chunks.append(SequentialChunk({i: layers[i] for i in layout.layers_of(c)}))
+        chunks[-1].pipeline_chunk = c
     return chunks, layout
 
 
-def _check_rank(pp: int, rank: int) -> None:
+def _check_rank(pp: int, rank: int, virtual_stages: int, style: str) -> None:
     if not isinstance(pp, int) or pp < 1 or not 0 <= rank < pp:
         raise ValueError(f"pipeline rank={rank!r} must be in [0, pp={pp!r})")
+    if style not in ("loop", "v"):
+        raise ValueError(f"style={style!r} must be 'loop' or 'v'")
+    if style == "v" and virtual_stages != 2:
+        raise ValueError(f"style='v' places two chunks a rank: virtual_stages={virtual_stages} must be 2")

@@ -25,6 +25,9 @@ ranks once, as the layers do in eager, before any collective.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+
 import torch
 import torch.distributed as dist
 
@@ -84,7 +87,37 @@ def _fwd(kind, x, w, b, group, sp, bulk, k, transport, save_gathered, name):
     return y, extra
 
 
+_wgrad_sink = contextvars.ContextVar("overlapkit_wgrad_sink", default=None)
+"""Set while an eager linear's forward runs under defer_weight_grads: where its backward leaves dW."""
+_deferring = contextvars.ContextVar("overlapkit_wgrad_deferring", default=False)
+"""True inside the backward of such a linear: _wgrad hands back its operands instead of the GEMM."""
+
+
+@contextlib.contextmanager
+def defer_weight_grads(sink):
+    """Linears whose eager forward runs inside leave their weight-gradient GEMM to their backward's
+    caller: `sink.add(weight, dy2, x2, as_grad)` with dW = dy2^T x2 (as_grad makes it the weight's
+    gradient type); the backward returns no weight gradient (a pipeline's split B / W). The GEMM a
+    symm_mem column layer fuses with its input's re-gather, and compiled layers, are not deferred."""
+    token = _wgrad_sink.set(sink)
+    try:
+        yield
+    finally:
+        _wgrad_sink.reset(token)
+
+
+class _DeferredWgrad:
+    """The operands of a weight-gradient GEMM left for later (see defer_weight_grads)."""
+
+    __slots__ = ("dy2", "x2")
+
+    def __init__(self, dy2, x2):
+        self.dy2, self.x2 = dy2, x2
+
+
 def _wgrad(dy2, x2, name):
+    if _deferring.get():
+        return _DeferredWgrad(dy2, x2)
     with span(name):
         return dy2.t() @ x2
 
@@ -156,9 +189,7 @@ def _row_pipelined_bwd(dy2, x2, w, group, k, transport, need_dx, name):
 
     gathered = _TRANSPORTS[transport].gather_and_consume(dy2, consume, k, group, name=name + ".bwd",
                                                           need_gathered=True)
-    with span(name + ".bwd.wgrad.gemm"):
-        dw = gathered.t() @ x2
-    return dx2, dw, gathered
+    return dx2, _wgrad(gathered, x2, name + ".bwd.wgrad.gemm"), gathered
 
 
 def bulk_column_backward(kind: str, transport: str) -> bool:
@@ -227,15 +258,24 @@ class _EagerLinear(torch.autograd.Function):
         kind, *rest = args
         y, extra = _fwd(kind, x, wl, bl, *rest)
         ctx.save_for_backward(x, wl, extra)
-        ctx.args = args
+        ctx.args, ctx.wgrad_sink = args, _wgrad_sink.get()
+        ctx.w = w if ctx.wgrad_sink is not None else None
         return y
 
     @staticmethod
     def backward(ctx, dy):
         x, wl, extra = ctx.saved_tensors
         kind, group, *rest = ctx.args
-        dx, dw, db = _bwd(kind, dy, x, extra, wl, ctx.b_parts[1] is not None, ctx.needs_input_grad[0], group,
-                          *rest)
+        token = _deferring.set(ctx.wgrad_sink is not None)
+        try:
+            dx, dw, db = _bwd(kind, dy, x, extra, wl, ctx.b_parts[1] is not None, ctx.needs_input_grad[0], group,
+                              *rest)
+        finally:
+            _deferring.reset(token)
+        if isinstance(dw, _DeferredWgrad):
+            spec, local = ctx.w_parts
+            ctx.wgrad_sink.add(ctx.w, dw.dy2, dw.x2, lambda g: grad_as_param(g, spec, local))
+            dw = None
         return dx, grad_as_param(dw, *ctx.w_parts), grad_as_param(db, *ctx.b_parts), None, None
 
 
