@@ -210,6 +210,27 @@ cpu16_tp)
         --layers-only --reps 20 --out "$r/new_ws$run"
   done
   ;;
+user16)
+  # The 16 cores, gloo: the benchmark of record (HF Llama through parallelize beside torch's TP+SP,
+  # tp 4, tp 8, dp 2 x tp 2), the zero-bubble schedules at pp 4 and 3, the critical path of a run
+  # with a straggler, and the cost model calibrated on one traced layout predicting four others.
+  step user_tp4 100 python3 benchmarks/user_step.py --world 4 --preset cpu16 --threads 3 --rounds 4 --warmup 1 --out "$r"
+  step user_tp8 100 python3 benchmarks/user_step.py --world 8 --preset cpu16 --threads 2 --rounds 4 --warmup 1 --out "$r"
+  step user_dp2tp2 90 python3 benchmarks/user_step.py --world 4 --dp 2 --preset cpu16 --seq 512 --threads 3 --rounds 4 \
+      --warmup 1 --out "$r"
+  step pp_zb_ws4 60 python3 benchmarks/pp_zero_bubble.py --world 4 --threads 4 --steps 20 --out "$r"
+  step pp_zb_ws3 50 python3 benchmarks/pp_zero_bubble.py --world 3 --threads 5 --steps 20 --ep 0 --out "$r"
+  step straggler 50 python3 benchmarks/straggler_path.py --world 16 --straggler 5 --sleep-ms 30 --out "$r"
+  step calib_gpt 70 python3 benchmarks/calibrate_validation.py --device cpu --out "$r"
+  ;;
+userh200)
+  # One H200: the benchmark of record at world size 1 in bf16 (the 1.1 B config), eager then compiled,
+  # the calibrated cost model across micro-batch sizes, and the GPU tests of the layers touched.
+  step user_eager 150 python3 benchmarks/user_step.py --device cuda --world 1 --preset 1b --out "$r"
+  step user_compiled 330 python3 benchmarks/user_step.py --device cuda --world 1 --preset 1b --set compiled \
+      --rounds 6 --out "$r"
+  step calib_cuda 60 python3 benchmarks/calibrate_validation.py --device cuda --out "$r"
+  ;;
 *) echo "unknown part $part"; exit 2 ;;
 esac
 tar czf "$out/$part.tgz" -C "$out" results logs && rm -rf "$out/results" "$out/logs"

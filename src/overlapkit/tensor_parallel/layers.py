@@ -28,6 +28,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from .. import comm
@@ -205,6 +206,10 @@ class _ParallelLinear(LocalShardParams, nn.Module):
         cdt = autocast_dtype(x)
         w, b = self.weight, self.bias
         if torch.compiler.is_compiling():
+            if self.tp_size == 1:
+                # One rank: nothing moves, so the layer is nn.Linear, which inductor can fuse
+                # with its neighbours (an opaque op would stand between them).
+                return F.linear(x, self.local(w), self.local(b))
             # Traced once per shape: the checks run while tracing; the ops compare signatures
             # across ranks at run time (a store round trip cannot be traced; see ops.py).
             sp = self.sequence_parallel and (self.sequence_region is None or self.sequence_region.active)
