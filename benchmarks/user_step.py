@@ -18,7 +18,8 @@ Side by side in one run, in a balanced order (every variant in every position of
 Reported per variant: step ms (slowest rank, median over rounds), the ratio to the reference
 (plain at one rank, torch_tp otherwise: median of per-round ratios with its middle half), tokens/s,
 peak memory per rank (the variant's parameters and optimizer state, plus what its step allocates
-at most: CUDA allocator peak, or the profiler's CPU allocation counter), MFU on a GPU (the cost
+at most: the CUDA allocator's peak; on CPU, which keeps no allocator statistics, the tensors saved
+for backward at the end of the forward), MFU on a GPU (the cost
 model's FLOP count over the GPU's dense bf16 peak), the first step's seconds (compile time), and
 the first step's loss, which must agree across variants (same init, same data).
 
@@ -34,11 +35,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
-import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -52,9 +51,9 @@ PRESETS = {
     # the issue's CPU config: a tiny HF Llama, 2 x 512 tokens
     "tiny": dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=8,
                  num_key_value_heads=8, vocab_size=4096, batch=2, seq=512),
-    # the 16-core host: a step of >= 200 ms at tp 4 and 8
+    # the 16-core host: a step of >= 200 ms at tp 4 and 8 (~0.5 TFLOP)
     "cpu16": dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=4, num_attention_heads=16,
-                  num_key_value_heads=8, vocab_size=32000, batch=2, seq=1024),
+                  num_key_value_heads=8, vocab_size=32000, batch=2, seq=512),
     # ~1.1 B, the H200 config: 4 x 2048 tokens in bf16
     "1b": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=16, num_attention_heads=16,
                num_key_value_heads=8, vocab_size=32000, batch=4, seq=2048),
@@ -142,7 +141,13 @@ def _state_bytes(model, opt) -> int:
 
 
 def _step_peak_bytes(step, device: torch.device) -> int:
-    """The most one step allocates beyond what was allocated before it."""
+    """The most one step allocates beyond what was allocated before it.
+
+    CUDA: the allocator's peak. CPU has no allocator statistics (and a profiler with memory events
+    costs seconds a step to read back at these sizes): there it is what autograd holds at the end
+    of the forward — every tensor saved for backward (storages counted once) — the activation
+    memory in which TP implementations differ; transients inside an op are not seen.
+    """
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         before = torch.cuda.memory_allocated(device)
@@ -150,16 +155,17 @@ def _step_peak_bytes(step, device: torch.device) -> int:
         step()
         torch.cuda.synchronize(device)
         return torch.cuda.max_memory_allocated(device) - before
-    from torch.profiler import ProfilerActivity, profile
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor):
+        local = t.to_local() if hasattr(t, "to_local") else t
+        storage = local.untyped_storage()
+        seen[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         step()
-    with tempfile.TemporaryDirectory() as d:
-        path = os.path.join(d, "mem.json")
-        prof.export_chrome_trace(path)
-        with open(path) as f:
-            events = json.load(f)["traceEvents"]
-    totals = [e["args"]["Total Allocated"] for e in events if e.get("name") == "[memory]"]
-    return max(totals, default=0)  # the counter starts at 0 when the profiler starts
+    return sum(seen.values())
 
 
 def _rank_body(cfg_kw: dict, names: list[str], rounds: int, warmup: int, tp: int, dp: int, threads: int,
@@ -204,9 +210,13 @@ def _rank_body(cfg_kw: dict, names: list[str], rounds: int, warmup: int, tp: int
         loss = loss.detach()
         return float(loss.full_tensor() if hasattr(loss, "full_tensor") else loss)
 
+    from overlapkit.launch import progress
+
     times = {n: [] for n in names}
     orders = balanced_orders(len(names))
     for i in range(warmup + rounds):
+        if groups.rank == 0 and i:
+            progress(f"round {i}: " + ", ".join(f"{n} {times[n][-1]:.0f} ms" for n in names if times[n]))
         for name in (names[j] for j in orders[i % len(orders)]):
             line_up(device)
             t0 = time.perf_counter()
