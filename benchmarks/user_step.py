@@ -169,7 +169,7 @@ def _step_peak_bytes(step, device: torch.device) -> int:
 
 
 def _rank_body(cfg_kw: dict, names: list[str], rounds: int, warmup: int, tp: int, dp: int, threads: int,
-               device_type: str, clip: bool) -> dict:
+               device_type: str, clip: bool, budget_s: float | None) -> dict:
     import overlapkit
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -194,7 +194,9 @@ def _rank_body(cfg_kw: dict, names: list[str], rounds: int, warmup: int, tp: int
     models, opts, ctxs, first_s, loss0 = {}, {}, {}, {}, {}
     for name in names:
         models[name], ctxs[name] = _build(name, base, groups, dp)
-        fused = dict(fused=True) if device_type == "cuda" else {}
+        # fused on a GPU (what users run there); foreach on CPU, where the single-tensor default would
+        # pay DTensor dispatch per parameter and op (the parallelized variants only)
+        fused = dict(fused=True) if device_type == "cuda" else dict(foreach=True)
         opts[name] = torch.optim.AdamW(models[name].parameters(), lr=1e-4, **fused)
     del base
 
@@ -214,9 +216,16 @@ def _rank_body(cfg_kw: dict, names: list[str], rounds: int, warmup: int, tp: int
 
     times = {n: [] for n in names}
     orders = balanced_orders(len(names))
+    started = time.perf_counter()
     for i in range(warmup + rounds):
         if groups.rank == 0 and i:
             progress(f"round {i}: " + ", ".join(f"{n} {times[n][-1]:.0f} ms" for n in names if times[n]))
+        if i >= warmup + 2 and budget_s:
+            # Out of time: stop after whole rounds, every rank at the same one (rank 0's clock decides).
+            late = torch.tensor([float(time.perf_counter() - started > budget_s)], device=device)
+            dist.broadcast(late, 0)
+            if late.item():
+                break
         for name in (names[j] for j in orders[i % len(orders)]):
             line_up(device)
             t0 = time.perf_counter()
@@ -299,6 +308,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="which variants: eager, torch.compile'd (compile time reported), or both")
     ap.add_argument("--no-clip", dest="clip", action="store_false", help="skip clip_grad_norm_")
     ap.add_argument("--variants", default=None, help="comma-separated subset of the variants")
+    ap.add_argument("--budget-s", type=float, default=None,
+                    help="stop timing after the round that passes this many seconds (at least 2 rounds)")
     ap.add_argument("--timeout", type=float, default=600.0)
     ap.add_argument("--out", default=RESULTS)
     args = ap.parse_args(argv)
@@ -319,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
     rounds = args.rounds or (8 if args.device == "cuda" else 6)
     backend = "nccl" if args.device == "cuda" else "gloo"
     per_rank = spawn(_rank_body, args.world, cfg, names, rounds, args.warmup, tp, args.dp, args.threads,
-                     args.device, args.clip, backend=backend, timeout_s=args.timeout,
+                     args.device, args.clip, args.budget_s, backend=backend, timeout_s=args.timeout,
                      on_message=lambda r, t: print(f"[rank {r}] {t}", flush=True))
     from transformers import __version__ as hf_version
 
@@ -338,7 +349,8 @@ def main(argv: list[str] | None = None) -> int:
     losses = [r["loss0"] for r in rows.values()]
     spread = (max(losses) - min(losses)) / abs(statistics.median(losses))
     result = dict(device=device_label(args.device), torch=torch.__version__, transformers=hf_version,
-                  args=dict(vars(args), tp=tp, rounds=rounds, batch=cfg["batch"], seq=cfg["seq"]),
+                  args=dict(vars(args), tp=tp, rounds=len(per_rank[0]["times"][names[0]]), batch=cfg["batch"],
+                            seq=cfg["seq"]),
                   config=cfg, reference=ref, rows=rows, loss_spread=spread,
                   losses_agree=spread <= (2e-2 if args.device == "cuda" else 1e-4))
     suffix = "_compiled" if args.which == "compiled" else ""

@@ -202,6 +202,12 @@ def vocab_parallel_cross_entropy(local_logits: torch.Tensor, targets: torch.Tens
     if targets.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"vocab_parallel_cross_entropy: targets must be int32/int64 token ids, got {targets.dtype}")
     vocab = local_logits.shape[-1] * comm.group_size(group)
+    if comm.group_size(group) == 1:
+        # The whole vocabulary is here: torch's own loss (in fp32, as below), which refuses a target
+        # outside the vocabulary itself (an IndexError on CPU, a device-side assert on a GPU).
+        loss = F.cross_entropy(local_logits.float().reshape(-1, vocab), targets.reshape(-1),
+                               ignore_index=ignore_index, reduction=reduction)
+        return loss.view(targets.shape) if reduction == "none" else loss
     bad = (targets != ignore_index) & ((targets < 0) | (targets >= vocab))
     # An id no rank's block holds would be scored as if its logit were 0: refuse it, never sum that.
     if targets.device.type == "cpu" and not torch.compiler.is_compiling():
@@ -214,11 +220,6 @@ def vocab_parallel_cross_entropy(local_logits: torch.Tensor, targets: torch.Tens
         # torch's own cross_entropy does) needs neither.
         torch._assert_async(~bad.any(), f"vocab_parallel_cross_entropy: a target id is outside [0, {vocab}) "
                                         f"and is not ignore_index={ignore_index}")
-    if comm.group_size(group) == 1:
-        # The whole vocabulary is here: torch's own loss, in fp32 as below.
-        loss = F.cross_entropy(local_logits.float().reshape(-1, vocab), targets.reshape(-1),
-                               ignore_index=ignore_index, reduction=reduction)
-        return loss.view(targets.shape) if reduction == "none" else loss
     if not torch.compiler.is_compiling():  # compiled, the all-reduce ops compare their shapes themselves
         # A rank with another shape would meet the others' all-reduce with the wrong byte count.
         _CE_AGREEMENT.check(group, logits=tuple(local_logits.shape), ignore_index=ignore_index,
