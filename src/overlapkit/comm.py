@@ -37,11 +37,16 @@ def _size_rank(group: dist.ProcessGroup) -> tuple[int, int]:
 
 
 def group_size(group: dist.ProcessGroup | None) -> int:
-    return _size_rank(group)[0] if group is not None else 1
+    if group is None:
+        return 1
+    # Under torch.compile dist.get_world_size is what dynamo folds to a constant (not a dict keyed by group).
+    return dist.get_world_size(group) if torch.compiler.is_compiling() else _size_rank(group)[0]
 
 
 def group_rank(group: dist.ProcessGroup | None) -> int:
-    return _size_rank(group)[1] if group is not None else 0
+    if group is None:
+        return 0
+    return dist.get_rank(group) if torch.compiler.is_compiling() else _size_rank(group)[1]
 
 
 _before_wait = threading.local()
