@@ -237,6 +237,25 @@ userh200)
   step calib_cuda 45 python3 benchmarks/calibrate_validation.py --device cuda --out "$r"
   step pytest_gpu 60 python3 -m pytest -q -x -p no:cacheprovider tests/gpu/test_nccl_layers.py tests/gpu/test_cuda_graphs.py
   ;;
+final)
+  # The last call of the session: the new MoE/ring CUDA paths' tests; the user's path on the 16 cores
+  # (tp 4, tp 8, dp 2 x tp 2) and one rank (the tiny config); EP and CP auto/fixed/none at world size 1
+  # on the H200 and 4 gloo ranks; the zero-bubble schedules at pp 4. Every step bounded.
+  step pytest_cuda 80 python3 -m pytest -q -x -p no:cacheprovider tests/gpu/test_moe_host_syncs_cuda.py \
+      tests/gpu/test_grouped_experts_cuda.py tests/expert_parallel/test_moe_one_rank.py tests/context_parallel/test_cp_cuda.py
+  step user_tp4 70 python3 benchmarks/user_step.py --world 4 --preset cpu16 --threads 3 --rounds 6 --warmup 1 \
+      --budget-s 35 --out "$r"
+  step user_tp8 70 python3 benchmarks/user_step.py --world 8 --preset cpu16 --threads 2 --rounds 6 --warmup 1 \
+      --budget-s 35 --out "$r"
+  step user_dp2tp2 50 python3 benchmarks/user_step.py --world 4 --dp 2 --preset cpu16 --seq 256 --threads 3 \
+      --rounds 6 --warmup 1 --budget-s 20 --out "$r"
+  step user_tiny 30 python3 benchmarks/user_step.py --world 1 --threads 2 --rounds 8 --budget-s 12 --out "$r"
+  step ep_cuda_ws1 55 python3 benchmarks/ep_overlap.py --device cuda --world 1 --out "$r"
+  step cp_cuda_ws1 45 python3 benchmarks/cp_overlap.py --device cuda --world 1 --rounds 6 --out "$r"
+  step ep_cpu_ws4 55 python3 benchmarks/ep_overlap.py --world 4 --threads 3 --out "$r"
+  step cp_cpu_ws4 45 python3 benchmarks/cp_overlap.py --world 4 --threads 3 --out "$r"
+  step pp_zb_ws4 50 python3 benchmarks/pp_zero_bubble.py --world 4 --threads 4 --steps 12 --out "$r"
+  ;;
 *) echo "unknown part $part"; exit 2 ;;
 esac
 tar czf "$out/$part.tgz" -C "$out" results logs && rm -rf "$out/results" "$out/logs"
