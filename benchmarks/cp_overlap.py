@@ -1,31 +1,35 @@
-"""Ring attention (context parallelism): the K/V exchange overlapped with the block in hand vs the
-same ring with every transfer after its block (sequential), side by side in one run; forward and
-forward+backward; exposed cp_kv from the timeline recorder.
+"""Ring attention (context parallelism), side by side in one run: the default overlap="auto" (decided on
+its first calls), "pipelined" (the next K/V block in flight while this one's attention runs), the same with
+each step also waiting for its sends (the schedule before sends were joined at the end of a pass), "none"
+(every transfer after its block: no overlap), and PyTorch's context_parallel where it runs; forward and
+forward+backward; per-round ratios; exposed cp_kv from the timeline recorder, and why it waits.
 
-Variants take turns call by call (each round in the next order of a balanced design) so that load
-that comes and goes on a shared machine hits them alike; a call's time is the slowest rank's, the
-table gives medians.
-Exposed cp_kv comes from recorded calls made after the timed ones: the cp_kv time not covered by a
-block's attention, as a share of the transfer time (a hop timed alone — ranks lined up, the ring's
-exchange and nothing else — times the hops of the phase). The target: <= 10 % exposed where a
-block's attention is longer than its transfer.
+Variants take turns round by round (each round in the next order of a balanced design), so load that
+comes and goes hits them alike; a call's time is the slowest rank's. Ratios are per round (median and
+middle half). Exposed cp_kv comes from recorded calls after the timed ones: the cp_kv time not covered by
+a block's attention, as a share of the transfer (a hop timed alone — ranks lined up, the ring's exchange
+and nothing else — times the hops of the phase). Target: <= 20 % exposed where a block's attention is
+longer than its hop. The waits are attributed from every rank's spans (cp_waits.py): the sending rank
+posted late, a hop is longer than the block even alone, or the transfer ran slower than alone; beside
+it the blocks' time overlapped vs sequential (contention), the merge's share and the ranks' compute spread.
 
-At world size 1 on CUDA there is no ring to overlap: the run measures the fixed cost of the ring
-machinery (one block, the flash kernel, the log-sum-exp bookkeeping) against
-`scaled_dot_product_attention` on the whole sequence, and PyTorch's experimental
-`context_parallel` at a mesh of one, the same way. (PyTorch's context_parallel does not run on
-CPU: it has no ring for `_scaled_dot_product_flash_attention_for_cpu`; the CPU run records its error.)
+At world size 1 on CUDA there is no ring to overlap: auto keeps "none" without trials, and the run
+measures the ring's fixed cost (one block of the fused kernel, the log-sum-exp bookkeeping) against
+`scaled_dot_product_attention` on the whole sequence and PyTorch's experimental `context_parallel` at a
+mesh of one. (PyTorch's context_parallel does not run on CPU: it has no ring for
+`_scaled_dot_product_flash_attention_for_cpu`; the CPU run records its error.)
 
-    python benchmarks/cp_overlap.py --world 2 --threads 1          # CPU, gloo, 2 ranks
+    python benchmarks/cp_overlap.py --world 4 --threads 2          # CPU, gloo (the GPU machine's 16 cores)
     python benchmarks/cp_overlap.py --device cuda --world 1        # one GPU: fixed cost vs SDPA
     python benchmarks/cp_overlap.py --device cuda --world 8        # 8 GPUs, NCCL: the ring and torch's, side by side
 
-Writes benchmarks/results/cp_overlap_<device>_ws<N>.json and .md.
+Writes benchmarks/results/cp_overlap_<device>_ws<N>[_s<tokens a rank>].json and .md.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
@@ -37,7 +41,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from _common import add_common_args, backend, device_label, line_up, time_variants, world_size, write_results
-from overlapkit.context_parallel import ContextParallelConfig, ring_attention, shard
+from _ratios import per_round, text, verdict
+from cp_waits import attribute, rank_spans
+from overlapkit import comm
+from overlapkit.context_parallel import ContextParallelConfig, RingAttention, shard
 from overlapkit.launch import spawn
 from overlapkit.timeline import record
 from overlapkit.timeline.report import measure
@@ -50,7 +57,36 @@ PRESETS = {
 }
 CUDA_WS1_SEQS = (4096, 16384, 32768)
 """Whole-sequence lengths of the world-size-1 fixed-cost table."""
-VARIANTS = ("pipelined", "none")
+JOINED = "pipelined, sends joined"
+"""The pipelined ring with every step also waiting for its sends (the schedule before): what joining the
+sends at the end of the pass changed."""
+VARIANTS = ("auto", "pipelined", JOINED, "none")
+TARGET = 20.0
+"""Exposed cp_kv, % of the transfer, where a block's attention is longer than its hop."""
+
+
+@contextlib.contextmanager
+def _sends_joined():
+    """Make the ring wait for its sends with its receives, as it did before (in this process, for the block)."""
+    real = comm.ring_exchange
+
+    class Both:
+        def __init__(self, received, sent):
+            self.received, self.sent = received, sent
+
+        def wait(self):
+            self.sent.wait()
+            self.received.wait()
+
+    def joined(sends, recvs, group, *, kind, name=""):
+        received, sent = real(sends, recvs, group, kind=kind, name=name)
+        return Both(received, sent), comm.Handle([])
+
+    comm.ring_exchange = joined
+    try:
+        yield
+    finally:
+        comm.ring_exchange = real
 
 
 def _median(xs):
@@ -76,7 +112,7 @@ def _inputs(p: dict, seq: int, device, seed: int = 0):
 
 
 def _ring_body(device_type: str, p: dict, rounds: int, warmup: int, recorded: int, threads: int) -> dict:
-    """Every rank: time the overlapped and the sequential ring, then record both for exposed cp_kv."""
+    """Every rank: let auto decide, time every variant, then record them for exposed cp_kv and its causes."""
     torch.set_num_threads(threads)
     rank, size = dist.get_rank(), dist.get_world_size()
     device = torch.device(device_type, rank) if device_type == "cuda" else torch.device("cpu")
@@ -84,35 +120,46 @@ def _ring_body(device_type: str, p: dict, rounds: int, warmup: int, recorded: in
     q, k, v = (shard(t, 2, rank, size, "zigzag") for t in full)
     dout = torch.randn_like(q)
     group = dist.group.WORLD
+    rings = {name: RingAttention(group, ContextParallelConfig(overlap="pipelined" if name == JOINED else name))
+             for name in VARIANTS}
 
-    def call(overlap: str, backward: bool):
-        cfg = ContextParallelConfig(overlap=overlap)
-
+    def call(name: str, backward: bool):
         def run():
-            if not backward:
-                with torch.no_grad():
-                    ring_attention(q, k, v, group, config=cfg)
-                return
-            ql, kl, vl = (t.detach().requires_grad_() for t in (q, k, v))
-            ring_attention(ql, kl, vl, group, config=cfg).backward(dout)
+            with _sends_joined() if name == JOINED else contextlib.nullcontext():
+                if not backward:
+                    with torch.no_grad():
+                        rings[name](q, k, v)
+                    return
+                ql, kl, vl = (t.detach().requires_grad_() for t in (q, k, v))
+                rings[name](ql, kl, vl).backward(dout)
         return run
 
+    t0, trial_calls = time.perf_counter(), 0
+    while True:  # auto decides on its first calls (fwd+bwd here), before anything is timed
+        call("auto", True)()
+        trial_calls += 1
+        (choice,) = rings["auto"].overlap_choices.choices().values()
+        if choice.decided is not None:
+            break
+    auto = dict(overlap=choice.decided, reason=choice.reason, calls=trial_calls, seconds=time.perf_counter() - t0)
     calls = {f"{o} {'fwd+bwd' if b else 'fwd'}": call(o, b) for o in VARIANTS for b in (False, True)}
     torch_cp = _torch_cp_call(full, dout, device, size, rank)
     if callable(torch_cp):
         calls["torch context_parallel fwd+bwd"] = torch_cp
     times = _time_calls(calls, rounds, warmup, device)
 
-    hop_ms = {"fwd": _hop_ms([k, v], device), "bwd": _hop_ms([k.float(), v.float()], device)}  # dK/dV travel in fp32
-    per_mode = {}
-    for overlap in VARIANTS:
+    hop_ms = {"kv": _hop_ms([k, v], device), "dkv": _hop_ms([k.float(), v.float()], device)}  # dK/dV travel in fp32
+    per_mode, spans = {}, {}
+    for name in VARIANTS:
         with record(device=device) as rec:
             for _ in range(recorded):
                 line_up(device)
                 rec.next_step()
-                call(overlap, True)()
-        per_mode[overlap] = _exposure(rec.spans)
-    return dict(times=times, recorded=per_mode, hop_ms=hop_ms, torch_cp=None if callable(torch_cp) else torch_cp)
+                call(name, True)()
+        per_mode[name] = _exposure(rec.spans)
+        spans[name] = rank_spans(rec)
+    return dict(times=times, recorded=per_mode, spans=spans, hop_ms=hop_ms, auto=auto,
+                torch_cp=None if callable(torch_cp) else torch_cp)
 
 
 def _hop_ms(tensors, device, trials: int = 15) -> float:
@@ -143,11 +190,13 @@ def _exposure(spans) -> dict:
         mine = [s for s in spans if f".{phase}" in s.name and (s.kind == "cp_kv" or s.is_compute)]
         steps = sorted({s.step for s in mine})
         times = [measure([s for s in mine if s.step == st]) for st in steps]
-        blocks = [s.duration_ms for s in mine if s.is_compute and not s.name.endswith(f"{phase}[0]")]
-        hops = [s.duration_ms for s in mine if s.kind == "cp_kv"]
+        blocks = [s.duration_ms for s in mine if s.is_compute and not s.name.endswith(f"{phase}[0]")
+                  and not s.name.endswith(".merge")]
+        hops = [s for s in mine if s.kind == "cp_kv"]
+        n = max(len(steps), 1)
         out[phase] = dict(comm_ms=_median([t.comm_ms for t in times]), exposed_ms=_median([t.exposed_comm_ms for t in times]),
-                          block_ms=_median(blocks), hop_ms=_median(hops), hops=len(hops) // max(len(steps), 1),
-                          steps=[asdict(t) for t in times])
+                          block_ms=_median(blocks), kv_hops=sum(".kv[" in s.name for s in hops) // n,
+                          dkv_hops=sum(".dkv[" in s.name for s in hops) // n, steps=[asdict(t) for t in times])
     return out
 
 
@@ -183,6 +232,7 @@ def _fixed_cost_body(p: dict, rounds: int, warmup: int, seqs=CUDA_WS1_SEQS, devi
     """World size 1 on CUDA: the ring's fixed cost vs SDPA on the whole sequence (and torch CP at a mesh of one)."""
     device = torch.device(device_type, 0) if device_type == "cuda" else torch.device("cpu")
     rows = {}
+    rings = {o: RingAttention(dist.group.WORLD, ContextParallelConfig(overlap=o)) for o in ("auto", "pipelined")}
     for seq in seqs:
         q, k, v = _inputs(p, seq, device)
         dout = torch.randn_like(q)
@@ -196,44 +246,68 @@ def _fixed_cost_body(p: dict, rounds: int, warmup: int, seqs=CUDA_WS1_SEQS, devi
                     o.backward(dout)
             return run
 
-        def ring(backward):
+        def ring(backward, overlap="auto"):
             def run():
                 ql, kl, vl = (t.detach().requires_grad_(backward) for t in (q, k, v))
-                o = ring_attention(ql, kl, vl, dist.group.WORLD)
+                o = rings[overlap](ql, kl, vl)
                 if backward:
                     o.backward(dout)
             return run
 
-        calls = {"sdpa fwd": sdpa(False), "sdpa fwd+bwd": sdpa(True), "ring fwd": ring(False), "ring fwd+bwd": ring(True)}
+        calls = {"sdpa fwd": sdpa(False), "sdpa fwd+bwd": sdpa(True), "ring fwd": ring(False), "ring fwd+bwd": ring(True),
+                 "ring pipelined fwd+bwd": ring(True, "pipelined")}
         torch_cp = _torch_cp_call([q, k, v], dout, device, 1, 0)
         if callable(torch_cp):
             calls["torch context_parallel fwd+bwd"] = torch_cp
         times = _time_calls(calls, rounds, warmup, device)
-        rows[seq] = dict(times={n: _median(t) for n, t in times.items()},
+        ratios = {"ring vs sdpa, fwd": per_round(times["ring fwd"], times["sdpa fwd"]),
+                  "ring vs sdpa": per_round(times["ring fwd+bwd"], times["sdpa fwd+bwd"]),
+                  "auto vs pipelined": per_round(times["ring fwd+bwd"], times["ring pipelined fwd+bwd"])}
+        if callable(torch_cp):
+            ratios["ring vs torch CP"] = per_round(times["ring fwd+bwd"], times["torch context_parallel fwd+bwd"])
+        rows[seq] = dict(times={n: _median(t) for n, t in times.items()}, ratios=ratios,
                          torch_cp=None if callable(torch_cp) else torch_cp)
         del q, k, v, dout
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    return dict(rows=rows)
+    decided = {str(key[1]): (c.decided, c.reason) for key, c in rings["auto"].overlap_choices.choices().items()}
+    return dict(rows=rows, auto=decided)
 
 
 def summarize_ring(per_rank: list[dict]) -> dict:
-    times = {name: _median(t) for name, t in per_rank[0]["times"].items()}  # already the slowest rank's
-    out = dict(times_ms=times, torch_cp_error=per_rank[0]["torch_cp"], phases={})
+    raw = per_rank[0]["times"]  # already the slowest rank's, round by round
+    times = {name: _median(t) for name, t in raw.items()}
+    hop = per_rank[0]["hop_ms"]  # already the slowest rank's
+    auto = per_rank[0]["auto"]
+    best = min(("pipelined", "none"), key=lambda o: times[f"{o} fwd+bwd"])
+    step = lambda name: raw[f"{name} fwd+bwd"]  # noqa: E731
+    ratios = {f"auto vs best fixed ({best})": per_round(step("auto"), step(best)),
+              "auto vs none": per_round(step("auto"), step("none")),
+              f"auto vs its twin ({auto['overlap']})": per_round(step("auto"), step(auto["overlap"])),
+              "pipelined vs none": per_round(step("pipelined"), step("none")),
+              "pipelined vs sends joined": per_round(step("pipelined"), step(JOINED)),
+              "auto vs none, fwd": per_round(raw["auto fwd"], raw["none fwd"])}
+    if "torch context_parallel fwd+bwd" in raw:
+        ratios["auto vs torch context_parallel"] = per_round(step("auto"), raw["torch context_parallel fwd+bwd"])
+    out = dict(times_ms=times, torch_cp_error=per_rank[0]["torch_cp"], auto=auto, hop_ms=hop, ratios=ratios,
+               phases={}, waits={})
     for phase in ("fwd", "bwd"):
-        seq = [r["recorded"]["none"][phase] for r in per_rank]
-        pipe = [r["recorded"]["pipelined"][phase] for r in per_rank]
-        hop = per_rank[0]["hop_ms"][phase]  # already the slowest rank's
-        transfer = hop * seq[0]["hops"]
-        exposed = _median([x["exposed_ms"] for x in pipe])
-        block = _median([x["block_ms"] for x in seq])
-        pct = 100.0 * exposed / transfer if transfer else None
-        out["phases"][phase] = dict(
-            transfer_ms=transfer, cp_kv_span_ms_sequential=_median([x["comm_ms"] for x in seq]),
-            exposed_pipelined_ms=exposed, exposed_sequential_ms=_median([x["exposed_ms"] for x in seq]),
-            exposed_pct=pct, block_ms=block, hop_ms=hop, hops=seq[0]["hops"],
-            block_longer_than_hop=None if block is None or hop is None else block > hop,
-            target_met=None if pct is None or block is None or hop is None or block <= hop else pct <= 10.0)
+        seq = per_rank[0]["recorded"]["none"][phase]
+        transfer = hop["kv"] * seq["kv_hops"] + hop["dkv"] * seq["dkv_hops"]
+        block_seq = _median([r["recorded"]["none"][phase]["block_ms"] for r in per_rank])
+        hop_one = hop["dkv"] if phase == "bwd" else hop["kv"]
+        row = dict(transfer_ms=transfer, kv_hops=seq["kv_hops"], dkv_hops=seq["dkv_hops"], block_ms_sequential=block_seq,
+                   hop_ms=hop_one, block_longer_than_hop=None if block_seq is None else block_seq > hop_one, variants={})
+        for name in VARIANTS:
+            recs = [r["recorded"][name][phase] for r in per_rank]
+            exposed = _median([x["exposed_ms"] for x in recs])
+            pct = 100.0 * exposed / transfer if transfer and exposed is not None else None
+            row["variants"][name] = dict(exposed_ms=exposed, exposed_pct=pct,
+                                         block_ms=_median([x["block_ms"] for x in recs]),
+                                         target=None if not row["block_longer_than_hop"] or pct is None else pct <= TARGET)
+        out["phases"][phase] = row
+    for name in VARIANTS:
+        out["waits"][name] = attribute([r["spans"][name] for r in per_rank], hop)
     return out
 
 
@@ -245,30 +319,56 @@ def markdown(result: dict) -> str:
             f"{p['head_dim']}, {p['dtype']}, causal, zigzag. Load average when it started: "
             f"{result.get('load_avg_before', float('nan')):.1f} on {os.cpu_count()} cores.\n\n")
     if "rows" in result:  # world size 1: fixed cost
-        lines = ["| sequence | sdpa fwd ms | ring fwd ms | ratio | sdpa fwd+bwd ms | ring fwd+bwd ms | ratio | torch CP fwd+bwd ms |",
-                 "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        lines = ["The ring is the default (overlap='auto', which keeps 'none' at cp = 1 without trials); ratios per "
+                 "round, median (middle half).", "",
+                 "| sequence | sdpa fwd ms | ring fwd ms | ratio | sdpa fwd+bwd ms | ring fwd+bwd ms | ratio | "
+                 "torch CP fwd+bwd ms | ring vs torch CP | auto vs pipelined (≤ 1.01) |",
+                 "|---:|---:|---:|---|---:|---:|---|---:|---|---|"]
         for seq, row in result["rows"].items():
-            t = row["times"]
+            t, x = row["times"], row["ratios"]
             tcp = fmt(t.get("torch context_parallel fwd+bwd")) if row["torch_cp"] is None else "cannot run"
-            lines.append(f"| {seq} | {fmt(t['sdpa fwd'])} | {fmt(t['ring fwd'])} | {fmt(t['ring fwd'] / t['sdpa fwd'], '.3f')} | "
-                         f"{fmt(t['sdpa fwd+bwd'])} | {fmt(t['ring fwd+bwd'])} | "
-                         f"{fmt(t['ring fwd+bwd'] / t['sdpa fwd+bwd'], '.3f')} | {tcp} |")
+            lines.append(f"| {seq} | {fmt(t['sdpa fwd'])} | {fmt(t['ring fwd'])} | {text(x['ring vs sdpa, fwd'])} | "
+                         f"{fmt(t['sdpa fwd+bwd'])} | {fmt(t['ring fwd+bwd'])} | {text(x['ring vs sdpa'])} | {tcp} | "
+                         f"{text(x.get('ring vs torch CP'))} | {text(x['auto vs pipelined'])}: "
+                         f"{verdict(x['auto vs pipelined'], 1.01)} |")
         errs = {row["torch_cp"] for row in result["rows"].values() if row["torch_cp"]}
+        lines += ["", "auto's decisions: " + "; ".join(f"q {k}: {d} ({why})" for k, (d, why) in result["auto"].items())]
         return head + "\n".join(lines) + "\n" + "".join(f"\ntorch context_parallel: {e}\n" for e in errs)
     r = result["ring"]
     t = r["times_ms"]
+    a = r["auto"]
     lines = [f"sequence {p['seq_per_rank'] * result['world']} ({p['seq_per_rank']} a rank). Median ms of {result['rounds']} "
-             "rounds, slowest rank.\n", "| variant | fwd ms | fwd+bwd ms |", "|---|---:|---:|"]
-    for o in ("pipelined", "none"):
+             f"rounds, slowest rank. auto kept **{a['overlap']}** after {a['calls']} calls ({a['seconds']:.1f} s): "
+             f"{a['reason']}.\n", "| variant | fwd ms | fwd+bwd ms |", "|---|---:|---:|"]
+    for o in VARIANTS:
         lines.append(f"| ring overlap={o} | {fmt(t.get(o + ' fwd'))} | {fmt(t.get(o + ' fwd+bwd'))} |")
     tcp = t.get("torch context_parallel fwd+bwd")
     lines.append(f"| torch context_parallel | — | {fmt(tcp) if r['torch_cp_error'] is None else 'cannot run'} |")
-    lines += ["", "| phase | hops | block attention ms | hop ms (alone) | transfer ms | exposed ms, overlapped "
-              "| exposed % of transfer | target (<= 10 % where block > hop) |", "|---|---:|---:|---:|---:|---:|---:|---|"]
+    lines += ["", "| per-round ratio (fwd+bwd unless said) | median (middle half) | target |", "|---|---|---|"]
+    for name, x in r["ratios"].items():
+        goal = verdict(x, 1.01) if name.startswith("auto vs") and "torch" not in name else "—"
+        lines.append(f"| {name} | {text(x)} | {'≤ 1.01: ' + goal if goal != '—' else goal} |")
+    lines += ["", "Exposed cp_kv from the recorder, % of the transfer (hops alone: K/V "
+              f"{fmt(r['hop_ms']['kv'])} ms, fp32 dK/dV {fmt(r['hop_ms']['dkv'])} ms):", "",
+              "| phase | hops K/V + dK/dV | block ms, sequential | transfer ms | "
+              + " | ".join(f"{v}: exposed ms (%), block ms" for v in VARIANTS) + f" | target ≤ {TARGET:.0f} % (auto) |",
+              "|---|---|---:|---:|" + "---|" * len(VARIANTS) + "---|"]
     for phase, x in r["phases"].items():
-        verdict = {None: "n/a (block not longer than hop)", True: "met", False: "missed"}[x["target_met"]]
-        lines.append(f"| {phase} | {x['hops']} | {fmt(x['block_ms'])} | {fmt(x['hop_ms'])} | {fmt(x['transfer_ms'])} | "
-                     f"{fmt(x['exposed_pipelined_ms'])} | {fmt(x['exposed_pct'], '.1f')} | {verdict} |")
+        cells = [f"{fmt(v['exposed_ms'])} ({fmt(v['exposed_pct'], '.0f')} %), {fmt(v['block_ms'])}"
+                 for v in x["variants"].values()]
+        goal = {None: "n/a (block not longer than hop)", True: "met", False: "MISSED"}[x["variants"]["auto"]["target"]]
+        lines.append(f"| {phase} | {x['kv_hops']} + {x['dkv_hops']} | {fmt(x['block_ms_sequential'])} | "
+                     f"{fmt(x['transfer_ms'])} | " + " | ".join(cells) + f" | {goal} |")
+    lines += ["", "Why it waits (cp_waits.py; ms per rank and step, medians over recorded steps): exposed = sending "
+              "rank posted late + a hop alone longer than the block + the transfer slower than alone; blocks "
+              "overlapped vs sequential above show contention on the compute side.", "",
+              "| variant | phase | exposed | peer late | hop longer than block | slower than alone | merge ms a step "
+              "| block ms | rank compute max/min |", "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for name, phases in r["waits"].items():
+        for phase, w in phases.items():
+            lines.append(f"| {name} | {phase} | {fmt(w.get('exposed'))} | {fmt(w.get('peer_late'))} | "
+                         f"{fmt(w.get('hop_longer'))} | {fmt(w.get('slower'))} | {fmt(w.get('merge_ms'), '.3f')} | "
+                         f"{fmt(w.get('block_ms'))} | {fmt(w.get('compute_max_over_min'), '.3f')} |")
     tail = f"\ntorch context_parallel: {r['torch_cp_error']}\n" if r["torch_cp_error"] else ""
     return head + "\n".join(lines) + "\n" + tail
 
@@ -296,7 +396,8 @@ def main(argv: list[str] | None = None) -> int:
         per_rank = spawn(_ring_body, world, args.device, preset, args.rounds, args.warmup, args.recorded, args.threads,
                          backend=backend(args.device), timeout_s=600.0)
         result["ring"] = summarize_ring(per_rank)
-    write_results(result, os.path.join(args.out, f"cp_overlap_{args.device}_ws{world}"), markdown)
+    tag = f"_s{preset['seq_per_rank']}" if preset["seq_per_rank"] != PRESETS[args.device]["seq_per_rank"] else ""
+    write_results(result, os.path.join(args.out, f"cp_overlap_{args.device}_ws{world}{tag}"), markdown)
     return 0
 
 

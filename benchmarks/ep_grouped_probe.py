@@ -29,19 +29,19 @@ def run(device: str, dtype: torch.dtype, hidden: int, ffn: int, reps: int) -> di
         e, m = len(sizes), sum(sizes)
         r = lambda *s: (torch.randn(*s, generator=g) * 0.05).to(dev, dtype)  # noqa: E731
         x, w1, b1, w2, b2, dy = r(m, hidden), r(e, ffn, hidden), r(e, ffn), r(e, hidden, ffn), r(e, hidden), r(m, hidden)
-        counts = torch.tensor(sizes, device=dev)
+        groups = X.Groups(torch.tensor(sizes, device=dev), m, sizes)  # as a dispatch plan hands them over
         grads = [torch.zeros(t.shape, device=dev, dtype=dtype) for t in (w1, b1, w2, b2)]
-        _, pre = X.experts_forward(x, sizes, w1, b1, w2, b2, True, counts)
+        _, pre = X.experts_forward(x, groups, w1, b1, w2, b2, True)
         row = {"grouped_ran": X._grouped(x, w1, w2, b1, b2)}
-        row["fwd grouped"] = mean_call_ms(lambda: X.experts_forward(x, sizes, w1, b1, w2, b2, True, counts), dev, reps)
+        row["fwd grouped"] = mean_call_ms(lambda: X.experts_forward(x, groups, w1, b1, w2, b2, True), dev, reps)
         row["fwd loop"] = mean_call_ms(lambda: X._loop_forward(x, sizes, w1, b1, w2, b2, True), dev, reps)
-        row["bwd grouped"] = mean_call_ms(lambda: X.experts_backward(dy, x, pre, sizes, w1, w2, grads, counts), dev, reps)
+        row["bwd grouped"] = mean_call_ms(lambda: X.experts_backward(dy, x, pre, groups, w1, w2, grads), dev, reps)
         row["bwd loop"] = mean_call_ms(lambda: X._loop_backward(dy, x, pre, sizes, w1, w2, grads), dev, reps)
         if dev.type == "cuda":
             from torch.profiler import ProfilerActivity, profile
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
                 for _ in range(5):
-                    X.experts_backward(dy, x, pre, sizes, w1, w2, grads, counts)
+                    X.experts_backward(dy, x, pre, groups, w1, w2, grads)
                 torch.cuda.synchronize()
             events = [(ev.key, ev.device_time_total / 5e3) for ev in prof.key_averages() if ev.device_time_total > 0]
             row["bwd grouped kernels"] = sorted(events, key=lambda t: -t[1])[:8]

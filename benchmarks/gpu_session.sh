@@ -210,6 +210,52 @@ cpu16_tp)
         --layers-only --reps 20 --out "$r/new_ws$run"
   done
   ;;
+user16)
+  # The 16 cores, gloo: the benchmark of record (HF Llama through parallelize beside torch's TP+SP,
+  # tp 4, tp 8, dp 2 x tp 2), the zero-bubble schedules at pp 4 and 3, the critical path of a run
+  # with a straggler, and the cost model calibrated on one traced layout predicting four others.
+  step user_tp4 100 python3 benchmarks/user_step.py --world 4 --preset cpu16 --threads 3 --rounds 4 --warmup 1 --out "$r"
+  step user_tp8 100 python3 benchmarks/user_step.py --world 8 --preset cpu16 --threads 2 --rounds 4 --warmup 1 --out "$r"
+  step user_dp2tp2 90 python3 benchmarks/user_step.py --world 4 --dp 2 --preset cpu16 --seq 256 --threads 3 --rounds 4 \
+      --warmup 1 --out "$r"
+  step pp_zb_ws4 60 python3 benchmarks/pp_zero_bubble.py --world 4 --threads 4 --steps 20 --out "$r"
+  step pp_zb_ws3 50 python3 benchmarks/pp_zero_bubble.py --world 3 --threads 5 --steps 20 --ep 0 --out "$r"
+  step straggler 50 python3 benchmarks/straggler_path.py --world 16 --straggler 5 --sleep-ms 30 --out "$r"
+  step calib_gpt 70 python3 benchmarks/calibrate_validation.py --device cpu --out "$r"
+  ;;
+userh200)
+  # One H200: a smoke run of the user's path on CUDA, then the benchmark of record at world size 1
+  # in bf16 (the 1.1 B config), eager then compiled; the calibrated cost model across micro-batch
+  # sizes; the GPU tests of the TP layers (NCCL, CUDA graphs) after the layout change.
+  step user_smoke 40 python3 benchmarks/user_step.py --device cuda --world 1 --rounds 1 --warmup 1 --out "$r/smoke"
+  if [ -f "$r/smoke/user_step_cuda_tiny_ws1_tp1_eager.json" ]; then
+  step user_eager 110 python3 benchmarks/user_step.py --device cuda --world 1 --preset 1b --out "$r"
+  step user_compiled 280 python3 benchmarks/user_step.py --device cuda --world 1 --preset 1b --set compiled \
+      --rounds 6 --variants plain_compiled,ok_none_compiled,ok_bulk_compiled,ok_pipelined_compiled,ok_auto_compiled \
+      --out "$r"
+  else echo "=== the smoke run failed: the 1.1 B runs are skipped"; fi
+  step calib_cuda 45 python3 benchmarks/calibrate_validation.py --device cuda --out "$r"
+  step pytest_gpu 60 python3 -m pytest -q -x -p no:cacheprovider tests/gpu/test_nccl_layers.py tests/gpu/test_cuda_graphs.py
+  ;;
+final)
+  # The last call of the session: the new MoE/ring CUDA paths' tests; the user's path on the 16 cores
+  # (tp 4, tp 8, dp 2 x tp 2) and one rank (the tiny config); EP and CP auto/fixed/none at world size 1
+  # on the H200 and 4 gloo ranks; the zero-bubble schedules at pp 4. Every step bounded.
+  step pytest_cuda 80 python3 -m pytest -q -x -p no:cacheprovider tests/gpu/test_moe_host_syncs_cuda.py \
+      tests/gpu/test_grouped_experts_cuda.py tests/expert_parallel/test_moe_one_rank.py tests/context_parallel/test_cp_cuda.py
+  step user_tp4 70 python3 benchmarks/user_step.py --world 4 --preset cpu16 --threads 3 --rounds 6 --warmup 1 \
+      --budget-s 35 --out "$r"
+  step user_tp8 70 python3 benchmarks/user_step.py --world 8 --preset cpu16 --threads 2 --rounds 6 --warmup 1 \
+      --budget-s 35 --out "$r"
+  step user_dp2tp2 50 python3 benchmarks/user_step.py --world 4 --dp 2 --preset cpu16 --seq 256 --threads 3 \
+      --rounds 6 --warmup 1 --budget-s 20 --out "$r"
+  step user_tiny 30 python3 benchmarks/user_step.py --world 1 --threads 2 --rounds 8 --budget-s 12 --out "$r"
+  step ep_cuda_ws1 55 python3 benchmarks/ep_overlap.py --device cuda --world 1 --out "$r"
+  step cp_cuda_ws1 45 python3 benchmarks/cp_overlap.py --device cuda --world 1 --rounds 6 --out "$r"
+  step ep_cpu_ws4 55 python3 benchmarks/ep_overlap.py --world 4 --threads 3 --out "$r"
+  step cp_cpu_ws4 45 python3 benchmarks/cp_overlap.py --world 4 --threads 3 --out "$r"
+  step pp_zb_ws4 50 python3 benchmarks/pp_zero_bubble.py --world 4 --threads 4 --steps 12 --out "$r"
+  ;;
 *) echo "unknown part $part"; exit 2 ;;
 esac
 tar czf "$out/$part.tgz" -C "$out" results logs && rm -rf "$out/results" "$out/logs"

@@ -37,11 +37,16 @@ def _size_rank(group: dist.ProcessGroup) -> tuple[int, int]:
 
 
 def group_size(group: dist.ProcessGroup | None) -> int:
-    return _size_rank(group)[0] if group is not None else 1
+    if group is None:
+        return 1
+    # Under torch.compile dist.get_world_size is what dynamo folds to a constant (not a dict keyed by group).
+    return dist.get_world_size(group) if torch.compiler.is_compiling() else _size_rank(group)[0]
 
 
 def group_rank(group: dist.ProcessGroup | None) -> int:
-    return _size_rank(group)[1] if group is not None else 0
+    if group is None:
+        return 0
+    return dist.get_rank(group) if torch.compiler.is_compiling() else _size_rank(group)[1]
 
 
 _before_wait = threading.local()
@@ -112,8 +117,13 @@ _ENGINES = {"tp": "tensor parallel", "dp": "data parallel", "zero": "ZeRO", "ep"
             "cp": "context parallel", "pp": "pipeline"}
 
 
-def _launch(kind: str, name: str, nbytes: int, group, issue) -> Handle:
-    """Issue a collective (the `issue` thunk returns its works) and stamp it if recording."""
+def _launch(kind: str, name: str, nbytes: int, group, issue, watch: bool = True) -> Handle:
+    """Issue a collective (the `issue` thunk returns its works) and stamp it if recording.
+
+    `watch=False`: works that tell their completion only when waited (gloo's send/recv, whose
+    is_completed() stays False until then) are not polled on CPU — the wait stamps their end;
+    polling them would only take cores and the GIL from the ranks being measured.
+    """
     rec = _rec.active()
     label = f"{kind} {name}".strip()
     if rec is None:
@@ -122,7 +132,8 @@ def _launch(kind: str, name: str, nbytes: int, group, issue) -> Handle:
     pending = rec.comm_issued(kind, name, nbytes, group_size(group))
     with _rec.comm_range(kind, name):
         works = [w for w in issue() if w is not None]
-    _stamp_done(rec, pending, works)
+    if watch or rec.cuda:
+        _stamp_done(rec, pending, works)
     return Handle(works, pending, rec, group=group, label=label)
 
 
@@ -195,24 +206,57 @@ def all_reduce_coalesced(tensors: Sequence[torch.Tensor], group, *, kind: str, n
             offset += t.numel()
 
 
+def _p2p(sends, recvs, group):
+    """A thunk that issues the sends, then the receives, and returns their works (one per op on gloo, where
+    nothing coalesces; NCCL batches them into one)."""
+    if group is not None and _is_gloo(group):
+        # gloo does not coalesce: batch_isend_irecv would issue these one by one, in this order, with
+        # tag 0; issuing them on the group (peers are group ranks) skips ~30 µs of P2POp checks.
+        def issue():
+            return [group.send([t], p, 0) for t, p in sends] + [group.recv([t], p, 0) for t, p in recvs]
+        return issue
+    ops = [dist.P2POp(dist.isend, t, dist.get_global_rank(group, p), group) for t, p in sends]
+    ops += [dist.P2POp(dist.irecv, t, dist.get_global_rank(group, p), group) for t, p in recvs]
+    return lambda: dist.batch_isend_irecv(ops)
+
+
 def exchange(sends: Sequence[tuple[torch.Tensor, int]], recvs: Sequence[tuple[torch.Tensor, int]],
              group, *, kind: str = "tp_all_gather", name: str = "", async_op: bool = True) -> Handle:
     """Batched point-to-point: send each (tensor, group_peer) and receive each (tensor, group_peer)."""
     if not sends and not recvs:
         return Handle([])
     nbytes = sum(t.numel() * t.element_size() for t, _ in sends)
-    if group is not None and _is_gloo(group):
-        # gloo does not coalesce: batch_isend_irecv would issue these one by one, in this order, with
-        # tag 0; issuing them on the group (peers are group ranks) skips ~30 µs of P2POp checks.
-        def issue():
-            return [group.send([t], p, 0) for t, p in sends] + [group.recv([t], p, 0) for t, p in recvs]
-    else:
-        ops = [dist.P2POp(dist.isend, t, dist.get_global_rank(group, p), group) for t, p in sends]
-        ops += [dist.P2POp(dist.irecv, t, dist.get_global_rank(group, p), group) for t, p in recvs]
+    return _finish(_launch(kind, name, nbytes, group, _p2p(sends, recvs, group), watch=not _is_gloo(group)),
+                   async_op)
 
-        def issue():
-            return dist.batch_isend_irecv(ops)
-    return _finish(_launch(kind, name, nbytes, group, issue), async_op)
+
+def ring_exchange(sends: Sequence[tuple[torch.Tensor, int]], recvs: Sequence[tuple[torch.Tensor, int]],
+                  group, *, kind: str, name: str = "") -> tuple[Handle, Handle]:
+    """`exchange`, as (the receives' handle, the sends' handle) to join apart.
+
+    A ring waits for what it receives before computing on it, and for what it sent only before that
+    buffer changes or is freed. Joining both at once ties each rank to its successor as well as its
+    predecessor: a gloo send completes only after the peer has posted its receive, so a late
+    successor would stall this rank too. The timeline's span is the receives' (under NCCL's one
+    coalesced work, both handles join the same work).
+    """
+    if not sends and not recvs:
+        return Handle([]), Handle([])
+    nbytes = sum(t.numel() * t.element_size() for t, _ in sends)
+    issue = _p2p(sends, recvs, group)
+    rec = _rec.active()
+    pending = rec.comm_issued(kind, name, nbytes, group_size(group)) if rec is not None else None
+    with _rec.comm_range(kind, name):
+        works = [w for w in issue() if w is not None]
+    if len(works) == len(sends) + len(recvs):
+        sent, received = works[:len(sends)], works[len(sends):]
+    else:
+        sent = received = works
+    if rec is not None and rec.cuda:
+        _stamp_done(rec, pending, received)
+    # On CPU a p2p work tells its completion only when waited: the receives' wait stamps the end.
+    label = f"{kind} {name}".strip()
+    return Handle(received, pending, rec, group=group, label=label), Handle(sent, group=group, label=label)
 
 
 _gloo: dict = {}

@@ -202,3 +202,42 @@ def tp_heads_errors() -> float:
     pairs = [(out, ref), (ql.grad, q.grad), (kl.grad, k.grad), (vl.grad, v.grad)]
     heads = [2, 2, 1, 1]
     return max(rel(a, shard(b[:, tp * h:(tp + 1) * h], 2, cp, 2, "zigzag")) for (a, b), h in zip(pairs, heads))
+
+
+# Seconds each overlap mode's forward is slowed by, per rank of a CP pair: rank 0 alone would keep `none`;
+# the slowest rank's times (pipelined 0.06, none 0.12) keep `pipelined`.
+AUTO_DELAYS = ({"pipelined": 0.06, "none": 0.0}, {"pipelined": 0.0, "none": 0.12})
+
+
+def auto_overlap(group) -> dict:
+    """overlap="auto" (the default) on a RingAttention: trials, the decision, then calls under the recorder
+    with the trial clock made to fail if read: what ran, and what was kept."""
+    import time
+
+    from overlapkit.context_parallel import RingAttention, attention
+    from trial_clock import recorded_without_trial_clock
+
+    rank = dist.get_rank(group)
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, 2, 8 * dist.get_world_size(group), 8, generator=g) for _ in range(3))
+    ql, kl, vl = (shard(t, 2, rank, dist.get_world_size(group), "zigzag").requires_grad_() for t in (q, k, v))
+    ring = RingAttention(group, ContextParallelConfig(kernel="math"))
+    forward = attention.ring_forward
+
+    def slowed(r, *args):
+        time.sleep(AUTO_DELAYS[rank][r.overlap])
+        return forward(r, *args)
+
+    attention.ring_forward = slowed
+    try:
+        ring(ql, kl, vl).sum().backward()
+        choice, = ring.overlap_choices.choices().values()
+        for _ in range(choice.trial_calls - 1):
+            ring(ql, kl, vl).sum().backward()
+    finally:
+        attention.ring_forward = forward
+
+    # The deciding call, then two that run as a fixed configuration would.
+    spans = recorded_without_trial_clock(lambda: ring(ql, kl, vl).sum().backward())
+    names = [sorted(s.name for s in spans if s.step == i and s.is_comm) for i in (1, 2, 3)]
+    return dict(decided=choice.decided, reason=choice.reason, names=names)

@@ -5,8 +5,8 @@ CP=2 x TP=2 with the heads split over TP; the demo's CP=2 x TP=2 (+SP) GPT."""
 
 import torch.distributed as dist
 
-from cp_cases import (TOL, all_attention_cases, gpt_cp_dp_errors, llama_errors, recorded_overlap, rejections,
-                      tp_heads_errors)
+from cp_cases import (TOL, all_attention_cases, auto_overlap, gpt_cp_dp_errors, llama_errors, recorded_overlap,
+                      rejections, tp_heads_errors)
 from distributed import distributed
 from overlapkit.demo import TOLERANCE, DemoConfig, run_rank
 from overlapkit.groups import ParallelGroups
@@ -20,6 +20,7 @@ def _world():
     return dict(cp4=all_attention_cases(dist.group.WORLD), cp3=all_attention_cases(three) if rank < 3 else {},
                 cp2=all_attention_cases(cp2), rejections=rejections(cp2),
                 pipelined=recorded_overlap(cp2, "pipelined"), sequential=recorded_overlap(cp2, "none"),
+                auto=auto_overlap(cp2),
                 llama=llama_errors(cp2), gpt=gpt_cp_dp_errors(), tp=tp_heads_errors(),
                 demo=run_rank(DemoConfig(tp=2, dp=1, cp=2, steps=2, overlap="none"))["steps"])
 
@@ -82,3 +83,13 @@ def test_cp2_tp2_heads_split_over_tp():
 def test_demo_cp2_tp2_steps_match_one_process():
     steps = results()[0]["demo"]
     assert len(steps) == 2 and all(s["rel_err"] <= TOLERANCE for s in steps), steps
+
+
+def test_auto_overlap_keeps_the_slowest_ranks_faster_mode_and_leaves_nothing_running():
+    for r, res in enumerate(results()):
+        a = res["auto"]
+        assert a["decided"] == "pipelined" and "forward+backward" in a["reason"], (r, a)
+        deciding, steady, again = a["names"]
+        # One all-reduce of the times on the deciding call; afterwards only the ring's own hops.
+        assert deciding == sorted(["cp.attn.bwd.dkv[1]", "cp.attn.fwd.kv[0]", "cp.attn overlap.auto"]), deciding
+        assert steady == again == ["cp.attn.bwd.dkv[1]", "cp.attn.fwd.kv[0]"], steady

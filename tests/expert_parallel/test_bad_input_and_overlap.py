@@ -58,7 +58,27 @@ def _overlap_from_spans(steps: int = 4) -> dict:
     kinds = sorted({s.kind for s in rec.spans if s.is_comm})
     by_step = [[s for s in rec.spans if s.step == k] for k in range(1, steps + 1)]
     return dict(kinds=kinds, fwd=[v for ss in by_step for v in _overlaps(ss, "fwd")],
-                bwd=[v for ss in by_step for v in _overlaps(ss, "bwd")])
+                bwd=[v for ss in by_step for v in _overlaps(ss, "bwd")], ranks=_by_rank_order())
+
+
+def _by_rank_order() -> dict:
+    """chunks="ranks" at EP 2: the other rank's rows are issued before the own rows' experts start and
+    received after they end; the results go back after the other rank's rows were computed."""
+    torch.manual_seed(0)
+    moe = MoE(64, 128, 4, 2, dist.group.WORLD, chunks="ranks")
+    x = torch.randn(256, 64, requires_grad=True)
+    moe(x).sum().backward()
+    with record() as rec:
+        moe(x).sum().backward()
+    me, other = dist.get_rank(), 1 - dist.get_rank()
+    out = {}
+    for phase in ("fwd", "bwd"):
+        span = {s.name.split(".", 2)[2]: s for s in rec.spans if s.name.startswith(f"moe.{phase}.")}
+        d, c = span["dispatch[1]"], span["combine[1]"]
+        own, theirs = span[f"experts[{me}]"], span[f"experts[{other}]"]
+        out[phase] = (d.start_ms <= own.start_ms and d.end_ms >= own.end_ms and theirs.start_ms >= own.end_ms
+                      and c.start_ms >= theirs.end_ms)
+    return out
 
 
 def test_bad_inputs_fail_on_every_rank_and_chunks_overlap():
@@ -67,7 +87,7 @@ def test_bad_inputs_fail_on_every_rank_and_chunks_overlap():
     for rank_bad in bad:
         assert "MoEConfig.num_experts=3 is not divisible by the expert-parallel size 2" in rank_bad["indivisible"]
         assert "MoEConfig.top_k=5 exceeds num_experts=4" in rank_bad["top_k"]
-        assert "MoEConfig.chunks must be an integer >= 1, got 0" in rank_bad["chunks"]
+        assert "MoEConfig.chunks must be an integer >= 1, 'ranks' or 'auto', got 0" in rank_bad["chunks"]
         assert "RankMismatchError" in rank_bad["chunks_differ"] and "chunks differs (rank 0: 1, rank 1: 2)" in rank_bad["chunks_differ"]
         assert "top_k differs (rank 0: 1, rank 1: 9)" in rank_bad["top_k_one_rank"]
         assert "width differs (rank 0: 8, rank 1: 9)" in rank_bad["width_differs"]
@@ -79,6 +99,7 @@ def test_bad_inputs_fail_on_every_rank_and_chunks_overlap():
         assert ov["kinds"] == ["ep_combine", "ep_dispatch"]
         # Some chunk's transfer ran while the experts computed its neighbour, forward and backward.
         assert max(ov["fwd"]) > 0 and max(ov["bwd"]) > 0, ov
+        assert ov["ranks"] == {"fwd": True, "bwd": True}, ov["ranks"]
 
 
 def test_config_validates_capacity_factor():

@@ -15,7 +15,9 @@ def _run(size: int) -> dict:
         from test_bad_input_and_overlap import _bad_inputs, _overlap_from_spans
         from overlapkit.demo import run_rank
         from test_demo_ep import DEMO
-        out.update(bad=_bad_inputs(), overlap=_overlap_from_spans(), demo=run_rank(DEMO))
+        from test_auto_chunks import _auto_chunks, _padded_needs_equal_tokens
+        out.update(bad=_bad_inputs(), overlap=_overlap_from_spans(), demo=run_rank(DEMO), auto=_auto_chunks(),
+                   padded_tokens=_padded_needs_equal_tokens())
     if size == 4:
         from test_gpt_moe import _tp_and_gpt
         out.update(_tp_and_gpt())

@@ -1,5 +1,7 @@
-"""A MoE forward waits for the GPU once (the split sizes every all-to-all needs on the host), and
-its backward not at all: each host sync stalls the host's dispatch until the GPU drains."""
+"""A MoE forward waits for the GPU at most once, and its backward never: each host sync stalls the
+host's dispatch until the GPU drains. On one EP rank without a capacity nothing needs the split sizes
+on the host (no sync); with a capacity the padded path has fixed ones (no sync); only the exact-count
+path with a capacity (pad_to_capacity=False) syncs, once (the kept rows' count)."""
 
 import warnings
 
@@ -20,7 +22,7 @@ def _syncs(fn) -> list[str]:
     return [f"{w.filename}:{w.lineno}" for w in caught if "called a synchronizing" in str(w.message)]
 
 
-def test_moe_forward_syncs_once_and_backward_never():
+def test_moe_forward_syncs_only_for_exact_capacity_counts_and_backward_never():
     mine = not dist.is_initialized()
     if mine:
         dist.init_process_group("gloo", init_method="tcp://127.0.0.1:29733", rank=0, world_size=1)
@@ -33,8 +35,9 @@ def test_moe_forward_syncs_once_and_backward_never():
 
 def _check_syncs():
     torch.manual_seed(0)
-    for capacity, chunks in ((None, 1), (None, 4), (1.25, 2)):
-        moe = MoE(256, 512, 8, 2, dist.group.WORLD, chunks=chunks, capacity_factor=capacity,
+    for capacity, chunks, pad, syncs in ((None, 1, None, 0), (None, 4, None, 0), (None, "auto", None, 0),
+                                         (1.25, 2, None, 0), (1.25, 2, False, 1)):
+        moe = MoE(256, 512, 8, 2, dist.group.WORLD, chunks=chunks, capacity_factor=capacity, pad_to_capacity=pad,
                   device="cuda", dtype=torch.bfloat16)
         x = torch.randn(4, 256, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         moe(x).float().square().mean().backward()  # warm-up: first-use allocations, probes
@@ -42,7 +45,7 @@ def _check_syncs():
         fwd = _syncs(lambda: out.setdefault("y", moe(x)))
         loss = out["y"].float().square().mean()
         bwd = _syncs(lambda: loss.backward())
-        print(f"capacity {capacity}, chunks {chunks}: forward syncs {fwd}, backward syncs {bwd}")
-        assert len(fwd) == 1, fwd
+        print(f"capacity {capacity}, chunks {chunks}, pad {pad}: forward syncs {fwd}, backward syncs {bwd}")
+        assert len(fwd) == syncs, fwd
         assert bwd == [], bwd
         assert moe.last_load.tokens == 4 * 256

@@ -18,10 +18,10 @@ def _choices():
     big = torch.empty((4096, 8192), device="meta", dtype=torch.bfloat16)     # 8192 gathered tokens
     small = torch.empty((16, 8192), device="meta", dtype=torch.bfloat16)      # 32 gathered tokens
     out = {
-        "col_big": col._mode(big, 8192, 8192, 14336, "all_gather", 4096),
-        "row_big": row._mode(big, 8192, 14336, 8192, "reduce_scatter", 4096),
-        "col_small": col._mode(small, 32, 8192, 14336, "all_gather", 16),
-        "plain_big": plain._mode(big, 8192, 8192, 14336, "all_gather", 4096),
+        "col_big": col._mode(big.shape, big.dtype, True, 8192, 8192, 14336, "all_gather", 4096),
+        "row_big": row._mode(big.shape, big.dtype, True, 8192, 14336, 8192, "reduce_scatter", 4096),
+        "col_small": col._mode(small.shape, small.dtype, True, 32, 8192, 14336, "all_gather", 16),
+        "plain_big": plain._mode(big.shape, big.dtype, False, 8192, 8192, 14336, "all_gather", 4096),
         "cached": len(col.auto_choices),
     }
     try:

@@ -33,12 +33,14 @@ def _ce_case(vocab: int, shape, reduction: str, ignore: bool, dtype) -> float:
     return max(_rel(loss, ref), _rel(local.grad, ref_in.grad.chunk(ws, -1)[r]))
 
 
-def _embedding_case() -> float:
+def _embedding_case(padding_idx=None) -> float:
     ws = dist.get_world_size()
     torch.manual_seed(1)
-    ref = nn.Embedding(6 * ws, 5)
+    ref = nn.Embedding(6 * ws, 5, padding_idx=padding_idx)
     emb = VocabParallelEmbedding.from_full(ref, dist.group.WORLD)
     ids = torch.randint(0, 6 * ws, (3, 7), generator=torch.Generator().manual_seed(2))
+    if padding_idx is not None:
+        ids[0, :2] = padding_idx % (6 * ws)  # looked up: its row must stay zero and get no gradient
     g = torch.randn(3, 7, 5, generator=torch.Generator().manual_seed(3))
     out = emb(ids)
     (out * g).sum().backward()
@@ -63,6 +65,9 @@ def _cases():
             out[("ce", reduction, ignore)] = _ce_case(8 * ws, (2, 5), reduction, ignore, torch.float32)
     out[("ce", "bf16")] = _ce_case(8 * ws, (4,), "mean", True, torch.bfloat16)
     out["embedding"] = _embedding_case()
+    # padding_idx (HF models with a pad token): the row held by the middle rank, and a negative index.
+    out["embedding padding_idx"] = _embedding_case(6 * ws // 2 + 1)
+    out["embedding padding_idx<0"] = _embedding_case(-1)
     # DTensor logits (what the plans' heads return) carry their group.
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard

@@ -6,9 +6,10 @@ partial results merge exactly by log-sum-exp (`attention`). `apply_to_gpt` and
 `apply_to_hf_llama` swap the ring into a model's attention.
 """
 
-from .attention import OVERLAPS, ContextParallelConfig, RingAttention, ring_attention
+from .attention import AUTO_CANDIDATES, OVERLAPS, ContextParallelConfig, OverlapChoices, RingAttention, ring_attention
 from .kernels import KERNELS
 from .split import LAYOUTS, chunks_of, positions, shard, unshard
 
-__all__ = ["ContextParallelConfig", "RingAttention", "ring_attention", "OVERLAPS", "KERNELS", "LAYOUTS",
+__all__ = ["ContextParallelConfig", "RingAttention", "ring_attention", "OVERLAPS", "AUTO_CANDIDATES", "OverlapChoices",
+           "KERNELS", "LAYOUTS",
            "chunks_of", "positions", "shard", "unshard"]

@@ -17,21 +17,28 @@ from torch import nn
 from ..agreement import Agreement
 from ..comm import group_rank, group_size
 from ..groups import resolve_group
+from ..tuning import MeasuredChoice, timed
 from .kernels import KERNELS, check_kernel
 from .ring import Ring, ring_backward, ring_forward
 from .split import LAYOUTS, check_layout, chunks_per_rank
 
-OVERLAPS = ("none", "pipelined")
+OVERLAPS = ("none", "pipelined", "auto")
 """`none`: each K/V transfer after the block it could hide behind (the reference); `pipelined`: the next
-block in flight while this one computes. The ring has no bulk form and nothing for `auto` to choose."""
+block in flight while this one computes; `auto`: `none` at cp = 1 (nothing travels), else both timed on
+the first calls of a configuration (forward and backward, the slowest rank's median) and the faster kept,
+the same on every rank. The ring has no bulk form."""
+
+AUTO_CANDIDATES = ("pipelined", "none")
+"""What `overlap="auto"` times, in order of preference on a tie."""
 
 
 @dataclass(frozen=True)
 class ContextParallelConfig:
     """How ring attention cuts the sequence, computes its blocks and overlaps its transfers."""
 
-    overlap: str = "pipelined"
-    """`pipelined` (the next K/V block travels while this one's attention runs) or `none` (sequential)."""
+    overlap: str = "auto"
+    """`pipelined` (the next K/V block travels while this one's attention runs), `none` (sequential), or
+    `auto` (measured once per configuration and kept: see OVERLAPS)."""
     layout: str = "zigzag"
     """How the sequence is cut over CP ranks (see split.py): `zigzag` balances causal work; `contiguous`."""
     kernel: str = "auto"
@@ -59,17 +66,19 @@ class _RingAttention(torch.autograd.Function):
     backward can start computing at once (memory: one more local K/V)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, ring: Ring):
-        out, lse, rests, first = ring_forward(ring, q, k, v)
+    def forward(ctx, q, k, v, ring: Ring, trial=None):
+        with timed(trial, "forward"):  # auto's trials time it; nothing once decided
+            out, lse, rests, first = ring_forward(ring, q, k, v)
         ctx.save_for_backward(q, k, v, out, lse, *(first or ()))
-        ctx.ring, ctx.rests = ring, rests
+        ctx.ring, ctx.rests, ctx.trial = ring, rests, trial
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse, *first = ctx.saved_tensors
-        dq, dk, dv = ring_backward(ctx.ring, dout, q, k, v, out, lse, ctx.rests, first or None)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
+        with timed(ctx.trial, "backward"):
+            dq, dk, dv = ring_backward(ctx.ring, dout, q, k, v, out, lse, ctx.rests, first or None)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
 
 
 def _check_shapes(q, k, v) -> None:
@@ -85,9 +94,34 @@ def _check_shapes(q, k, v) -> None:
         raise ValueError(f"{h} query heads are not a multiple of {k.shape[1]} key/value heads (grouped-query attention)")
 
 
+class OverlapChoices:
+    """`overlap="auto"`'s choice per configuration (shapes, dtype, causal, layout, kernel, group), each
+    measured once and kept (`overlapkit.tuning.MeasuredChoice`); `reset()` forgets them (tests)."""
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+        self._choices: dict = {}
+
+    def get(self, key: tuple, group, size: int) -> MeasuredChoice:
+        choice = self._choices.get(key)
+        if choice is None:
+            choice = self._choices[key] = MeasuredChoice(AUTO_CANDIDATES, group, what=self.what, kind="cp_kv")
+            if size == 1:
+                choice.decide_now("none", "cp = 1: nothing travels, so nothing to overlap")
+        return choice
+
+    def choices(self) -> dict:
+        """{configuration: its MeasuredChoice} so far."""
+        return dict(self._choices)
+
+    def reset(self) -> None:
+        self._choices.clear()
+
+
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh_or_group=None, *, causal: bool = True,
                    scale: float | None = None, config: ContextParallelConfig = ContextParallelConfig(),
-                   name: str = "cp.attn", agreement: Agreement | None = None) -> torch.Tensor:
+                   name: str = "cp.attn", agreement: Agreement | None = None,
+                   choices: OverlapChoices | None = None) -> torch.Tensor:
     """Attention of this rank's queries over the whole sequence held by the CP group; [b, h, s_local, d].
 
     q [b, h, s_local, d], k and v [b, h_kv, s_local, d] (h a multiple of h_kv: grouped-query
@@ -108,13 +142,23 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh_or_gr
     if q.shape[2] % per:
         raise ValueError(f"local sequence length {q.shape[2]} does not split into the {per} equal chunks each rank "
                          f"holds under layout={config.layout!r} (the whole sequence must be a multiple of {per * size})")
+    overlap, trial = config.overlap, None
+    if overlap == "auto":
+        choice = (choices or _CHOICES).get((group, tuple(q.shape), tuple(k.shape), q.dtype, q.device.type,
+                                            bool(causal), scale, config.layout, kernel), group, size)
+        overlap = choice.decided
+        if overlap is None:  # still timing: this call runs one candidate
+            trial = choice.trial(q.device)
+            overlap = choice.decided if trial is None else trial.choice
     ring = Ring(group=group, rank=rank, size=size, layout=config.layout, chunk=q.shape[2] // per,
-                causal=bool(causal), scale=scale, kernel=kernel, overlap=config.overlap, name=name)
-    return _RingAttention.apply(q, k, v, ring)
+                causal=bool(causal), scale=scale, kernel=kernel, overlap=overlap, name=name)
+    return _RingAttention.apply(q, k, v, ring, trial)
 
 
 _AGREEMENT = Agreement("context_parallel.ring_attention")
 """Configurations `ring_attention` has checked across ranks (process state: a seen one costs a set lookup)."""
+_CHOICES = OverlapChoices("context_parallel.ring_attention overlap")
+"""`overlap="auto"`'s kept choices for calls of `ring_attention` itself (a RingAttention module keeps its own)."""
 
 
 class RingAttention(nn.Module):
@@ -126,13 +170,16 @@ class RingAttention(nn.Module):
         self.group = resolve_group(mesh_or_group, "cp")
         self.config, self.causal, self.name = config, causal, name
         self._agreement = Agreement(f"context_parallel.RingAttention({name})")
+        self.overlap_choices = OverlapChoices(f"{name} overlap")
+        """`overlap="auto"`'s choice per input configuration of this module, and why."""
 
     def forward(self, q, k, v, scale: float | None = None):
         return ring_attention(q, k, v, self.group, causal=self.causal, scale=scale, config=self.config,
-                              name=self.name, agreement=self._agreement)
+                              name=self.name, agreement=self._agreement, choices=self.overlap_choices)
 
     def extra_repr(self) -> str:
         return f"cp={group_size(self.group)}, causal={self.causal}, {self.config}"
 
 
-__all__ = ["ContextParallelConfig", "RingAttention", "ring_attention", "OVERLAPS", "LAYOUTS", "KERNELS"]
+__all__ = ["ContextParallelConfig", "RingAttention", "ring_attention", "OVERLAPS", "AUTO_CANDIDATES",
+           "OverlapChoices", "LAYOUTS", "KERNELS"]

@@ -18,6 +18,7 @@ from torch import nn
 
 from ..comm import group_rank, group_size
 from ..groups import ParallelGroups, resolve_group
+from ..tensor_parallel.params import LocalShardParams
 from .attention import ContextParallelConfig, RingAttention
 from .split import check_seq_len, positions, shard
 
@@ -63,7 +64,8 @@ class SlicePositionEmbedding(nn.Embedding):
         seq_len = pos.shape[-1] * size
         check_seq_len(seq_len, size, self.layout, what="GPT sequence length")
         where = positions(seq_len, group_rank(self.group), size, self.layout, device=pos.device)
-        return F.embedding(where[pos], self.weight)
+        # Under tensor parallelism the weight is a Replicate() DTensor: computed on its local tensor.
+        return F.embedding(where[pos], LocalShardParams.local(self.weight))
 
 
 class RingGPTAttention(nn.Module):

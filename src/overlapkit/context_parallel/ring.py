@@ -1,9 +1,12 @@
 """The ring schedule: the next key/value block is in flight around the CP ring while this one's attention runs.
 
 Forward, step i of P on rank r: rank r holds the key/value block of rank (r − i) mod P, sends
-it on to r+1 and receives the next from r−1 (one batched `comm.exchange`, kind `cp_kv`), and
-meanwhile computes its queries against the block in hand and folds the result into its
-running output with the log-sum-exp rule. Backward mirrors it: key/value blocks travel the
+it on to r+1 and receives the next from r−1 (one batched `comm.ring_exchange`, kind `cp_kv`),
+and meanwhile computes its queries against the block in hand and folds the result into its
+running output with the log-sum-exp rule. A step waits only for what it receives; the sends are
+joined when the pass ends (their buffers are never written again), because a send completes only
+once the successor has posted its receive, and waiting for it would tie every rank to a late
+successor as well as to its predecessor. Backward mirrors it: key/value blocks travel the
 same way, and beside them the dK/dV accumulator of each block, which every rank adds its part
 to before passing it on; after P−1 hops each block's gradient is back with its owner, in time
 for the owner's own block, which backward computes last. With
@@ -90,34 +93,47 @@ class Ring:
     def plan(self, step: int) -> list[Call]:
         return block_plan(self.rank, (self.rank - step) % self.size, self.size, self.layout, self.chunk, self.causal)
 
-    def pass_on(self, tensors, label: str) -> tuple[comm.Handle, list[torch.Tensor]]:
-        """Send `tensors` to the next rank and receive the same shapes from the previous one."""
+    def pass_on(self, tensors, label: str, sends: list) -> tuple[comm.Handle, list[torch.Tensor]]:
+        """Send `tensors` to the next rank and receive the same shapes from the previous one: (the receive's
+        handle, the incoming tensors). The send's handle goes to `sends`, to be joined when the pass ends
+        (or at once, with the receive, in the sequential schedule)."""
         incoming = [torch.empty_like(t) for t in tensors]
-        h = comm.exchange([(t, self.next) for t in tensors], [(t, self.prev) for t in incoming], self.group,
-                          kind="cp_kv", name=f"{self.name}.{label}")
-        return h, incoming
+        received, sent = comm.ring_exchange([(t, self.next) for t in tensors], [(t, self.prev) for t in incoming],
+                                            self.group, kind="cp_kv", name=f"{self.name}.{label}")
+        if self.overlap == "none":
+            received.wait()
+            sent.wait()
+        else:
+            sends.append(sent)
+        return received, incoming
+
+
+def _join(sends: list) -> None:
+    for h in sends:
+        h.wait()
 
 
 def ring_forward(ring: Ring, q, k, v):
     """(out fp32, lse fp32, rests, the K/V block received first) of the local queries against every rank's keys
     and values. That block (rank r−1's) is kept for backward, which starts with it (see `ring_backward`)."""
     out = lse = first = None
-    rests = []
+    rests, sends = [], []
     kv = [k.contiguous(), v.contiguous()]
     for i in range(ring.size):
         last = i == ring.size - 1
         handle = None
         if ring.overlap == "pipelined" and not last:
-            handle, incoming = ring.pass_on(kv, f"fwd.kv[{i}]")
+            handle, incoming = ring.pass_on(kv, f"fwd.kv[{i}]", sends)
         with compute_span(f"{ring.name}.fwd[{i}]"):
             out, lse, step_rests = _forward_step(ring, i, q, kv, out, lse)
             rests.append(step_rests)
         if ring.overlap == "none" and not last:
-            handle, incoming = ring.pass_on(kv, f"fwd.kv[{i}]")
+            handle, incoming = ring.pass_on(kv, f"fwd.kv[{i}]", sends)
         if handle is not None:
             handle.wait()
             kv = incoming
             first = incoming if first is None else first
+    _join(sends)
     return out, lse, rests, first
 
 
@@ -131,7 +147,8 @@ def _forward_step(ring: Ring, step: int, q, kv, out, lse):
         if out is None:
             out, lse = o, l
         else:
-            merge(out[:, :, c.q0:c.q1], lse[:, :, c.q0:c.q1], o, l)
+            with compute_span(f"{ring.name}.fwd[{step}].merge"):  # inside the step's span: its share of it
+                merge(out[:, :, c.q0:c.q1], lse[:, :, c.q0:c.q1], o, l)
     return out, lse, rests
 
 
@@ -146,11 +163,12 @@ def ring_backward(ring: Ring, dout, q, k, v, out, lse, rests, first):
     """
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     acc_handle = acc = None
+    sends = []
     kv = first
     for step in range(1, ring.size):
         kv_handle = None
         if ring.overlap == "pipelined" and step < ring.size - 1:
-            kv_handle, kv_in = ring.pass_on(kv, f"bwd.kv[{step}]")
+            kv_handle, kv_in = ring.pass_on(kv, f"bwd.kv[{step}]", sends)
         with compute_span(f"{ring.name}.bwd[{step}]"):
             dkv = _backward_step(ring, step, dout, q, kv, out, lse, rests[step], dq)
         if acc_handle is not None:
@@ -159,12 +177,9 @@ def ring_backward(ring: Ring, dout, q, k, v, out, lse, rests, first):
             dkv[0] += acc[0]
             dkv[1] += acc[1]
         if ring.overlap == "none" and step < ring.size - 1:
-            kv_handle, kv_in = ring.pass_on(kv, f"bwd.kv[{step}]")
-            kv_handle.wait()
+            kv_handle, kv_in = ring.pass_on(kv, f"bwd.kv[{step}]", sends)
         # After the last of these steps the accumulator goes home: the next rank owns that block.
-        acc_handle, acc = ring.pass_on(dkv, f"bwd.dkv[{step}]")
-        if ring.overlap == "none":
-            acc_handle.wait()
+        acc_handle, acc = ring.pass_on(dkv, f"bwd.dkv[{step}]", sends)
         if kv_handle is not None:
             kv_handle.wait()
             kv = kv_in
@@ -174,6 +189,7 @@ def ring_backward(ring: Ring, dout, q, k, v, out, lse, rests, first):
         acc_handle.wait()
         dkv[0] += acc[0]
         dkv[1] += acc[1]
+    _join(sends)
     return dq, dkv[0], dkv[1]
 
 

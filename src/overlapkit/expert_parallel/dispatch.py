@@ -1,16 +1,25 @@
-"""Chunked dispatch -> expert GEMMs -> combine: the all-to-alls of chunks i+1 and i-1 in flight while chunk i computes.
+"""Chunked dispatch -> expert GEMMs -> combine at exact split sizes: the all-to-alls of chunks i+1 and i-1 in flight while chunk i computes.
 
 `plan_dispatch` sorts a rank's (token, expert) assignments by chunk and destination expert,
 drops what a capacity factor does not admit (counted), and exchanges the per-chunk, per-expert
 row counts with one small all-to-all, so that every later all-to-all knows its split sizes on
-both sides. `ExpertsA2A` is the autograd Function that runs the pipeline: forward dispatches
-rows to their experts' ranks and combines the outputs back; backward runs the same pipeline on
-the output gradients (dispatch dy, expert backward, combine dx), so that it overlaps alike.
+both sides: the forward's one host sync. Everything a chunk needs (its split sizes, where its
+received rows go when grouped by expert, the grouped GEMMs' offsets, each row's expert) is
+derived there once per layer, for all chunks together; a chunk only slices it. One receive
+buffer and one return buffer serve all chunks (each all-to-all fills its slice), so no chunk
+allocates or concatenates.
+
+`ExpertsA2A` is the autograd Function that runs the pipeline: forward gathers the rows, sends
+them to their experts' ranks, computes, returns the outputs, and places each in its (token,
+choice) slot; backward runs the same pipeline on the slots' gradients (dispatch dy, expert
+backward, combine dx) and sums each token's slots, in a fixed order (no atomics).
 
 Issue order, identical on every rank (the all-to-alls of one group must match):
     d0, d1, [experts 0], c0, d2, [experts 1], c1, d3, ...
 so while the experts compute chunk i the dispatch of i+1 and the combine of i-1 are in flight.
-chunks=1 degenerates to dispatch, compute, combine: the sequential reference.
+chunks=1 degenerates to dispatch, compute, combine: the sequential reference. On one EP rank
+nothing is transferred, and without a capacity factor nothing waits for the device either (the
+split sizes are only needed for transfers; the grouped GEMMs take their offsets on the device).
 """
 
 from __future__ import annotations
@@ -21,38 +30,54 @@ import torch
 
 from .. import comm
 from ..timeline.recorder import compute_span
-from .experts import count, device_ints, experts_backward, experts_forward
+from ..tuning import timed
+from . import pairwise
+from .experts import Groups, count, device_ints, experts_backward, experts_forward, fill_grads, grouped_on
+
+RANKS = "ranks"
+"""`chunks="ranks"`: a chunk per source rank (pairwise.py) instead of token chunks."""
 
 
 @dataclass
 class DispatchPlan:
-    """Where every send row of one forward goes, and how many rows each rank gets back, per chunk."""
+    """Where every send row of one forward goes, and how the received rows group, chunk by chunk (or, with
+    chunks="ranks", source rank by source rank)."""
 
     row_token: torch.Tensor
     """[rows] the local token each send row carries (rows sorted by chunk, then expert)."""
     row_assignment: torch.Tensor
     """[rows] the flat (token * top_k + choice) assignment of each send row."""
+    schedule: int | str
+    """The chunks the plan was made for: a token-chunk count, or "ranks"."""
     chunk_rows: list[int]
-    """Send rows of each chunk (they are consecutive, chunk by chunk)."""
-    send_splits: list[list[int]]
-    """[chunk][ep rank] rows this rank sends to each EP rank."""
-    recv_splits: list[list[int]]
-    """[chunk][ep rank] rows this rank receives from each EP rank."""
-    expert_rows: list[list[int]]
-    """[chunk][local expert] rows this rank's experts compute."""
-    expert_counts: list[torch.Tensor]
-    """[chunk] the same counts on the device ([local experts], int64), for the grouped GEMMs' offsets."""
-    group_perm: list[torch.Tensor] | None
-    """[chunk] permutation taking received rows (by source rank, then expert) to rows by expert;
-    None on one EP rank, where the rows arrive grouped by expert already."""
-    group_inv: list[torch.Tensor] | None
-    """[chunk] its inverse: rows by expert back to the order they were received in."""
+    """Send rows of each token chunk (they are consecutive, chunk by chunk); one chunk under "ranks"."""
+    send_splits: list[list[int]] | None
+    """[chunk][ep rank] rows this rank sends to each EP rank (None on one EP rank: nothing is sent)."""
+    recv_splits: list[list[int]] | None
+    """[chunk][ep rank] rows this rank receives from each EP rank (None on one EP rank)."""
+    recv_rows: list[int]
+    """Rows this rank's experts compute, per chunk (consecutive in the receive buffer)."""
+    groups: list[Groups]
+    """[chunk] how its received rows, grouped by expert, split into local experts ([source rank] under "ranks",
+    where a source's rows arrive grouped by expert already)."""
+    recv_perm: torch.Tensor | None
+    """[all received rows] the receive-buffer row of each row once grouped by expert within its chunk
+    (rows arrive by source rank, then expert); None on one EP rank, where they arrive grouped."""
+    assignments: int
+    """tokens * top_k: the (token, choice) slots the outputs go back to."""
+    dropless: bool
+    """Every (token, choice) assignment has a row (nothing was dropped by a capacity)."""
     sent_per_expert: torch.Tensor
     """[num_experts] assignments of this rank's tokens each expert takes (after drops)."""
-    dropped_per_expert: torch.Tensor
-    """[num_experts] assignments of this rank's tokens dropped for lack of capacity."""
+    dropped_per_expert: torch.Tensor | None
+    """[num_experts] assignments of this rank's tokens dropped for lack of capacity (None: dropless)."""
     received_per_expert: torch.Tensor
     """[local experts] rows this rank's experts computed, from every rank."""
+
+    @property
+    def expert_rows(self) -> list[list[int]]:
+        """[chunk][local expert] rows each local expert computes (host ints: a device sync if not known)."""
+        return [g.sizes for g in self.groups]
 
 
 def chunk_bounds(tokens: int, chunks: int) -> list[int]:
@@ -60,72 +85,104 @@ def chunk_bounds(tokens: int, chunks: int) -> list[int]:
     return [c * tokens // chunks for c in range(chunks + 1)]
 
 
-def _admitted(flat_experts: torch.Tensor, top_k: int, num_experts: int, capacity: int | None) -> torch.Tensor:
-    """Mask of assignments an expert admits: all when dropless, else the first `capacity` per expert,
-    every token's first choice before any second choice, earlier tokens first."""
-    if capacity is None:
-        return torch.ones_like(flat_experts, dtype=torch.bool)
+def chunk_of(index: torch.Tensor, total: int, chunks: int) -> torch.Tensor:
+    """The chunk of `chunk_bounds(total, chunks)` each index in [0, total) falls in, on the device
+    (index i is in chunk c iff c·total // chunks <= i, i.e. c = ((i + 1)·chunks − 1) // total)."""
+    return ((index + 1) * chunks - 1).div_(total, rounding_mode="floor")
+
+
+def positions(flat_experts: torch.Tensor, top_k: int, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(each assignment's place in its expert's queue, assignments per expert): every token's first choice
+    before any second choice, earlier tokens first — the order a capacity admits them in."""
     n = flat_experts.numel()
-    order = torch.arange(n, device=flat_experts.device).view(-1, top_k).t().reshape(-1)  # choice-major
-    onehot = torch.nn.functional.one_hot(flat_experts[order], num_experts)
-    position = (onehot.cumsum(0) - 1).gather(1, flat_experts[order, None]).squeeze(1)
-    keep = torch.empty_like(flat_experts, dtype=torch.bool)
-    keep[order] = position < capacity
-    return keep
+    tokens = n // top_k
+    choice_major = flat_experts.view(tokens, top_k).t().reshape(-1)
+    order = torch.argsort(choice_major, stable=True)
+    per_expert = count(choice_major, num_experts)
+    start = per_expert.cumsum(0) - per_expert
+    place = torch.arange(n, device=flat_experts.device) - start[choice_major[order]]
+    queued = torch.empty_like(place).scatter_(0, order, place)
+    return queued.view(top_k, tokens).t().reshape(-1), per_expert
+
+
+def _receive_layout(recv: torch.Tensor, total: int, dev) -> torch.Tensor:
+    """Permutation taking rows received by (chunk, source rank, expert) to (chunk, expert, source rank)."""
+    chunks, ep, local = recv.shape
+    c, s, e = torch.meshgrid(torch.arange(chunks), torch.arange(ep), torch.arange(local), indexing="ij")
+    key = device_ints(((c * local + e) * ep + s).reshape(-1).tolist(), dev)  # host-made: a constant pattern
+    return torch.argsort(torch.repeat_interleave(key, recv.reshape(-1), output_size=total), stable=True)
 
 
 def plan_dispatch(experts: torch.Tensor, num_experts: int, chunks: int, capacity: int | None, group,
                   name: str) -> DispatchPlan:
-    """Collective over the EP group (one all-to-all of counts): the plan of one forward.
+    """Collective over the EP group (one all-to-all of counts, on more than one rank): the plan of one forward.
 
-    `experts` [tokens, top_k] are the router's choices on this rank.
+    `experts` [tokens, top_k] are the router's choices on this rank; `chunks` a count or "ranks".
     """
     ep = comm.group_size(group)
+    schedule, by_rank = chunks, chunks == RANKS and ep > 1
+    chunks = 1 if chunks == RANKS else chunks
     tokens, top_k = experts.shape
     local = num_experts // ep
     dev = experts.device
     flat = experts.reshape(-1)
-    keep = _admitted(flat, top_k, num_experts, capacity)
-    token = torch.arange(flat.numel(), device=dev) // top_k
-    bounds = device_ints(chunk_bounds(tokens, chunks)[1:-1], dev)
-    chunk = torch.bucketize(token, bounds, right=True)
-    key = chunk * num_experts + flat
-    if capacity is not None:  # dropped assignments sort after every kept one, into a bin of their own
+    keep = None
+    if capacity is not None:
+        place, per_expert = positions(flat, top_k, num_experts)
+        keep = place < capacity
+    key = flat
+    if chunks > 1 and tokens:
+        token = torch.arange(flat.numel(), device=dev).div_(top_k, rounding_mode="floor")
+        key = chunk_of(token, tokens, chunks) * num_experts + flat
+    if keep is not None:  # dropped assignments sort after every kept one, into a bin of their own
         key = torch.where(keep, key, chunks * num_experts)
     order = torch.argsort(key, stable=True)
     counts = count(key, chunks * num_experts + 1)[:-1].view(chunks, ep, local)
     # Counts first: every rank learns how many rows each peer will send it, chunk by chunk.
-    send = counts.permute(1, 0, 2).contiguous()  # [dest rank, chunk, local expert]
+    recv = counts
     if ep > 1:
-        recv = torch.empty_like(send)
-        comm.all_to_all_single(recv, send, group, kind="ep_dispatch", name=f"{name}.fwd.counts", async_op=False)
-    else:
-        recv = send
-    # The forward's one host sync: the split sizes of every all-to-all must be on the host.
-    counts_l, recv_l = torch.stack([counts, recv.permute(1, 0, 2)]).tolist()  # both [chunk][rank][e]
-    send_splits = [[sum(counts_l[c][r]) for r in range(ep)] for c in range(chunks)]
-    recv_splits = [[sum(recv_l[c][s]) for s in range(ep)] for c in range(chunks)]
-    expert_rows = [[sum(recv_l[c][s][e] for s in range(ep)) for e in range(local)] for c in range(chunks)]
-    rows = order[:sum(map(sum, send_splits))]  # the kept ones, by chunk then expert
-    group_perm = group_inv = None
-    if ep > 1:
-        ids = torch.arange(local, device=dev).repeat(ep)
-        group_perm = [torch.argsort(torch.repeat_interleave(ids, recv[:, c, :].reshape(-1),
-                                                            output_size=sum(recv_splits[c])), stable=True)
-                      for c in range(chunks)]
-        group_inv = [torch.empty_like(p).scatter_(0, p, torch.arange(p.numel(), device=dev)) for p in group_perm]
+        send = counts.transpose(0, 1).contiguous()  # [dest rank, chunk, local expert]
+        got = torch.empty_like(send)
+        comm.all_to_all_single(got, send, group, kind="ep_dispatch", name=f"{name}.fwd.counts", async_op=False)
+        recv = got.transpose(0, 1)  # [chunk, source rank, local expert]
+    per_chunk = recv[0] if by_rank else recv.sum(1)  # [piece, local expert]: rows each local expert computes
+    send_splits = recv_splits = expert_rows = None
+    if ep > 1 or capacity is not None or dev.type == "cpu":
+        # The forward's one host sync (none on a CPU): transfers need their split sizes on the host.
+        counts_l, recv_l = torch.stack([counts, recv]).tolist()  # both [chunk][rank][e]
+        send_splits = [[sum(counts_l[c][r]) for r in range(ep)] for c in range(chunks)]
+        recv_splits = [[sum(recv_l[c][s]) for s in range(ep)] for c in range(chunks)]
+        expert_rows = [[sum(recv_l[c][s][e] for s in range(ep)) for e in range(local)] for c in range(chunks)]
+        chunk_rows = [sum(s) for s in send_splits]
+        recv_rows = recv_splits[0] if by_rank else [sum(s) for s in recv_splits]
+        if by_rank:
+            expert_rows = recv_l[0]
+    else:  # one rank, dropless: chunk c holds exactly its tokens' assignments
+        bounds = chunk_bounds(tokens, chunks)
+        chunk_rows = recv_rows = [(bounds[c + 1] - bounds[c]) * top_k for c in range(chunks)]
+    rows = order[:sum(chunk_rows)] if keep is not None else order  # the kept ones, by chunk then expert
+    total = sum(recv_rows)
+    pieces = ep if by_rank else chunks
+    ends = per_chunk.cumsum(1).to(torch.int32)
+    expert = None
+    if grouped_on(dev):  # each row's local expert, for the grouped GEMMs' biases (the loop needs none)
+        ids = torch.arange(local, device=dev)
+        expert = torch.repeat_interleave(ids if pieces == 1 else ids.repeat(pieces), per_chunk.reshape(-1),
+                                         output_size=total)
+    groups, off = [], 0
+    for c in range(pieces):
+        groups.append(Groups(per_chunk[c], recv_rows[c], expert_rows[c] if expert_rows else None, ends[c],
+                             expert[off:off + recv_rows[c]] if expert is not None else None))
+        off += recv_rows[c]
+    sent = counts.reshape(-1) if chunks == 1 else counts.sum(0).reshape(-1)
+    dropped = None if keep is None else per_expert - sent  # None: nothing dropped (no kernel to say so)
     return DispatchPlan(
-        row_token=token[rows], row_assignment=rows, chunk_rows=[sum(s) for s in send_splits],
-        send_splits=send_splits, recv_splits=recv_splits, expert_rows=expert_rows,
-        expert_counts=list(recv.sum(0).unbind(0)), group_perm=group_perm, group_inv=group_inv,
-        sent_per_expert=counts.sum(0).reshape(-1),
-        dropped_per_expert=count(flat, num_experts, weights=~keep),
-        received_per_expert=recv.sum((0, 1)))
-
-
-def _regroup(rows: torch.Tensor, perms: list[torch.Tensor] | None, chunk: int) -> torch.Tensor:
-    """rows taken in the order of chunk `chunk`'s permutation (a row gather; none on one EP rank)."""
-    return rows if perms is None else rows.index_select(0, perms[chunk])
+        row_token=rows.div(top_k, rounding_mode="floor"), row_assignment=rows, schedule=schedule, chunk_rows=chunk_rows,
+        send_splits=send_splits if ep > 1 else None, recv_splits=recv_splits if ep > 1 else None,
+        recv_rows=recv_rows, groups=groups,
+        recv_perm=_receive_layout(recv, total, dev) if ep > 1 and not by_rank else None,
+        assignments=flat.numel(), dropless=keep is None, sent_per_expert=sent, dropped_per_expert=dropped,
+        received_per_expert=per_chunk[0] if pieces == 1 else per_chunk.sum(0))
 
 
 class _Done:
@@ -133,83 +190,129 @@ class _Done:
         pass
 
 
-def _all_to_all(inp: torch.Tensor, out_splits: list[int], in_splits: list[int], group, kind: str, name: str):
-    """(received rows, handle): rows still in flight until handle.wait(); no transfer on one rank."""
-    if comm.group_size(group) == 1:
-        return inp, _Done()
-    out = inp.new_empty((sum(out_splits),) + tuple(inp.shape[1:]))
-    return out, comm.all_to_all_single(out, inp.contiguous(), group, out_splits=out_splits, in_splits=in_splits,
-                                       kind=kind, name=name)
+DONE = _Done()
+"""The handle of a transfer that did not happen (one EP rank)."""
 
 
-def run_pipeline(chunks: list[torch.Tensor], there: list[tuple[list[int], list[int]]], group, compute,
-                 name: str) -> list[torch.Tensor]:
-    """Send chunk i's rows with splits there[i] = (in_splits, out_splits), `compute(i, rows)` on arrival,
-    send the result back with the reverse splits; return what came back, chunk by chunk."""
-    n = len(chunks)
-
-    def dispatch(i):
-        ins, outs = there[i]
-        return _all_to_all(chunks[i], outs, ins, group, "ep_dispatch", f"{name}.dispatch[{i}]")
-
-    pending, combines = dispatch(0), []
-    for i in range(n):
+def schedule(chunks: int, dispatch, compute, combine) -> None:
+    """Run d0, d1, [compute 0], c0, d2, [compute 1], c1, ...: `dispatch(i)` -> (rows, handle) issues chunk
+    i's dispatch, `compute(i, rows)` -> out runs once its rows landed, `combine(i, out)` -> handle sends
+    the result back. Every combine is waited for at the end, none before (they hide behind later chunks)."""
+    combines = []
+    pending = dispatch(0) if chunks else None
+    for i in range(chunks):
         rows, handle = pending
-        if i + 1 < n:
+        if i + 1 < chunks:
             pending = dispatch(i + 1)  # in flight under chunk i's experts
         handle.wait()
-        out = compute(i, rows)
-        ins, outs = there[i]
-        combines.append(_all_to_all(out, ins, outs, group, "ep_combine", f"{name}.combine[{i}]"))
-    back = []
-    for rows, handle in combines:
+        combines.append(combine(i, compute(i, rows)))
+    for handle in combines:
         handle.wait()
-        back.append(rows)
-    return back
+
+
+def run_pipeline(rows: torch.Tensor, plan: DispatchPlan, group, compute, name: str, width: int) -> torch.Tensor:
+    """Send the rows (in send order, chunk after chunk) to their experts, `compute(i, grouped rows)` each
+    chunk on arrival (rows grouped by local expert), return the results (`width` columns) in send order."""
+    n = len(plan.chunk_rows)
+    if plan.send_splits is not None and plan.recv_perm is None:  # chunks="ranks"
+        return _run_by_rank(rows, plan, group, compute, name, width)
+    if plan.send_splits is None:  # one EP rank: the rows are already grouped by expert, nothing travels
+        outs, off = [], 0
+        for i, r in enumerate(plan.chunk_rows):
+            outs.append(compute(i, rows[off:off + r]))
+            off += r
+        return outs[0] if n == 1 else torch.cat(outs)
+    soff = [0]
+    roff = [0]
+    for i in range(n):
+        soff.append(soff[-1] + plan.chunk_rows[i])
+        roff.append(roff[-1] + plan.recv_rows[i])
+    received = rows.new_empty((roff[-1],) + tuple(rows.shape[1:]))
+    back = rows.new_empty((roff[-1], width))
+    result = rows.new_empty((soff[-1], width))
+
+    def dispatch(i):
+        out = received[roff[i]:roff[i + 1]]
+        return out, comm.all_to_all_single(out, rows[soff[i]:soff[i + 1]], group, out_splits=plan.recv_splits[i],
+                                           in_splits=plan.send_splits[i], kind="ep_dispatch", name=f"{name}.dispatch[{i}]")
+
+    def run(i, got):
+        perm = plan.recv_perm[roff[i]:roff[i + 1]]
+        back.index_copy_(0, perm, compute(i, received.index_select(0, perm)))
+        return back[roff[i]:roff[i + 1]]
+
+    def combine(i, out):
+        return comm.all_to_all_single(result[soff[i]:soff[i + 1]], out, group, out_splits=plan.send_splits[i],
+                                      in_splits=plan.recv_splits[i], kind="ep_combine", name=f"{name}.combine[{i}]")
+
+    schedule(n, dispatch, run, combine)
+    return result
+
+
+def _run_by_rank(rows: torch.Tensor, plan: DispatchPlan, group, compute, name: str, width: int) -> torch.Tensor:
+    """run_pipeline under chunks="ranks": pairwise rounds, a source's rows computed as they arrive."""
+    ep, me = comm.group_size(group), comm.group_rank(group)
+    soff, roff = pairwise.offsets(plan.send_splits[0]), pairwise.offsets(plan.recv_splits[0])
+    received = rows.new_empty((roff[-1],) + tuple(rows.shape[1:]))
+    result = rows.new_empty((soff[-1], width))
+
+    def run(src, got, out):
+        y = compute(src, got)
+        return y if out is None else out.copy_(y)
+
+    pairwise.run(me, ep, group, [rows[soff[d]:soff[d + 1]] for d in range(ep)],
+                 [received[roff[s]:roff[s + 1]] for s in range(ep)], [result[soff[d]:soff[d + 1]] for d in range(ep)],
+                 run, name)
+    return result
+
+
+def _slots(plan: DispatchPlan, rows: torch.Tensor, assignments: int) -> torch.Tensor:
+    """[assignments, width]: each row in its (token, choice) slot; slots of dropped assignments 0."""
+    make = rows.new_empty if plan.dropless else rows.new_zeros
+    return make((assignments, rows.shape[1])).index_copy_(0, plan.row_assignment, rows)
 
 
 class ExpertsA2A(torch.autograd.Function):
-    """Dispatch rows to their experts, compute, combine back — chunk-pipelined; backward the same on dy.
-
-    Forward: x rows (sorted as the plan says) -> the experts' outputs, same rows.
-    Backward: dy rows -> dx rows, and the experts' weight gradients, with the same transfers.
+    """x [tokens, hidden] -> [tokens * top_k, hidden], each (token, choice)'s expert output in its slot (0 if
+    dropped): gather, dispatch, compute, combine — chunk-pipelined; backward the same on the slots' gradients.
     """
 
     @staticmethod
-    def forward(ctx, x, w1, b1, w2, b2, plan: DispatchPlan, group, add_output_bias: bool, name: str):
-        ctx.plan, ctx.group, ctx.name = plan, group, name
-        ctx.saved = []
-        there = list(zip(plan.send_splits, plan.recv_splits))
+    def forward(ctx, x, w1, b1, w2, b2, plan: DispatchPlan, group, add_output_bias: bool, name: str, trial=None):
+        ctx.plan, ctx.group, ctx.name, ctx.trial, ctx.tokens = plan, group, name, trial, x.shape[0]
+        ctx.saved = {}  # by chunk (or source rank)
 
-        def compute(i, rows):
+        def compute(i, grouped):
             with compute_span(f"{name}.fwd.experts[{i}]"):
-                grouped = _regroup(rows, plan.group_perm, i)
-                y, pre = experts_forward(grouped, plan.expert_rows[i], w1, b1, w2, b2, add_output_bias,
-                                         plan.expert_counts[i])
-                out = _regroup(y, plan.group_inv, i)
-            ctx.saved.append((grouped, pre))
-            return out
+                y, pre = experts_forward(grouped, plan.groups[i], w1, b1, w2, b2, add_output_bias)
+            ctx.saved[i] = (grouped, pre)
+            return y
 
         ctx.save_for_backward(w1, w2)
-        return torch.cat(run_pipeline(list(x.split(plan.chunk_rows)), there, group, compute, f"{name}.fwd"))
+        y = run_pipeline(x.index_select(0, plan.row_token), plan, group, compute, f"{name}.fwd", w2.shape[1])
+        return _slots(plan, y, plan.assignments)
 
     @staticmethod
-    def backward(ctx, dy):
+    def backward(ctx, dslots):
+        with timed(ctx.trial, "backward"):  # auto's trials time it; nothing once decided
+            return ExpertsA2A._backward(ctx, dslots)
+
+    @staticmethod
+    def _backward(ctx, dslots):
         plan, name = ctx.plan, ctx.name
         w1, w2 = ctx.saved_tensors
-        grads = [torch.zeros(shape, dtype=w1.dtype, device=w1.device)
-                 for shape in (w1.shape, w1.shape[:2], w2.shape, w2.shape[:2])]
-        there = list(zip(plan.send_splits, plan.recv_splits))
+        grads = [None] * 4
 
         def compute(i, rows):
             with compute_span(f"{name}.bwd.experts[{i}]"):
                 grouped, pre = ctx.saved[i]
-                dx = experts_backward(_regroup(rows, plan.group_perm, i), grouped, pre, plan.expert_rows[i], w1, w2,
-                                      grads, plan.expert_counts[i])
-                out = _regroup(dx, plan.group_inv, i)
-            return out
+                return experts_backward(rows, grouped, pre, plan.groups[i], w1, w2, grads)
 
-        dx = torch.cat(run_pipeline(list(dy.contiguous().split(plan.chunk_rows)), there, ctx.group, compute,
-                                    f"{name}.bwd"))
+        drows = dslots.contiguous().index_select(0, plan.row_assignment)
+        dx = run_pipeline(drows, plan, ctx.group, compute, f"{name}.bwd", w1.shape[2])
         ctx.saved = None
-        return dx, grads[0], grads[1], grads[2], grads[3], None, None, None, None
+        dslot_x = _slots(plan, dx, plan.assignments)
+        dx2 = dslot_x if plan.assignments == ctx.tokens else dslot_x.view(ctx.tokens, -1, dslot_x.shape[1]).sum(1)
+        fill_grads(grads, w1, w2)  # experts no chunk reached
+        return dx2, grads[0], grads[1], grads[2], grads[3], None, None, None, None, None
+

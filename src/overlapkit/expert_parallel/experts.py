@@ -78,6 +78,11 @@ def _key(x: torch.Tensor, w1: torch.Tensor) -> tuple:
     return x.device.type, x.dtype, tuple(w1.shape[1:])
 
 
+def grouped_on(device) -> bool:
+    """Whether expert GEMMs on `device` take the grouped path (where dtype and layout allow)."""
+    return torch.device(device).type in GROUPED_DEVICES and hasattr(torch, "_grouped_mm")
+
+
 def _grouped(x: torch.Tensor, w1: torch.Tensor, *ws: torch.Tensor) -> bool:
     """Whether these operands go through torch._grouped_mm (else the per-expert loop)."""
     return (x.device.type in GROUPED_DEVICES and hasattr(torch, "_grouped_mm") and x.dim() == 2 and x.shape[0] > 0
@@ -99,12 +104,48 @@ def count(index: torch.Tensor, n: int, weights: torch.Tensor | None = None) -> t
     return torch.zeros(n, dtype=index.dtype, device=index.device).scatter_add_(0, index, ones)
 
 
-def _groups(sizes: list[int], counts: torch.Tensor | None, device, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(each group's end row as grouped_mm takes them, int32; each row's local expert) from the
-    dispatch plan's device counts, or from `sizes` where there are none."""
-    n = counts if counts is not None else device_ints(sizes, device)
-    eid = torch.repeat_interleave(torch.arange(len(sizes), device=device), n, output_size=rows)
-    return n.cumsum(0).to(torch.int32), eid
+class Groups:
+    """How rows sorted by local expert split into experts: the device counts, and what each GEMM path needs
+    from them, computed on first use (a chunk's are slices of tensors its dispatch plan made once per layer).
+
+    `sizes` (host ints, for the per-expert loop) is a device sync on a GPU when not given up front.
+    """
+
+    __slots__ = ("counts", "rows", "_sizes", "_ends", "_expert")
+
+    def __init__(self, counts: torch.Tensor, rows: int, sizes: list[int] | None = None,
+                 ends: torch.Tensor | None = None, expert: torch.Tensor | None = None) -> None:
+        self.counts, self.rows = counts, rows
+        self._sizes, self._ends, self._expert = sizes, ends, expert
+
+    @classmethod
+    def of(cls, sizes, device) -> "Groups":
+        """Groups from host `sizes` (a list), or `sizes` itself if it is one."""
+        if isinstance(sizes, Groups):
+            return sizes
+        sizes = list(sizes)
+        return cls(device_ints(sizes, device), sum(sizes), sizes)
+
+    @property
+    def sizes(self) -> list[int]:
+        if self._sizes is None:
+            self._sizes = self.counts.tolist()
+        return self._sizes
+
+    @property
+    def ends(self) -> torch.Tensor:
+        """[experts] int32: each group's end row, as torch._grouped_mm takes its offsets."""
+        if self._ends is None:
+            self._ends = self.counts.cumsum(0).to(torch.int32)
+        return self._ends
+
+    @property
+    def expert(self) -> torch.Tensor:
+        """[rows] the local expert of each row (to add the biases)."""
+        if self._expert is None:
+            self._expert = torch.repeat_interleave(torch.arange(self.counts.numel(), device=self.counts.device),
+                                                   self.counts, output_size=self.rows)
+        return self._expert
 
 
 def _try_grouped(key: tuple, fn):
@@ -118,55 +159,106 @@ def _try_grouped(key: tuple, fn):
         return None
 
 
-def experts_forward(x: torch.Tensor, sizes: list[int], w1, b1, w2, b2, add_output_bias: bool,
-                    counts: torch.Tensor | None = None):
-    """y for rows `x` grouped by local expert (`sizes[e]` rows each, `counts` the same on x's device
-    if at hand); also the pre-activations for backward."""
+def experts_forward(x: torch.Tensor, groups, w1, b1, w2, b2, add_output_bias: bool):
+    """y for rows `x` grouped by local expert (`groups`: a Groups, or the rows per expert as a list);
+    also the pre-activations for backward."""
+    if x.shape[0] == 0:  # a chunk that received nothing
+        return x.new_empty((0, w2.shape[1])), x.new_empty((0, w1.shape[1]))
+    g = Groups.of(groups, x.device)
+
     def grouped():
-        offs, eid = _groups(sizes, counts, x.device, x.shape[0])
-        pre = torch._grouped_mm(x, w1.transpose(1, 2), offs=offs).add_(b1[eid])
-        y = torch._grouped_mm(F.gelu(pre), w2.transpose(1, 2), offs=offs)
-        return (y.add_(b2[eid]) if add_output_bias else y), pre
+        pre = torch._grouped_mm(x, w1.transpose(1, 2), offs=g.ends).add_(b1[g.expert])
+        y = torch._grouped_mm(F.gelu(pre), w2.transpose(1, 2), offs=g.ends)
+        return (y.add_(b2[g.expert]) if add_output_bias else y), pre
 
     done = _try_grouped(_key(x, w1), grouped) if _grouped(x, w1, w2, b1, b2) else None
-    return done if done is not None else _loop_forward(x, sizes, w1, b1, w2, b2, add_output_bias)
+    return done if done is not None else _loop_forward(x, g.sizes, w1, b1, w2, b2, add_output_bias)
 
 
-def experts_backward(dy: torch.Tensor, x: torch.Tensor, pre: torch.Tensor, sizes: list[int], w1, w2,
-                     grads: list[torch.Tensor], counts: torch.Tensor | None = None) -> torch.Tensor:
-    """dx for the grouped rows; adds dW1, db1, dW2, db2 of this chunk into `grads` (in that order)."""
-    def grouped():  # every product, no add into `grads`: a refusal leaves them untouched
-        offs, eid = _groups(sizes, counts, dy.device, dy.shape[0])
+def experts_backward(dy: torch.Tensor, x: torch.Tensor, pre: torch.Tensor, groups, w1, w2,
+                     grads: list) -> torch.Tensor:
+    """dx for the grouped rows; adds dW1, db1, dW2, db2 of these rows into `grads` (in that order; an entry
+    that is None is set instead of added to, so the first chunk allocates nothing)."""
+    if dy.shape[0] == 0:  # nothing to add to the gradients
+        return dy.new_empty((0, w1.shape[2]))
+    g = Groups.of(groups, dy.device)
+
+    def grouped():  # every product, nothing into `grads`: a refusal leaves them untouched
         # wgrads: groups along the contraction (rows); an expert with no rows gets zeros.
-        dw2 = torch._grouped_mm(dy.t(), F.gelu(pre), offs=offs)
-        da = torch.ops.aten.gelu_backward(torch._grouped_mm(dy, w2, offs=offs), pre)
-        dw1 = torch._grouped_mm(da.t(), x, offs=offs)
-        dx = torch._grouped_mm(da, w1, offs=offs)
+        dw2 = torch._grouped_mm(dy.t(), F.gelu(pre), offs=g.ends)
+        da = torch.ops.aten.gelu_backward(torch._grouped_mm(dy, w2, offs=g.ends), pre)
+        dw1 = torch._grouped_mm(da.t(), x, offs=g.ends)
+        dx = torch._grouped_mm(da, w1, offs=g.ends)
         # Bias gradients as one small GEMM with the rows' one-hot experts: deterministic, unlike an
         # atomic index_add, and unlike segment_reduce (2 ms for one large group on an H200) fast.
-        onehot = F.one_hot(eid, len(sizes)).to(dy.dtype)
+        onehot = F.one_hot(g.expert, w1.shape[0]).to(dy.dtype)
         return dx, (dw1, onehot.t() @ da, dw2, onehot.t() @ dy)  # db2 on every TP rank: dy is whole there
 
-    done = _try_grouped(_key(dy, w1), grouped) if _grouped(dy, w1, x, pre, w2, *grads) else None
+    done = _try_grouped(_key(dy, w1), grouped) if _grouped(dy, w1, x, pre, w2) else None
     if done is None:
-        return _loop_backward(dy, x, pre, sizes, w1, w2, grads)
+        fill_grads(grads, w1, w2)
+        return _loop_backward(dy, x, pre, g.sizes, w1, w2, grads)
     dx, parts = done
-    for g, d in zip(grads, parts):
-        g.add_(d)
+    accumulate(grads, parts)
     return dx
+
+
+def accumulate(grads: list, parts) -> None:
+    """grads[i] += parts[i], or grads[i] = parts[i] where it is still None."""
+    for i, d in enumerate(parts):
+        grads[i] = d if grads[i] is None else grads[i].add_(d)
+
+
+def fill_grads(grads: list, w1, w2) -> None:
+    """Zeros for the entries of [dW1, db1, dW2, db2] still None (no rows reached them)."""
+    for i, shape in enumerate((w1.shape, w1.shape[:2], w2.shape, w2.shape[:2])):
+        if grads[i] is None:
+            grads[i] = torch.zeros(shape, dtype=w1.dtype, device=w1.device)
+
+
+def batched_forward(x: torch.Tensor, w1, b1, w2, b2, add_output_bias: bool, out: torch.Tensor | None = None):
+    """(y, pre) for x [local experts, rows, hidden], the same number of rows for every expert (padded to a
+    capacity): one batched GEMM pair for all experts, the biases in the GEMMs; y written into `out` if given."""
+    pre = torch.baddbmm(b1.unsqueeze(1), x, w1.transpose(1, 2))
+    h = F.gelu(pre)
+    w2t = w2.transpose(1, 2)
+    if add_output_bias:
+        y = torch.baddbmm(b2.unsqueeze(1), h, w2t, out=out) if out is not None else torch.baddbmm(b2.unsqueeze(1), h, w2t)
+    else:
+        y = torch.bmm(h, w2t, out=out) if out is not None else torch.bmm(h, w2t)
+    return y, pre
+
+
+def batched_backward(dy: torch.Tensor, x: torch.Tensor, pre: torch.Tensor, w1, w2, grads: list) -> torch.Tensor:
+    """dx [local, rows, hidden] of `batched_forward`; its weight and bias gradients into `grads` (as
+    `experts_backward`). Rows that were padding carry dy = 0, so they add exact zeros."""
+    da = torch.ops.aten.gelu_backward(torch.bmm(dy, w2), pre)
+    accumulate(grads, (torch.bmm(da.transpose(1, 2), x), da.sum(1), torch.bmm(dy.transpose(1, 2), F.gelu(pre)),
+                       dy.sum(1)))
+    return torch.bmm(da, w1)
 
 
 def _loop_forward(x: torch.Tensor, sizes: list[int], w1, b1, w2, b2, add_output_bias: bool):
     """experts_forward one expert at a time (two addmm each)."""
     pre = x.new_empty((x.shape[0], w1.shape[1]))
     y = x.new_empty((x.shape[0], w2.shape[1]))
+    # Written in place (row slices of contiguous tensors), except under autocast, which casts only the
+    # functional forms: there the products are copied in.
+    direct = not torch.is_autocast_enabled(x.device.type)
     off = 0
     for e, n in enumerate(sizes):
         if n:
             rows = slice(off, off + n)
-            pre[rows] = torch.addmm(b1[e], x[rows], w1[e].t())
+            if direct:
+                torch.addmm(b1[e], x[rows], w1[e].t(), out=pre[rows])
+            else:
+                pre[rows] = torch.addmm(b1[e], x[rows], w1[e].t())
             h = F.gelu(pre[rows])
-            y[rows] = torch.addmm(b2[e], h, w2[e].t()) if add_output_bias else h @ w2[e].t()
+            w2t = w2[e].t()
+            if direct:
+                torch.addmm(b2[e], h, w2t, out=y[rows]) if add_output_bias else torch.mm(h, w2t, out=y[rows])
+            else:
+                y[rows] = torch.addmm(b2[e], h, w2t) if add_output_bias else h @ w2t
             off += n
     return y, pre
 
@@ -176,6 +268,7 @@ def _loop_backward(dy: torch.Tensor, x: torch.Tensor, pre: torch.Tensor, sizes: 
     """experts_backward one expert at a time."""
     g_w1, g_b1, g_w2, g_b2 = grads
     dx = torch.empty_like(x)
+    direct = not torch.is_autocast_enabled(x.device.type)
     off = 0
     for e, n in enumerate(sizes):
         if n:
@@ -186,6 +279,9 @@ def _loop_backward(dy: torch.Tensor, x: torch.Tensor, pre: torch.Tensor, sizes: 
             da = torch.ops.aten.gelu_backward(dy_e @ w2[e], a)
             g_w1[e].addmm_(da.t(), x[rows])
             g_b1[e].add_(da.sum(0))
-            dx[rows] = da @ w1[e]
+            if direct:
+                torch.mm(da, w1[e], out=dx[rows])
+            else:
+                dx[rows] = da @ w1[e]
             off += n
     return dx

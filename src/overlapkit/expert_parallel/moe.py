@@ -1,13 +1,17 @@
 """The MoE layer: route, dispatch to the experts' EP ranks, compute, combine — the all-to-alls hidden behind other chunks' experts.
 
-`MoE(hidden, ffn_hidden, num_experts, top_k, mesh_or_group, chunks=...)` replaces an MLP. Its
-experts are split over the expert-parallel group (num_experts / ep whole experts a rank), and
-optionally each expert's MLP over a tensor-parallel group (`tp_group`, ranks that hold the same
-tokens). The schedule lives in dispatch.py, the expert arithmetic in experts.py.
+`MoE(hidden, ffn_hidden, num_experts, top_k, mesh_or_group)` replaces an MLP. Its experts are
+split over the expert-parallel group (num_experts / ep whole experts a rank), and optionally each
+expert's MLP over a tensor-parallel group (`tp_group`, ranks that hold the same tokens). The
+schedule lives in dispatch.py (exact split sizes) and padded.py (padded to a capacity: no host
+sync), the expert arithmetic in experts.py. `chunks="auto"` (the default) times the chunk counts
+on the layer's first calls and keeps the fastest (overlapkit.tuning); after that the layer runs
+exactly as with that count fixed.
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -16,9 +20,11 @@ from torch import nn
 from .. import comm
 from ..agreement import Agreement, RankMismatchError, agree
 from ..groups import resolve_group
-from .config import MoEConfig
+from ..tuning import MeasuredChoice, timed
+from .config import CHUNK_CANDIDATES, MoEConfig
 from .dispatch import ExpertsA2A, plan_dispatch
 from .experts import Experts, init_full_experts
+from .padded import PaddedExpertsA2A, plan_padded, received_per_expert
 from .router import Router
 
 
@@ -53,7 +59,8 @@ class MoE(nn.Module):
     """
 
     def __init__(self, hidden: int, ffn_hidden: int, num_experts: int, top_k: int = 1, mesh_or_group=None, *,
-                 chunks: int = 1, capacity_factor: float | None = None, normalize_top_k: bool = True,
+                 chunks: int | str = "auto", capacity_factor: float | None = None,
+                 pad_to_capacity: bool | None = None, normalize_top_k: bool = True,
                  tp_group=None, name: str = "moe", generator: torch.Generator | None = None,
                  device=None, dtype=None) -> None:
         super().__init__()
@@ -61,13 +68,15 @@ class MoE(nn.Module):
         self.tp_group = resolve_group(tp_group, "tp") if tp_group is not None else None
         ep, tp = comm.group_size(self.group), comm.group_size(self.tp_group)
         fields = dict(hidden=hidden, ffn_hidden=ffn_hidden, num_experts=num_experts, top_k=top_k, chunks=chunks,
-                      capacity_factor=capacity_factor, normalize_top_k=normalize_top_k, ep=ep, tp=tp)
+                      capacity_factor=capacity_factor, pad_to_capacity=pad_to_capacity,
+                      normalize_top_k=normalize_top_k, ep=ep, tp=tp)
         # Compare before validating: a value bad on one rank only must fail on all of them.
         agree(self.group, f"MoE {name}", **fields)
         if self.tp_group is not None:
             agree(self.tp_group, f"MoE {name} (tensor-parallel group)", **fields)
         self.config = MoEConfig(hidden=hidden, ffn_hidden=ffn_hidden, num_experts=num_experts, top_k=top_k,
-                                chunks=chunks, capacity_factor=capacity_factor, normalize_top_k=normalize_top_k)
+                                chunks=chunks, capacity_factor=capacity_factor, pad_to_capacity=pad_to_capacity,
+                                normalize_top_k=normalize_top_k)
         self.config.check_parallel(ep, tp)
         self.name, self.ep, self.tp = name, ep, tp
         self.ep_rank, self.tp_rank = comm.group_rank(self.group), comm.group_rank(self.tp_group)
@@ -81,6 +90,13 @@ class MoE(nn.Module):
         self.aux_loss: torch.Tensor | None = None
         self._load: tuple | None = None  # the last forward's counts, still on the device
         self._load_stats: LoadStats | None = None
+        self.chunk_choice = MeasuredChoice(CHUNK_CANDIDATES if chunks == "auto" else (chunks,), self.group,
+                                           what=f"MoE {name} chunks", kind="ep_dispatch")
+        """The chunk count in force (`chunk_choice.decided`; None while auto's trials run) and why."""
+        if chunks == "auto" and ep == 1:
+            self.chunk_choice.decide_now(1, "one EP rank: nothing travels, so nothing to hide behind chunks")
+        elif chunks != "auto":
+            self.chunk_choice.reason = "fixed by the caller"
 
     @property
     def last_load(self) -> LoadStats | None:
@@ -89,7 +105,7 @@ class MoE(nn.Module):
         if self._load_stats is None and self._load is not None:
             tokens, sent, dropped, received = self._load
             self._load_stats = LoadStats(tokens=tokens, sent_per_expert=sent.tolist(),
-                                         dropped_per_expert=dropped.tolist(),
+                                         dropped_per_expert=[0] * len(sent) if dropped is None else dropped.tolist(),
                                          received_per_expert=received.tolist(),
                                          first_expert=self.local_experts.start)
         return self._load_stats
@@ -116,40 +132,73 @@ class MoE(nn.Module):
             return rows[:, self.local_ffn]
         return rows[:, :, self.local_ffn] if param == "w2" else rows
 
+    @property
+    def chunks(self) -> int | str | None:
+        """The chunks the layer runs with, a count or "ranks" (None while `chunks="auto"` still times candidates)."""
+        return self.chunk_choice.decided
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         cfg = self.config
-        # Checked across ranks before any transfer: a wrong width or dtype on one rank fails on all.
+        padded = cfg.padded(x.device.type)
+        # Checked across ranks before any transfer: a wrong width or dtype on one rank fails on all. The
+        # padded path also needs the same number of tokens everywhere (its split sizes come from it).
         self._agreement.check(self.group, width=x.shape[-1] if x.dim() else None, dtype=x.dtype,
-                              device=x.device.type)
+                              device=x.device.type, tokens=x.numel() // max(x.shape[-1], 1) if padded else None)
         if x.dim() < 1 or x.shape[-1] != cfg.hidden:
             raise ValueError(f"MoE {self.name}: input's last dim must be hidden={cfg.hidden}, got shape {tuple(x.shape)}")
         x2 = x.reshape(-1, cfg.hidden)
         if self.tp_group is not None and tuple(x2.shape) not in self._tp_checked:
             self._check_replicated_over_tp(x2)
+        chunks, trial = self.chunk_choice.decided, None
+        if chunks is None:  # auto, still timing: this call runs one candidate
+            trial = self.chunk_choice.trial(x.device)
+            chunks = self.chunk_choice.decided if trial is None else trial.choice
+        with timed(trial, "forward"):
+            out = self._route_and_compute(x2, chunks, padded, trial)
+        return out.view(x.shape)
+
+    def _route_and_compute(self, x2: torch.Tensor, chunks, padded: bool, trial) -> torch.Tensor:
+        cfg = self.config
         routing = self.router(x2)
-        plan = plan_dispatch(routing.experts, cfg.num_experts, cfg.chunks, cfg.capacity(x2.shape[0]),
-                             self.group, self.name)
-        rows = x2[plan.row_token]
+        xin = x2
         if self.tp_group is not None:
             from ..tensor_parallel.mappings import copy_to_tp
-            rows = copy_to_tp(rows, self.tp_group, f"{self.name}.experts_in")  # partial dx summed over TP
+            xin = copy_to_tp(x2, self.tp_group, f"{self.name}.experts_in")  # partial dx summed over TP
         e = self.experts
-        y = ExpertsA2A.apply(rows, e.w1, e.b1, e.w2, e.b2, plan, self.group, e.add_output_bias, self.name)
+        weights, precision = (e.w1, e.b1, e.w2, e.b2), contextlib.nullcontext()
+        if torch.is_autocast_enabled(x2.device.type):
+            # What autocast would do for a linear, done once outside the expert functions (as the tensor-parallel
+            # ones do): inputs and weights in its dtype, differentiably, and the functions run with autocast off,
+            # every tensor in one dtype (and the grouped GEMMs, which take no part in autocast, usable).
+            from ..tensor_parallel.precision import autocast_dtype, autocast_off, cast
+            cdt = autocast_dtype(x2)
+            xin, weights, precision = cast(xin, cdt), [cast(w, cdt) for w in weights], autocast_off(x2, cdt)
+        if padded:
+            plan = plan_padded(routing.experts, cfg.num_experts, chunks, cfg.capacity(x2.shape[0]), self.group,
+                               self.name)
+            with precision:
+                slots = PaddedExpertsA2A.apply(xin, *weights, plan, self.group, e.add_output_bias, self.name, trial)
+            received = received_per_expert(plan, self.ep)
+        else:
+            plan = plan_dispatch(routing.experts, cfg.num_experts, chunks, cfg.capacity(x2.shape[0]), self.group,
+                                 self.name)
+            with precision:
+                slots = ExpertsA2A.apply(xin, *weights, plan, self.group, e.add_output_bias, self.name, trial)
+            received = plan.received_per_expert
         if self.tp_group is not None:
             from ..tensor_parallel.mappings import reduce_from_tp
-            y = reduce_from_tp(y, self.tp_group, f"{self.name}.experts_out")  # partial sums over TP
-        # Combine: each kept (token, choice) row into its slot (dropped ones stay zero), then every
-        # token's top_k slots weighted and summed (the sum accumulates in fp32). An index_add into
-        # the tokens would add with atomics: run-to-run different sums in bf16, and refused under
-        # torch.use_deterministic_algorithms. (A batched GEMM over the slots ran as a slow GEMV.)
+            slots = reduce_from_tp(slots, self.tp_group, f"{self.name}.experts_out")  # partial sums over TP
+        # Combine: every token's top_k slots (a dropped one holds 0) weighted and summed, in a fixed order
+        # (the sum accumulates in fp32). An index_add into the tokens would add with atomics: run-to-run
+        # different sums in bf16, and refused under torch.use_deterministic_algorithms. (A batched GEMM
+        # over the slots ran as a slow GEMV.)
         tokens, k = routing.weights.shape
-        slots = y.new_zeros((tokens * k, y.shape[-1])).index_copy(0, plan.row_assignment, y)
         weights = routing.weights.to(slots.dtype).unsqueeze(-1)
         out = (slots.view(tokens, k, x2.shape[-1]) * weights).sum(1)
         self.aux_loss = routing.aux_loss
-        self._load = (x2.shape[0], plan.sent_per_expert, plan.dropped_per_expert, plan.received_per_expert)
+        self._load = (x2.shape[0], plan.sent_per_expert, plan.dropped_per_expert, received)
         self._load_stats = None
-        return out.view(x.shape)
+        return out
 
     def _check_replicated_over_tp(self, x2: torch.Tensor) -> None:
         # Sequence-parallel shards have equal shapes but different tokens; summing their experts'
@@ -165,4 +214,5 @@ class MoE(nn.Module):
     def extra_repr(self) -> str:
         c = self.config
         return (f"hidden={c.hidden}, ffn_hidden={c.ffn_hidden}, experts={c.num_experts} ({self.num_local} here), "
-                f"top_k={c.top_k}, chunks={c.chunks}, capacity_factor={c.capacity_factor}, ep={self.ep}, tp={self.tp}")
+                f"top_k={c.top_k}, chunks={c.chunks}{'' if c.chunks != 'auto' else f' ({self.chunks})'}, "
+                f"capacity_factor={c.capacity_factor}, ep={self.ep}, tp={self.tp}")

@@ -30,6 +30,7 @@ from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 from ..agreement import agree
 from ..groups import ParallelGroups, resolve_group
 from ..tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from ..tensor_parallel.region import attach_region
 from ..tensor_parallel.replicated import replicate_parameters
 from ..tensor_parallel.vocab import VocabParallelEmbedding
 from . import plans
@@ -139,6 +140,7 @@ def parallelize(model: nn.Module, mesh, *, overlap: str | None = None, sequence_
     replicate_parameters(model, mesh_1d, group)
     if plans.is_hf(model):
         plans.after_hf(model, group)
+    attach_region(model)  # sequence parallelism steps aside where a forward's sequence does not split
     return model
 
 

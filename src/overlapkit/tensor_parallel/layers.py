@@ -28,19 +28,24 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from .. import comm
 from ..agreement import Agreement, agree
-from . import ops
+from . import layout, ops
 from .mappings import check_divisible, gather_from_tp, scatter_to_tp
 from .params import LocalShardParams, make_param, tp_mesh_and_group
 from .pipelined import _check_transport, _chunks_per_rank, check_layer_options
 from .precision import autocast_dtype, autocast_off, cast
+from .region import SequenceRegion
 from .sequence_parallel import allreduce_sequence_parallel_grads, mark_sequence_parallel  # noqa: F401 (re-export)
 
 OVERLAP_MODES = ("none", "bulk", "pipelined", "auto")
 """Accepted values of the layers' `overlap`."""
+
+OPTIONS = ("overlap", "transport", "chunks", "save_gathered_input", "sequence_parallel", "sequence_dim")
+"""The layers' options that may be changed after construction (each is validated when set)."""
 
 
 def check_overlap(overlap: str, allowed=OVERLAP_MODES) -> str:
@@ -107,25 +112,49 @@ class _ParallelLinear(LocalShardParams, nn.Module):
               dtype=dtype, device_type=torch.device(device).type if device is not None else None, **flags)
         _check_positive_int(label, "in_features", in_features)
         _check_positive_int(label, "out_features", out_features)
-        for field, value in dict(bias=bias, sequence_parallel=sequence_parallel,
-                                 save_gathered_input=save_gathered_input, **flags).items():
+        for field, value in dict(bias=bias, **flags).items():
             _check_bool(label, field, value)
-        if isinstance(sequence_dim, bool) or not isinstance(sequence_dim, int):
-            raise ValueError(f"{label}: sequence_dim={sequence_dim!r} must be an integer (the activation's "
-                             "sequence dim: 0 for [seq, batch, hidden], 1 for [batch, seq, hidden])")
         self.in_features, self.out_features = in_features, out_features
         self.sequence_parallel, self.sequence_dim = sequence_parallel, sequence_dim
-        self.overlap = check_overlap(overlap)
-        check_layer_options(overlap, sequence_parallel, transport, chunks, self.tp_size, save_gathered_input)
-        self.transport, self.chunks, self.save_gathered_input = transport, chunks, save_gathered_input
+        self.overlap, self.transport, self.chunks, self.save_gathered_input = overlap, transport, chunks, \
+            save_gathered_input
         self.hardware = hardware
+        self.name = name
+        self._validate_options()
+        self.sequence_region: SequenceRegion | None = None
+        """Set by overlapkit.parallelize: whether this forward's sequence is split (layout.py, region.py)."""
         self.auto_choices: dict[tuple, tuple[str, int | None]] = {}
         """overlap='auto': input shape -> (mode, chunks) the cost model chose for it."""
-        self.name = name
         self._agreement = Agreement(f"{type(self).__name__}({name})")
         self._calls: dict[tuple, tuple] = {}
         """Input signature -> what `_new_call` returned for it (every check passed, ranks agreed)."""
         self._init_state_dict_hooks()
+
+    def _validate_options(self) -> None:
+        label = self.name or type(self).__name__
+        for field in ("sequence_parallel", "save_gathered_input"):
+            _check_bool(label, field, getattr(self, field))
+        if isinstance(self.sequence_dim, bool) or not isinstance(self.sequence_dim, int):
+            raise ValueError(f"{label}: sequence_dim={self.sequence_dim!r} must be an integer (the activation's "
+                             "sequence dim: 0 for [seq, batch, hidden], 1 for [batch, seq, hidden])")
+        check_overlap(self.overlap)
+        check_layer_options(self.overlap, self.sequence_parallel, self.transport, self.chunks, self.tp_size,
+                            self.save_gathered_input)
+
+    def __setattr__(self, name: str, value) -> None:
+        # An option changed after construction is checked when set (a typo in `overlap` must
+        # not run silently as another mode); ranks that change it differently are caught by the
+        # comparison at the next forward (the signature holds every option).
+        if name in OPTIONS and "_calls" in self.__dict__:
+            old = self.__dict__[name]
+            super().__setattr__(name, value)
+            try:
+                self._validate_options()
+            except ValueError:
+                super().__setattr__(name, old)
+                raise
+            return
+        super().__setattr__(name, value)
 
     def _make_params(self, bias: bool, device, dtype) -> None:
         """DTensor weight and bias on the TP mesh; initialized like nn.Linear unless on meta."""
@@ -177,63 +206,76 @@ class _ParallelLinear(LocalShardParams, nn.Module):
         cdt = autocast_dtype(x)
         w, b = self.weight, self.bias
         if torch.compiler.is_compiling():
+            if self.tp_size == 1:
+                # One rank: nothing moves, so the layer is nn.Linear, which inductor can fuse
+                # with its neighbours (an opaque op would stand between them).
+                return F.linear(x, self.local(w), self.local(b))
             # Traced once per shape: the checks run while tracing; the ops compare signatures
             # across ranks at run time (a store round trip cannot be traced; see ops.py).
-            sd, args = self._new_call(x, w, cdt, agree=False)
-            return self._run(x, sd, args, cdt, cast(self.local(w), cdt), cast(self.local(b), cdt), ops.compiled)
-        key = (x.shape, x.dtype, w.dtype, cdt, torch.is_grad_enabled(), x.requires_grad, self.overlap, self.chunks,
-               self.sequence_parallel, self.sequence_dim, self.transport)
+            sp = self.sequence_parallel and (self.sequence_region is None or self.sequence_region.active)
+            order, _, args = self._new_call(x, w, cdt, sp, agree=False)
+            return self._run(x, order, args, cdt, cast(self.local(w), cdt), cast(self.local(b), cdt), ops.compiled)
+        sp = self.sequence_parallel and (self.sequence_region is None or self.sequence_region.active)
+        key = (x.shape, x.stride(), x.dtype, w.dtype, cdt, torch.is_grad_enabled(), x.requires_grad, self.overlap,
+               self.chunks, sp, self.sequence_dim, self.transport)
         call = self._calls.get(key)
         if call is None:
-            call = self._new_call(x, w, cdt, agree=True)
+            call = self._new_call(x, w, cdt, sp, agree=True)
             self._calls[key] = call  # only once every check has passed
-        sd, args = call
-        if sd or cdt is not None or not self._direct:
-            return self._run(x, sd, args, cdt, w, b, None)
+        order, copies, args = call
+        if order is not None or copies or cdt is not None or not self._direct:
+            return self._run(x, order, args, cdt, w, b, None)
         return ops.eager(x, w, b, None, args)  # the common case, without _run's steps
 
-    def _run(self, x, sd: int, args: tuple, cdt, w, b, compiled) -> torch.Tensor:
-        """The linear on x: `compiled` is ops.compiled (w, b local shards) or None (eager: the parameters)."""
-        if sd:
-            x = x.movedim(sd, 0)
+    def _run(self, x, order, args: tuple, cdt, w, b, compiled) -> torch.Tensor:
+        """The linear on x read in `order` (layout.gemm_order), returned in x's order as a view of that layout.
+
+        `compiled` is ops.compiled (w, b local shards) or None (eager: the parameters)."""
+        x = layout.as_rows(x, order)
         if cdt is None:
             y = self._linear(x, w, b, args, cdt, compiled)
         else:
             x = cast(x, cdt)
             with autocast_off(x, cdt):
                 y = self._linear(x, w, b, args, cdt, compiled)
-        return y.movedim(0, sd).contiguous() if sd else y
+        return layout.restore(y, order)
 
     def _linear(self, x, w, b, args: tuple, cdt, compiled) -> torch.Tensor:
         return ops.eager(x, w, b, cdt, args) if compiled is None else compiled(x, w, b, args)
 
-    def _new_call(self, x: torch.Tensor, w: torch.Tensor, cdt, *, agree: bool) -> tuple[int, tuple]:
-        """(sequence dim to move to the front or 0, the ops' static args) for a new input, after every check.
+    def _new_call(self, x: torch.Tensor, w: torch.Tensor, cdt, sp: bool, *, agree: bool) -> tuple:
+        """(the order the GEMM reads x in, whether that copies x, the ops' static args) for a new input,
+        after every check. `sp`: whether the sequence is split in this forward (region.py).
 
         Compared across the ranks first (a store round trip), so that a mismatch fails on every rank.
+        The checks and the mode see the input with its sequence dim first (what the collectives cut);
+        the GEMM reads it in that order only where rows travel by sequence (layout.py), else in the
+        order it already lies in.
         """
         label = self.name or type(self).__name__
         if agree:
             self._agreement.check(self.group, shape=tuple(x.shape), dtype=x.dtype, autocast=cdt,
                                   grad_enabled=torch.is_grad_enabled(), requires_grad=x.requires_grad,
-                                  overlap=self.overlap, chunks=self.chunks, sequence_parallel=self.sequence_parallel,
+                                  overlap=self.overlap, chunks=self.chunks, sequence_parallel=sp,
                                   sequence_dim=self.sequence_dim, transport=self.transport,
                                   in_features=self.in_features, out_features=self.out_features)
         sd = 0
-        if self.sequence_parallel:
+        if sp:
             sd = self.sequence_dim + x.dim() if self.sequence_dim < 0 else self.sequence_dim
             if not 0 <= sd <= x.dim() - 2:
                 raise ValueError(f"{label}: sequence_dim={self.sequence_dim} is not a dim of the {x.dim()}-D input "
                                  f"{tuple(x.shape)} other than the last (hidden)")
-        xm = cast(x.movedim(sd, 0) if sd else x, cdt)  # as the GEMM will see it
-        shape = xm.shape
-        _check_input(self, shape, xm.dtype, x.device, cdt or w.dtype, w.device, self._expected_in,
-                     self._scatters_sequence)
-        mode, chunks = self._mode(xm, *self._gemm(shape))
+        shape = x.movedim(sd, 0).shape if sd else x.shape
+        dtype = cdt or x.dtype
+        scatters = sp and self._kind == "row"
+        _check_input(self, shape, dtype, x.device, cdt or w.dtype, w.device, self._expected_in, scatters)
+        # Without a split sequence there is nothing to pipeline: the region is off (a decode step).
+        mode, chunks = self._mode(shape, dtype, sp, *self._gemm(shape, sp)) if sp or self.overlap != "pipelined" \
+            else ("none", None)
         kind = self._kind
         k, transport, save = 1, "p2p", False
         if mode == "pipelined":
-            rows = shape[0] // self.tp_size if self._scatters_sequence else shape[0]
+            rows = shape[0] // self.tp_size if scatters else shape[0]
             k = _chunks_per_rank(chunks, self.tp_size, rows, 0)
             _check_transport(self.transport, self.group, x.device)
             kind, transport = kind + "_pipelined", self.transport
@@ -241,22 +283,24 @@ class _ParallelLinear(LocalShardParams, nn.Module):
         if mode == "bulk" or ops.bulk_column_backward(kind, transport):
             comm.warn_if_max_connections_unsuited(x.device)  # both issue asynchronous collectives in backward
         name = (self.name or self._kind) if mode == "pipelined" else self.name
-        return sd, (kind, self.group, self.sequence_parallel, mode == "bulk", k, transport, save, name)
+        order = layout.gemm_order(x, sd if sp and self.tp_size > 1 else None)
+        return order, layout.needs_copy(x, order), (kind, self.group, sp, mode == "bulk", k, transport, save, name)
 
-    def _mode(self, x: torch.Tensor, m: int, k: int, n: int, collective: str, rows_per_rank: int):
-        """(mode, chunks) for input x (sequence dim first, in the GEMM's dtype) of an [m, k] x [k, n] GEMM:
-        the fixed setting, or the cost model's pick under auto."""
+    def _mode(self, shape, dtype, sp: bool, m: int, k: int, n: int, collective: str, rows_per_rank: int):
+        """(mode, chunks) for an input of `shape` (sequence dim first) in the GEMM's `dtype`, of an
+        [m, k] x [k, n] GEMM (`sp`: the sequence is split): the fixed setting, or the cost model's
+        pick under auto."""
         if self.overlap != "auto":
             return self.overlap, self.chunks
-        key = (tuple(x.shape), x.dtype)
+        key = (tuple(shape), dtype)
         if key not in self.auto_choices:
             from ..costmodel import ConfigError
             try:
-                mode, chunks = _choose_tp_overlap(m, k, n, self.tp_size, x.element_size(), self.hardware,
+                mode, chunks = _choose_tp_overlap(m, k, n, self.tp_size, dtype.itemsize, self.hardware,
                                                   collective, self.transport)
             except ConfigError as e:
                 raise ValueError(f"{self.name or type(self).__name__}: overlap='auto': {e}") from None
-            if mode == "pipelined" and not self.sequence_parallel:
+            if mode == "pipelined" and not sp:
                 mode = "bulk"  # only the sequence-parallel collectives can be chunked
             # The model counts chunks over all ranks; keep them only if they split this shard evenly.
             ok = mode == "pipelined" and chunks % self.tp_size == 0 and rows_per_rank % (chunks // self.tp_size) == 0
@@ -308,15 +352,15 @@ class ColumnParallelLinear(_ParallelLinear):
         check_divisible(out_features, self.tp_size, "ColumnParallelLinear: out_features")
         self.gather_output = gather_output
         self.out_per_rank = out_features // self.tp_size
-        self._expected_in, self._scatters_sequence = in_features, False
+        self._expected_in = in_features
         self._make_params(bias, device, dtype)
 
     def shard_of(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's slice of a full weight [out, in] or bias [out] (rows)."""
         return full.chunk(self.tp_size, dim=0)[self.tp_rank]
 
-    def _gemm(self, shape):
-        tokens = math.prod(shape[:-1]) * (self.tp_size if self.sequence_parallel else 1)
+    def _gemm(self, shape, sp: bool):
+        tokens = math.prod(shape[:-1]) * (self.tp_size if sp else 1)
         return tokens, self.in_features, self.out_per_rank, "all_gather", shape[0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -348,14 +392,13 @@ class RowParallelLinear(_ParallelLinear):
         self.in_per_rank = in_features // self.tp_size
         self._expected_in = self.in_per_rank if input_is_parallel else in_features
         self._direct = input_is_parallel
-        self._scatters_sequence = sequence_parallel
         self._make_params(bias, device, dtype)
 
     def shard_of(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's slice of a full weight [out, in] (columns); a bias is not split."""
         return full.chunk(self.tp_size, dim=-1)[self.tp_rank] if full.dim() == 2 else full
 
-    def _gemm(self, shape):
+    def _gemm(self, shape, sp: bool):
         return math.prod(shape[:-1]), self.in_per_rank, self.out_features, "reduce_scatter", shape[0] // self.tp_size
 
     def _linear(self, x, w, b, args: tuple, cdt, compiled) -> torch.Tensor:

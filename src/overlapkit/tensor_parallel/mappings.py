@@ -3,6 +3,7 @@
 Each operator is an autograd Function whose backward is the mirror of its forward, so the
 communication of backward follows from forward by construction. These are the synchronous
 building blocks; the parallel linear layers fuse them with their GEMMs to overlap them.
+On a group of one rank each is the identity and returns its input itself (no autograd node).
 The sequence-parallel ones split or gather the sequence dim (`dim`, 0 by default for
 [seq, batch, hidden]; 1 for [batch, seq, hidden]), the tensor-parallel ones the last (hidden)
 dimension; `name` labels the transfer on the timeline.
@@ -14,50 +15,13 @@ import torch
 import torch.distributed as dist
 
 from .. import comm
-
-
-def _gather_dim0(x: torch.Tensor, group, name: str) -> torch.Tensor:
-    ws = comm.group_size(group)
-    if ws == 1:
-        return x
-    x = x.contiguous()
-    out = x.new_empty((ws * x.shape[0],) + tuple(x.shape[1:]))
-    comm.all_gather(out, x, group, kind="tp_all_gather", name=name, async_op=False)
-    return out
-
-
-def _reduce_scatter_dim0(x: torch.Tensor, group, name: str) -> torch.Tensor:
-    ws = comm.group_size(group)
-    if ws == 1:
-        return x
-    check_divisible(x.shape[0], ws, "sequence length (dim 0)")
-    x = x.contiguous()
-    out = x.new_empty((x.shape[0] // ws,) + tuple(x.shape[1:]))
-    comm.reduce_scatter(out, x, group, kind="tp_reduce_scatter", name=name, async_op=False)
-    return out
-
-
-def _split_dim0(x: torch.Tensor, group) -> torch.Tensor:
-    ws = comm.group_size(group)
-    if ws == 1:
-        return x
-    check_divisible(x.shape[0], ws, "sequence length (dim 0)")
-    return x.chunk(ws, dim=0)[comm.group_rank(group)].contiguous()
-
-
-def _all_reduce(x: torch.Tensor, group, name: str) -> torch.Tensor:
-    if comm.group_size(group) == 1:
-        return x
-    x = x.contiguous().clone()
-    comm.all_reduce(x, group, kind="tp_all_reduce", name=name, async_op=False)
-    return x
-
+from .collectives import all_reduce_copy, check_divisible, gather_dim0, reduce_scatter_dim0, split_dim0
 
 def _gather_last(x: torch.Tensor, group, name: str) -> torch.Tensor:
     ws = comm.group_size(group)
     if ws == 1:
         return x
-    stacked = _gather_dim0(x.unsqueeze(0), group, name)  # [ws, ..., d]
+    stacked = gather_dim0(x.unsqueeze(0), group, name)  # [ws, ..., d]
     return torch.cat(stacked.unbind(0), dim=-1)
 
 
@@ -70,15 +34,15 @@ def _split_last(x: torch.Tensor, group) -> torch.Tensor:
 
 
 def _on_dim(fn, x: torch.Tensor, dim: int, *args):
-    """fn (a dim-0 helper) applied along `dim`: moved to the front and back (copies only when dim != 0)."""
+    """fn (a dim-0 helper) applied along `dim`, moved to the front and back.
+
+    The result is `dim`-major (a view of fn's dim-0-first output, not copied back): inside a
+    sequence-parallel region every layer reads and returns that layout (layout.py), so keeping
+    it saves a transpose copy at every region boundary.
+    """
     if dim == 0 or dim == -x.dim():
         return fn(x, *args)
-    return fn(x.movedim(dim, 0), *args).movedim(0, dim).contiguous()
-
-
-def check_divisible(size: int, ws: int, what: str) -> None:
-    if size % ws != 0:
-        raise ValueError(f"{what} {size} is not divisible by the tensor-parallel size {ws}")
+    return fn(x.movedim(dim, 0), *args).movedim(0, dim)
 
 
 class _CopyToTP(torch.autograd.Function):
@@ -94,7 +58,7 @@ class _CopyToTP(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        return _all_reduce(g, ctx.group, ctx.name + ".bwd"), None, None
+        return all_reduce_copy(g, ctx.group, ctx.name + ".bwd"), None, None
 
 
 class _ReduceFromTP(torch.autograd.Function):
@@ -105,7 +69,7 @@ class _ReduceFromTP(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, group, name):
-        return _all_reduce(x, group, name + ".fwd")
+        return all_reduce_copy(x, group, name + ".fwd")
 
     @staticmethod
     def backward(ctx, g):
@@ -121,11 +85,11 @@ class _ScatterToSP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group, name, dim):
         ctx.group, ctx.name, ctx.dim = group, name, dim
-        return _on_dim(_split_dim0, x, dim, group)
+        return _on_dim(split_dim0, x, dim, group)
 
     @staticmethod
     def backward(ctx, g):
-        return _on_dim(_gather_dim0, g, ctx.dim, ctx.group, ctx.name + ".bwd"), None, None, None
+        return _on_dim(gather_dim0, g, ctx.dim, ctx.group, ctx.name + ".bwd"), None, None, None
 
 
 class _GatherFromSP(torch.autograd.Function):
@@ -137,11 +101,11 @@ class _GatherFromSP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group, name, dim):
         ctx.group, ctx.name, ctx.dim = group, name, dim
-        return _on_dim(_gather_dim0, x, dim, group, name + ".fwd")
+        return _on_dim(gather_dim0, x, dim, group, name + ".fwd")
 
     @staticmethod
     def backward(ctx, g):
-        return _on_dim(_reduce_scatter_dim0, g, ctx.dim, ctx.group, ctx.name + ".bwd"), None, None, None
+        return _on_dim(reduce_scatter_dim0, g, ctx.dim, ctx.group, ctx.name + ".bwd"), None, None, None
 
 
 class _ReduceScatterToSP(torch.autograd.Function):
@@ -153,11 +117,11 @@ class _ReduceScatterToSP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group, name, dim):
         ctx.group, ctx.name, ctx.dim = group, name, dim
-        return _on_dim(_reduce_scatter_dim0, x, dim, group, name + ".fwd")
+        return _on_dim(reduce_scatter_dim0, x, dim, group, name + ".fwd")
 
     @staticmethod
     def backward(ctx, g):
-        return _on_dim(_gather_dim0, g, ctx.dim, ctx.group, ctx.name + ".bwd"), None, None, None
+        return _on_dim(gather_dim0, g, ctx.dim, ctx.group, ctx.name + ".bwd"), None, None, None
 
 
 class _GatherFromTP(torch.autograd.Function):
@@ -193,34 +157,34 @@ class _ScatterToTP(torch.autograd.Function):
 
 
 def copy_to_tp(x: torch.Tensor, group: dist.ProcessGroup, name: str = "copy_to_tp") -> torch.Tensor:
-    return _CopyToTP.apply(x, group, name)
+    return x if comm.group_size(group) == 1 else _CopyToTP.apply(x, group, name)
 
 
 def reduce_from_tp(x: torch.Tensor, group: dist.ProcessGroup, name: str = "reduce_from_tp") -> torch.Tensor:
-    return _ReduceFromTP.apply(x, group, name)
+    return x if comm.group_size(group) == 1 else _ReduceFromTP.apply(x, group, name)
 
 
 def scatter_to_sp(x: torch.Tensor, group: dist.ProcessGroup, name: str = "scatter_to_sp", *,
                   dim: int = 0) -> torch.Tensor:
     """Keep this rank's slice of the sequence dim `dim` (0: [s, b, h]; 1: [b, s, h])."""
-    return _ScatterToSP.apply(x, group, name, dim)
+    return x if comm.group_size(group) == 1 else _ScatterToSP.apply(x, group, name, dim)
 
 
 def gather_from_sp(x: torch.Tensor, group: dist.ProcessGroup, name: str = "gather_from_sp", *,
                    dim: int = 0) -> torch.Tensor:
     """All-gather the sequence dim `dim`."""
-    return _GatherFromSP.apply(x, group, name, dim)
+    return x if comm.group_size(group) == 1 else _GatherFromSP.apply(x, group, name, dim)
 
 
 def reduce_scatter_to_sp(x: torch.Tensor, group: dist.ProcessGroup, name: str = "reduce_scatter_to_sp", *,
                          dim: int = 0) -> torch.Tensor:
     """Sum over TP and keep this rank's slice of the sequence dim `dim`."""
-    return _ReduceScatterToSP.apply(x, group, name, dim)
+    return x if comm.group_size(group) == 1 else _ReduceScatterToSP.apply(x, group, name, dim)
 
 
 def gather_from_tp(x: torch.Tensor, group: dist.ProcessGroup, name: str = "gather_from_tp") -> torch.Tensor:
-    return _GatherFromTP.apply(x, group, name)
+    return x if comm.group_size(group) == 1 else _GatherFromTP.apply(x, group, name)
 
 
 def scatter_to_tp(x: torch.Tensor, group: dist.ProcessGroup, name: str = "scatter_to_tp") -> torch.Tensor:
-    return _ScatterToTP.apply(x, group, name)
+    return x if comm.group_size(group) == 1 else _ScatterToTP.apply(x, group, name)

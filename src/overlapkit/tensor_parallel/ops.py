@@ -34,7 +34,7 @@ import torch.distributed as dist
 from .. import comm
 from ..agreement import agree
 from . import p2p, symm_mem
-from .mappings import _gather_dim0, _reduce_scatter_dim0
+from .collectives import gather_dim0, reduce_scatter_dim0
 from .params import grad_as_param, param_parts
 from .pipelined import _ag_mm, _lane_stream, _mm_rs, _regather_wgrad, _rows, _single, span
 
@@ -57,7 +57,7 @@ def _fwd(kind, x, w, b, group, sp, bulk, k, transport, save_gathered, name):
     """(y, extra) of one linear; extra is the gathered input when column_pipelined saves it."""
     extra = None
     if kind == "column":
-        total = _gather_dim0(x, group, name + ".fwd") if sp else x
+        total = gather_dim0(x, group, name + ".fwd") if sp else x
         with span(name + ".fwd.gemm"):
             y = torch.nn.functional.linear(total, w, b)
     elif kind == "row":
@@ -66,7 +66,7 @@ def _fwd(kind, x, w, b, group, sp, bulk, k, transport, save_gathered, name):
         if comm.group_size(group) == 1:
             y = partial
         elif sp:
-            y = _reduce_scatter_dim0(partial, group, name + ".fwd")
+            y = reduce_scatter_dim0(partial, group, name + ".fwd")
         else:
             y = partial.contiguous()
             comm.all_reduce(y, group, kind="tp_all_reduce", name=name + ".fwd", async_op=False)
@@ -164,7 +164,7 @@ def _column_bwd(dy, x, w, group, sp, bulk, need_dx, name, gathered=None):
 
 
 def _row_bwd(dy, x, w, group, sp, need_dx, name):
-    dy_full = _gather_dim0(dy, group, name + ".bwd") if sp else dy
+    dy_full = gather_dim0(dy, group, name + ".bwd") if sp else dy
     dx = None
     if need_dx:
         with span(name + ".bwd.dgrad"):

@@ -89,11 +89,15 @@ def sums_gradients(module: nn.Module) -> bool:
 def replicate_parameters(model: nn.Module, mesh, group) -> nn.Module:
     """Every plain parameter of `model` outside the TP layers becomes a DTensor `Replicate()` on `mesh`.
 
-    Parameters shared by several modules stay one parameter. Returns `model`.
+    Parameters shared by several modules stay one parameter. Expert weights (marked
+    `expert_parallel`) keep their plain local tensors: they are split over the EP ranks (and over
+    TP inside the experts), not replicated on the TP mesh, and a Replicate() spec would misstate
+    them (a norm over them would count one rank's experts as everyone's). Returns `model`.
     """
     done: dict = {}
     for name, module in model.named_modules():
-        if isinstance(module, LocalShardParams):
+        own = [p for p in module._parameters.values() if p is not None]
+        if isinstance(module, LocalShardParams) or own and all(getattr(p, "expert_parallel", False) for p in own):
             continue
         if any(p is not None and not is_dtensor(p) for p in module._parameters.values()) or sums_gradients(module):
             replicate_module(module, mesh, group, label=name, done=done,

@@ -26,7 +26,8 @@ from torch.distributed.tensor.parallel import ParallelStyle
 
 from .. import comm
 from ..groups import resolve_group
-from . import mappings
+from . import layout, mappings
+from .region import region_of, split_here
 from .layers import ColumnParallelLinear, RowParallelLinear, check_overlap
 from .sequence_parallel import mark_sequence_parallel
 from .vocab import VocabParallelEmbedding
@@ -159,7 +160,16 @@ def _one_dim(device_mesh):
     return device_mesh["tp"]
 
 
-def _as_column_dtensor(mesh, _module, _args, out: torch.Tensor):
+def _as_column_dtensor(mesh, module, _args, out: torch.Tensor):
+    region = region_of(module)
+    if region is not None and region.gather_logits:
+        # generate(): the next token is chosen from whole-vocabulary logits, as a plain model's.
+        return mappings.gather_from_tp(out, resolve_group(mesh, "tp"), (module.name or "head") + ".gather_logits")
+    if torch.compiler.is_compiling():
+        # A compiled graph whose output is a DTensor needing a gradient fails in backward when
+        # nothing flows into it (the logits beside a labels= loss: PyTorch #173123, #172556).
+        # Compiled, the logits stay this rank's columns as a plain tensor (docs/plans.md).
+        return out
     from torch.distributed.tensor import DTensor, Shard
     # run_check=False: the shards differ by construction; no communication.
     return DTensor.from_local(out, mesh, [Shard(out.dim() - 1)], run_check=False)
@@ -189,7 +199,9 @@ class GatheredInputColumnLinear(ColumnParallelLinear):
     """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.local(self.weight), self.local(self.bias))
+        # The gathered input is sequence-major (layout.py): read in that order, nothing is copied.
+        order = layout.gemm_order(x)
+        y = layout.restore(F.linear(layout.as_rows(x, order), self.local(self.weight), self.local(self.bias)), order)
         return mappings.gather_from_tp(y, self.group, self.name + ".out") if self.gather_output else y
 
 
@@ -252,19 +264,19 @@ class _InputHookStyle(ParallelStyle):
     def __init__(self, *, sequence_dim: int = 0, kwarg: str = "hidden_states") -> None:
         self.sequence_dim, self.kwarg = sequence_dim, kwarg
 
-    def _convert(self, x: torch.Tensor, group, name: str) -> torch.Tensor:
+    def _convert(self, module: nn.Module, x: torch.Tensor, group, name: str) -> torch.Tensor:
         raise NotImplementedError
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
         group, name, style = resolve_group(device_mesh, "tp"), _name(module), self
 
-        def hook(_mod, args, kwargs):
+        def hook(mod, args, kwargs):
             if args:
-                return (style._convert(args[0], group, name), *args[1:]), kwargs
+                return (style._convert(mod, args[0], group, name), *args[1:]), kwargs
             if style.kwarg not in kwargs:
                 raise ValueError(f"{type(style).__name__} on {name}: no positional input and no {style.kwarg!r} "
                                  f"keyword (got keywords {sorted(kwargs)})")
-            return args, {**kwargs, style.kwarg: style._convert(kwargs[style.kwarg], group, name)}
+            return args, {**kwargs, style.kwarg: style._convert(mod, kwargs[style.kwarg], group, name)}
 
         module.register_forward_pre_hook(hook, with_kwargs=True)
         return module
@@ -274,12 +286,22 @@ class _InputHookStyle(ParallelStyle):
 
 
 class ScatterSequence(_InputHookStyle):
-    """Enter the sequence-parallel region: keep this rank's slice of `sequence_dim` (all-gather in backward)."""
+    """Enter the sequence-parallel region: keep this rank's slice of `sequence_dim` (all-gather in backward).
 
-    def _convert(self, x, group, name):
+    The slice is handed out sequence-major (layout.py). Under overlapkit.parallelize the entry
+    also decides, each forward, whether the region splits at all (region.py): a sequence that
+    does not split over the ranks (a decode step) passes whole under no_grad.
+    """
+
+    def _convert(self, module, x, group, name):
         dim = self.sequence_dim % x.dim()
-        mappings.check_divisible(x.shape[dim], comm.group_size(group),
-                                 f"{name}: sequence length (dim {dim})")
+        ws = comm.group_size(group)
+        region = region_of(module)
+        if region is not None:
+            region.active = x.shape[dim] % ws == 0 or torch.is_grad_enabled()
+            if not region.active:
+                return x
+        mappings.check_divisible(x.shape[dim], ws, f"{name}: sequence length (dim {dim})")
         return mappings.scatter_to_sp(x, group, name + ".enter_sp", dim=dim)
 
 
@@ -290,7 +312,9 @@ class GatherSequence(_InputHookStyle):
     attention): its projections are then `ColwiseParallel(input_gathered=True)`.
     """
 
-    def _convert(self, x, group, name):
+    def _convert(self, module, x, group, name):
+        if not split_here(module):
+            return x  # the region is off this forward: the input is the whole sequence already
         return mappings.gather_from_sp(x, group, name + ".gather_sp", dim=self.sequence_dim % x.dim())
 
 

@@ -21,8 +21,9 @@ from torch import nn
 from .. import comm
 from ..agreement import Agreement
 from ..groups import resolve_group
+from .collectives import all_reduce_copy
 from .mappings import check_divisible, reduce_from_tp
-from .params import LocalShardParams, make_param, tp_mesh_and_group
+from .params import LocalShardParams, is_dtensor, make_param, tp_mesh_and_group
 
 REDUCTIONS = ("mean", "sum", "none")
 """Accepted values of vocab_parallel_cross_entropy's `reduction` (as torch's cross_entropy)."""
@@ -32,7 +33,7 @@ _CE_AGREEMENT = Agreement("vocab_parallel_cross_entropy")
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
+    return t.to_local() if is_dtensor(t) else t  # isinstance, which dynamo traces (hasattr it does not)
 
 
 def vocab_range(vocab_size: int, group) -> tuple[int, int]:
@@ -49,20 +50,27 @@ class VocabParallelEmbedding(LocalShardParams, nn.Module):
     Forward: local lookup of the ids in this rank's rows, zeros elsewhere, then an all-reduce
     (Megatron's g). Backward: no communication (the output gradient is already replicated).
     The weight is a DTensor sharded on dim 0 (Shard(0)), like a column-parallel output head's,
-    so the two can be tied.
+    so the two can be tied. `padding_idx` is nn.Embedding's: that row starts at zero and gets no
+    gradient (on the rank that holds it).
     """
 
     def __init__(self, num_embeddings: int, embedding_dim: int, mesh_or_group=None, *, name: str = "embedding",
-                 device=None, dtype=None) -> None:
+                 padding_idx: int | None = None, device=None, dtype=None) -> None:
         super().__init__()
         from torch.distributed.tensor import Shard
 
         self.mesh, self.group = tp_mesh_and_group(mesh_or_group)
         self.tp_size, self.tp_rank = comm.group_size(self.group), comm.group_rank(self.group)
         self.num_embeddings, self.embedding_dim, self.name = num_embeddings, embedding_dim, name
-        self.padding_idx = None
-        """nn.Embedding's padding_idx (a global id): that row's gradient stays zero."""
         self.vocab_start, self.vocab_end = vocab_range(num_embeddings, self.group)
+        if padding_idx is not None and not -num_embeddings <= padding_idx < num_embeddings:
+            raise ValueError(f"{name}: padding_idx={padding_idx} is outside the vocabulary [0, {num_embeddings})")
+        self.padding_idx = padding_idx % num_embeddings if padding_idx is not None else None
+        """nn.Embedding's padding_idx (a global id): that row starts at zero and its gradient stays zero."""
+        local_pad = None if self.padding_idx is None else self.padding_idx - self.vocab_start
+        self._local_padding_idx = local_pad if local_pad is not None and 0 <= local_pad < self.vocab_end - \
+            self.vocab_start else None
+        """padding_idx in this rank's rows, or None where another rank holds it."""
         self._init_state_dict_hooks()
         self._placements["weight"] = [Shard(0)]
         local = torch.empty(self.vocab_end - self.vocab_start, embedding_dim, device=device, dtype=dtype)
@@ -75,6 +83,8 @@ class VocabParallelEmbedding(LocalShardParams, nn.Module):
         """nn.Embedding's N(0, 1) init drawn for the FULL table, this rank keeping its rows."""
         w = self.local_data("weight")
         full = torch.empty(self.num_embeddings, self.embedding_dim, device=w.device, dtype=w.dtype).normal_()
+        if self.padding_idx is not None:
+            full[self.padding_idx].zero_()
         w.copy_(self.shard_of(full))
 
     def _global_shape(self, name: str):
@@ -87,8 +97,7 @@ class VocabParallelEmbedding(LocalShardParams, nn.Module):
             raise ValueError("VocabParallelEmbedding.from_full: max_norm and sparse embeddings are not supported "
                              f"(got max_norm={embedding.max_norm}, sparse={embedding.sparse})")
         layer = cls(embedding.num_embeddings, embedding.embedding_dim, mesh_or_group, device="meta",
-                    dtype=embedding.weight.dtype, **kwargs)
-        layer.padding_idx = embedding.padding_idx
+                    padding_idx=embedding.padding_idx, dtype=embedding.weight.dtype, **kwargs)
         layer.to_empty(device=embedding.weight.device)
         with torch.no_grad():
             layer.local_data("weight").copy_(layer.shard_of(embedding.weight))
@@ -101,12 +110,12 @@ class VocabParallelEmbedding(LocalShardParams, nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if ids.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"{self.name}: token ids must be int32/int64, got {ids.dtype}")
+        if self.tp_size == 1:  # every row is here: nothing to mask or sum
+            return F.embedding(ids, self.local(self.weight), self._local_padding_idx)
         outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
         local_ids = (ids - self.vocab_start).masked_fill(outside, 0)
-        pad = self.padding_idx
-        # nn.Embedding's padding row gets no gradient: the rank that owns it passes its local index.
-        pad = pad - self.vocab_start if pad is not None and self.vocab_start <= pad < self.vocab_end else None
-        out = F.embedding(local_ids, self.local(self.weight), padding_idx=pad)
+        # Ids another rank holds look up row 0 here and are zeroed below (their gradient too).
+        out = F.embedding(local_ids, self.local(self.weight), self._local_padding_idx)
         out = out.masked_fill(outside.unsqueeze(-1), 0.0)
         return reduce_from_tp(out, self.group, self.name)
 
@@ -117,13 +126,16 @@ class VocabParallelEmbedding(LocalShardParams, nn.Module):
 
 def _logits_group(logits: torch.Tensor, mesh_or_group):
     """The TP group of the logits: from the call, or from a DTensor's mesh (which must then agree)."""
-    mesh = getattr(logits, "device_mesh", None)
-    if mesh is None:
+    if not is_dtensor(logits):
         return resolve_group(mesh_or_group, "tp")
+    mesh = logits.device_mesh
     from torch.distributed.tensor import Shard
     if mesh.ndim != 1 or tuple(logits.placements) != (Shard(logits.dim() - 1),):
         raise ValueError(f"vocab_parallel_cross_entropy: DTensor logits must be sharded on their last dim over a "
                          f"1-D mesh, got placements {tuple(logits.placements)} on {mesh}")
+    if torch.compiler.is_compiling():
+        # Comparing the ranks of two groups cannot be traced; eager runs compare them.
+        return mesh.get_group() if mesh_or_group is None else resolve_group(mesh_or_group, "tp")
     group = mesh.get_group()
     if mesh_or_group is not None:
         given = dist.get_process_group_ranks(resolve_group(mesh_or_group, "tp"))
@@ -142,16 +154,13 @@ class _VocabParallelCE(torch.autograd.Function):
         x = logits.float()
         vl = x.shape[-1]
         start = comm.group_rank(group) * vl
-        local_max = x.max(dim=-1).values
-        comm.all_reduce(local_max, group, kind="tp_all_reduce", name="vocab_ce.fwd.max", async_op=False,
-                        op=dist.ReduceOp.MAX)
+        local_max = all_reduce_copy(x.max(dim=-1).values, group, "vocab_ce.fwd.max", op="max")
         x = x - local_max.unsqueeze(-1)
         mine = (targets >= start) & (targets < start + vl)
         idx = (targets - start).masked_fill(~mine, 0).unsqueeze(-1)
         target_logit = x.gather(-1, idx).squeeze(-1).masked_fill(~mine, 0.0)
         exp = x.exp()
-        sums = torch.stack([exp.sum(-1), target_logit])
-        comm.all_reduce(sums, group, kind="tp_all_reduce", name="vocab_ce.fwd.sum", async_op=False)
+        sums = all_reduce_copy(torch.stack([exp.sum(-1), target_logit]), group, "vocab_ce.fwd.sum")
         sum_exp, target_logit = sums.unbind(0)
         ignored = targets == ignore_index
         loss = (sum_exp.log() - target_logit).masked_fill(ignored, 0.0)
@@ -193,19 +202,28 @@ def vocab_parallel_cross_entropy(local_logits: torch.Tensor, targets: torch.Tens
     if targets.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"vocab_parallel_cross_entropy: targets must be int32/int64 token ids, got {targets.dtype}")
     vocab = local_logits.shape[-1] * comm.group_size(group)
+    if comm.group_size(group) == 1:
+        # The whole vocabulary is here: torch's own loss (in fp32, as below), which refuses a target
+        # outside the vocabulary itself (an IndexError on CPU, a device-side assert on a GPU).
+        loss = F.cross_entropy(local_logits.float().reshape(-1, vocab), targets.reshape(-1),
+                               ignore_index=ignore_index, reduction=reduction)
+        return loss.view(targets.shape) if reduction == "none" else loss
     bad = (targets != ignore_index) & ((targets < 0) | (targets >= vocab))
     # An id no rank's block holds would be scored as if its logit were 0: refuse it, never sum that.
-    if targets.device.type == "cpu":
+    if targets.device.type == "cpu" and not torch.compiler.is_compiling():
         if bool(bad.any()):
             raise ValueError(f"vocab_parallel_cross_entropy: target ids must be in [0, {vocab}) or ignore_index="
                              f"{ignore_index}; got {targets[bad][:4].tolist()}")
     else:
         # On a GPU a host check would stall the host every step and cannot be captured in a CUDA
-        # graph; a device-side assert (what torch's own cross_entropy does) needs neither.
+        # graph, and under torch.compile it would break the graph; a device-side assert (what
+        # torch's own cross_entropy does) needs neither.
         torch._assert_async(~bad.any(), f"vocab_parallel_cross_entropy: a target id is outside [0, {vocab}) "
                                         f"and is not ignore_index={ignore_index}")
-    # A rank with another shape would meet the others' all-reduce with the wrong byte count.
-    _CE_AGREEMENT.check(group, logits=tuple(local_logits.shape), ignore_index=ignore_index, reduction=reduction)
+    if not torch.compiler.is_compiling():  # compiled, the all-reduce ops compare their shapes themselves
+        # A rank with another shape would meet the others' all-reduce with the wrong byte count.
+        _CE_AGREEMENT.check(group, logits=tuple(local_logits.shape), ignore_index=ignore_index,
+                            reduction=reduction)
     loss, ignored = _VocabParallelCE.apply(local_logits, targets, group, ignore_index)
     if reduction == "none":
         return loss

@@ -1,0 +1,83 @@
+"""Why ring attention's K/V transfers wait, from every rank's recorded spans of the same steps.
+
+For each hop a rank waited for (a cp_kv span: issued when the rank posted its send and receive, ended
+when its receive's wait returned), the matching send is the previous rank's span of the same name. With
+the ranks' clocks lined up (each recorder's wall-clock origin), the exposed part of the hop (its span
+not covered by compute) splits into
+
+- peer late: the data could not have arrived sooner, because the sending rank posted it later than
+  this rank did (it finished its previous step late: skew, imbalance, its own waits);
+- hop longer than the block: both posted in time, but a hop at the speed it has alone (ranks lined up,
+  nothing else running) takes longer than the computation it hid behind;
+- slower than alone: the data arrived later than issue + a hop's time alone: the transfer itself
+  slowed down beside the computation (cores, memory bandwidth, the transport's threads).
+
+Beside it: each step's block attention in the overlapped run against the sequential one (a block that
+slows down while transfers run is contention on the compute side), the merge's share of a step, and the
+spread of total compute over ranks (imbalance, which no overlap can hide).
+"""
+
+from __future__ import annotations
+
+import statistics
+
+from overlapkit.timeline import intervals as iv
+
+
+def _median(xs):
+    return statistics.median(xs) if xs else None
+
+
+def rank_spans(rec) -> dict:
+    """What the parent needs of one rank's recorder: the wall-clock origin and plain span tuples."""
+    return dict(origin=rec.origin_unix_ms, spans=[(s.kind, s.name, s.start_ms, s.end_ms, s.step) for s in rec.spans])
+
+
+def attribute(ranks: list[dict], hop_ms: dict[str, float], phases=("fwd", "bwd")) -> dict:
+    """Per phase: exposed ms per step split into peer late / hop longer than block / slower than alone,
+    and block, merge and imbalance numbers; medians over recorded steps (sums over hops and ranks / ranks).
+    `hop_ms`: a hop alone, {"kv": the K/V blocks, "dkv": the fp32 dK/dV accumulator}."""
+    size = len(ranks)
+    by_rank = []
+    for r in ranks:
+        spans = [(k, n, a + r["origin"], b + r["origin"], st) for k, n, a, b, st in r["spans"]]
+        by_rank.append(spans)
+    steps = sorted({s[4] for spans in by_rank for s in spans})
+    out = {}
+    for phase in phases:
+        per_step = []
+        for st in steps:
+            parts = dict(exposed=0.0, peer_late=0.0, hop_longer=0.0, slower=0.0)
+            compute_total = []
+            blocks, merges = [], []
+            for r, spans in enumerate(by_rank):
+                mine = [s for s in spans if s[4] == st]
+                compute = iv.union((a, b) for k, n, a, b, _ in mine if k == "compute")
+                compute_total.append(iv.length(iv.union((a, b) for k, n, a, b, _ in mine
+                                                        if k == "compute" and f".{phase}[" in n)))
+                blocks += [b - a for k, n, a, b, _ in mine if k == "compute" and f".{phase}[" in n
+                           and not n.endswith(".merge") and not n.endswith(f".{phase}[0]")]
+                merges += [b - a for k, n, a, b, _ in mine if k == "compute" and f".{phase}[" in n and n.endswith(".merge")]
+                peer = {n: a for k, n, a, b, _ in (s for s in by_rank[(r - 1) % size] if s[4] == st) if k == "cp_kv"}
+                for k, n, a, b, _ in mine:
+                    if k != "cp_kv" or f".{phase}." not in n:
+                        continue
+                    exposed = iv.length(iv.subtract([(a, b)], compute))
+                    if exposed <= 0:
+                        continue
+                    hop = hop_ms["dkv" if ".dkv[" in n else "kv"]
+                    wait_start = b - exposed
+                    sent = peer.get(n, a)
+                    expected = max(a, sent) + hop
+                    explained = min(exposed, max(0.0, min(b, expected) - wait_start))
+                    parts["exposed"] += exposed
+                    parts["slower"] += exposed - explained
+                    parts["peer_late" if sent > a else "hop_longer"] += explained
+            row = {k: v / size for k, v in parts.items()}  # per rank
+            row["compute_max_over_min"] = (max(compute_total) / min(compute_total)
+                                           if compute_total and min(compute_total) > 0 else None)
+            row["block_ms"] = _median(blocks)
+            row["merge_ms"] = _median(merges)
+            per_step.append(row)
+        out[phase] = {k: _median([r[k] for r in per_step if r[k] is not None]) for k in per_step[0]} if per_step else {}
+    return out

@@ -1,0 +1,368 @@
+"""The benchmark of record: what a user runs — a Hugging Face causal LM trained the usual way — side by side.
+
+Each variant trains the same HF model (built from a config, same seed, same batch) the way a
+training loop does: forward with `labels=`, backward, `clip_grad_norm_`, AdamW step, zero_grad.
+Side by side in one run, in a balanced order (every variant in every position of a round):
+
+- `plain`: the model itself, unparallelized (one rank only: at more ranks it is not the same job);
+- `torch_tp`: PyTorch's own TP+SP — `parallelize_module` with torch's ColwiseParallel /
+  RowwiseParallel / SequenceParallel / PrepareModuleInput plan, written as torchtitan writes it for
+  Llama (the sequence split at the first block, since HF builds its masks from the whole sequence),
+  the loss under `loss_parallel()`; FSDP2 `fully_shard` on the dp dim when the mesh has one;
+- `ok_<mode>`: `overlapkit.parallelize(model, mesh, overlap=mode)` with sequence parallelism (its
+  default), for mode none / bulk / pipelined / auto, and `ok_none_nosp` without it; overlapkit's
+  `DataParallel` on the dp dim when the mesh has one;
+- with `--set compiled`, the same variants under `torch.compile` (the first step's seconds are the
+  compile time), and on several GPUs torch's async-TP (its fused all-gather/reduce-scatter GEMMs).
+
+Reported per variant: step ms (slowest rank, median over rounds), the ratio to the reference
+(plain at one rank, torch_tp otherwise: median of per-round ratios with its middle half), tokens/s,
+peak memory per rank (the variant's parameters and optimizer state, plus what its step allocates
+at most: the CUDA allocator's peak; on CPU, which keeps no allocator statistics, the tensors saved
+for backward at the end of the forward), MFU on a GPU (the cost
+model's FLOP count over the GPU's dense bf16 peak), the first step's seconds (compile time), and
+the first step's loss, which must agree across variants (same init, same data).
+
+    python benchmarks/user_step.py                                    # CPU, one rank, tiny config
+    python benchmarks/user_step.py --world 4 --tp 4 --preset cpu16 --threads 3      # 16-core host
+    python benchmarks/user_step.py --world 4 --tp 2 --dp 2 --preset cpu16 --threads 3
+    python benchmarks/user_step.py --device cuda --world 1 --preset 1b              # one H200, bf16
+    python benchmarks/user_step.py --device cuda --world 1 --preset 1b --set compiled
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from _common import RESULTS, balanced_orders, device_label, line_up, write_results  # noqa: E402
+
+PRESETS = {
+    # the issue's CPU config: a tiny HF Llama, 2 x 512 tokens
+    "tiny": dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=8,
+                 num_key_value_heads=8, vocab_size=4096, batch=2, seq=512),
+    # the 16-core host: a step of >= 200 ms at tp 4 and 8 (~0.5 TFLOP)
+    "cpu16": dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=4, num_attention_heads=16,
+                  num_key_value_heads=8, vocab_size=32000, batch=2, seq=512),
+    # ~1.1 B, the H200 config: 4 x 2048 tokens in bf16
+    "1b": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=16, num_attention_heads=16,
+               num_key_value_heads=8, vocab_size=32000, batch=4, seq=2048),
+}
+MODES = ("none", "bulk", "pipelined", "auto")
+
+
+def _torch_tp_plan(model) -> dict:
+    """PyTorch's own TP+SP plan for HF Llama, in torchtitan's shape."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                                   SequenceParallel)
+
+    plan = {
+        # HF builds the causal mask and positions from the embedding's output: keep it whole, and
+        # split the sequence where the first block takes it.
+        "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+        "model.layers.0": PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),),
+                                             use_local_output=True),
+        "model.norm": SequenceParallel(),
+        "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False),
+    }
+    for i in range(len(model.model.layers)):
+        p = f"model.layers.{i}."
+        plan.update({
+            p + "input_layernorm": SequenceParallel(),
+            p + "self_attn": PrepareModuleInput(input_kwarg_layouts={"hidden_states": Shard(1)},
+                                                desired_input_kwarg_layouts={"hidden_states": Replicate()}),
+            p + "self_attn.q_proj": ColwiseParallel(), p + "self_attn.k_proj": ColwiseParallel(),
+            p + "self_attn.v_proj": ColwiseParallel(), p + "self_attn.o_proj": RowwiseParallel(output_layouts=Shard(1)),
+            p + "post_attention_layernorm": SequenceParallel(),
+            p + "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            p + "mlp.gate_proj": ColwiseParallel(), p + "mlp.up_proj": ColwiseParallel(),
+            p + "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1)),
+        })
+    return plan
+
+
+def _build(name: str, base, groups, dp: int):
+    """(model, context the step runs under) of variant `name`, from a copy of `base`."""
+    import overlapkit
+    from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
+
+    model = copy.deepcopy(base)
+    kind = name.removesuffix("_compiled")
+    ctx = contextlib.nullcontext
+    async_tp = kind == "torch_async_tp"
+    if async_tp:
+        from torch.distributed._symmetric_memory import enable_symm_mem_for_group
+        enable_symm_mem_for_group(groups.mesh["tp"].get_group().group_name)
+        kind = "torch_tp"
+    if kind == "torch_tp":
+        parallelize_module(model, groups.mesh["tp"], _torch_tp_plan(model))
+        if dp > 1:
+            from torch.distributed.fsdp import fully_shard
+            for block in model.model.layers:
+                fully_shard(block, mesh=groups.mesh["dp"])
+            fully_shard(model, mesh=groups.mesh["dp"])
+        ctx = loss_parallel
+        if async_tp:  # the config is read when the graph compiles, at the first step: only this variant's
+            def ctx():
+                stack = contextlib.ExitStack()
+                stack.enter_context(loss_parallel())
+                stack.enter_context(torch._inductor.config.patch(_micro_pipeline_tp=True))
+                return stack
+    elif kind.startswith("ok_"):
+        mode, sp = kind[3:].removesuffix("_nosp"), not kind.endswith("_nosp")
+        overlapkit.parallelize(model, groups.mesh, overlap=mode, sequence_parallel=sp)
+        if dp > 1:
+            from overlapkit.data_parallel import DataParallel
+            model = DataParallel(model, groups.dp)
+    if name.endswith("_compiled"):
+        model = torch.compile(model)
+    return model, ctx
+
+
+def _state_bytes(model, opt) -> int:
+    """This rank's bytes of parameters and optimizer state (local shards)."""
+    def local(t):
+        return t.to_local() if hasattr(t, "to_local") else t
+    n = sum(local(p).numel() * local(p).element_size() for p in model.parameters())
+    for state in opt.state.values():
+        n += sum(local(v).numel() * local(v).element_size() for v in state.values() if isinstance(v, torch.Tensor))
+    return n
+
+
+def _step_peak_bytes(step, device: torch.device) -> int:
+    """The most one step allocates beyond what was allocated before it.
+
+    CUDA: the allocator's peak. CPU has no allocator statistics (and a profiler with memory events
+    costs seconds a step to read back at these sizes): there it is what autograd holds at the end
+    of the forward — every tensor saved for backward (storages counted once) — the activation
+    memory in which TP implementations differ; transients inside an op are not seen.
+    """
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        before = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        step()
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device) - before
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor):
+        local = t.to_local() if hasattr(t, "to_local") else t
+        storage = local.untyped_storage()
+        seen[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        step()
+    return sum(seen.values())
+
+
+def _rank_body(cfg_kw: dict, names: list[str], rounds: int, warmup: int, tp: int, dp: int, threads: int,
+               device_type: str, clip: bool, budget_s: float | None) -> dict:
+    import overlapkit
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.set_num_threads(threads)
+    device = torch.device(device_type, torch.cuda.current_device() if device_type == "cuda" else 0) \
+        if device_type == "cuda" else torch.device("cpu")
+    dtype = torch.bfloat16 if device_type == "cuda" else torch.float32
+    groups = overlapkit.init(tp=tp, dp=dp)
+    kw = {k: v for k, v in cfg_kw.items() if k not in ("batch", "seq")}
+    cfg = LlamaConfig(**kw, max_position_embeddings=cfg_kw["seq"], attn_implementation="sdpa")
+    torch.manual_seed(0)
+    with torch.device(device):
+        base = LlamaForCausalLM(cfg).to(dtype)
+    g = torch.Generator().manual_seed(1 + groups.coords.dp)  # each dp rank its own data, TP ranks the same
+    ids = torch.randint(0, cfg.vocab_size, (cfg_kw["batch"], cfg_kw["seq"]), generator=g).to(device)
+
+    if any(n.endswith("_compiled") for n in names):
+        # Compile times compared fairly: inductor's one-time start-up paid before any variant, and
+        # no variant served from the graph cache another one filled.
+        torch._inductor.config.fx_graph_cache = False
+        torch.compile(lambda t: t * 2)(torch.ones(2, device=device))
+    models, opts, ctxs, first_s, loss0 = {}, {}, {}, {}, {}
+    for name in names:
+        models[name], ctxs[name] = _build(name, base, groups, dp)
+        # fused on a GPU (what users run there); foreach on CPU, where the single-tensor default would
+        # pay DTensor dispatch per parameter and op (the parallelized variants only)
+        fused = dict(fused=True) if device_type == "cuda" else dict(foreach=True)
+        opts[name] = torch.optim.AdamW(models[name].parameters(), lr=1e-4, **fused)
+    del base
+
+    def step(name: str) -> float:
+        model, opt = models[name], opts[name]
+        with ctxs[name]():
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        loss = loss.detach()
+        return float(loss.full_tensor() if hasattr(loss, "full_tensor") else loss)
+
+    from overlapkit.launch import progress
+
+    times = {n: [] for n in names}
+    orders = balanced_orders(len(names))
+    started = time.perf_counter()
+    for i in range(warmup + rounds):
+        if groups.rank == 0 and i:
+            progress(f"round {i}: " + ", ".join(f"{n} {times[n][-1]:.0f} ms" for n in names if times[n]))
+        if i >= warmup + 2 and budget_s:
+            # Out of time: stop after whole rounds, every rank at the same one (rank 0's clock decides).
+            late = torch.tensor([float(time.perf_counter() - started > budget_s)], device=device)
+            dist.broadcast(late, 0)
+            if late.item():
+                break
+        for name in (names[j] for j in orders[i % len(orders)]):
+            line_up(device)
+            t0 = time.perf_counter()
+            loss = step(name)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            dt = time.perf_counter() - t0
+            if name not in first_s:
+                first_s[name], loss0[name] = dt, loss
+            elif i >= warmup:
+                times[name].append(dt * 1e3)
+    peak = {}
+    for name in names:  # after timing, so the profiler never runs beside a timed step
+        line_up(device)
+        peak[name] = _state_bytes(models[name], opts[name]) + _step_peak_bytes(lambda: step(name), device)
+    return dict(times=times, first_s=first_s, loss0=loss0, peak=peak)
+
+
+def _variants(world: int, tp: int, which: str, device: str) -> list[str]:
+    """The variants of a set: eager (the default), compiled, or both."""
+    eager = (["plain"] if world == 1 else []) + ["torch_tp", *(f"ok_{m}" for m in MODES), "ok_none_nosp"]
+    compiled = [n + "_compiled" for n in eager]
+    if device == "cuda" and tp > 1:
+        compiled.append("torch_async_tp_compiled")  # torch's fused AG+GEMM / GEMM+RS passes need NCCL and >= 2 GPUs
+    return {"eager": eager, "compiled": compiled, "all": eager + compiled}[which]
+
+
+def _summary(per_rank: list[dict], names: list[str], ref: str, tokens: int, flops: float | None,
+             peak_tflops: float | None) -> dict:
+    rounds = len(per_rank[0]["times"][names[0]])
+    slowest = {n: [max(r["times"][n][i] for r in per_rank) for i in range(rounds)] for n in names}
+    rows = {}
+    for n in names:
+        ms = statistics.median(slowest[n])
+        ratios = sorted(slowest[n][i] / slowest[ref][i] for i in range(rounds))
+        q = len(ratios) // 4
+        rows[n] = dict(step_ms=ms, ratio=statistics.median(ratios), ratio_middle_half=[ratios[q], ratios[-1 - q]],
+                       tokens_per_s=tokens / (ms / 1e3), peak_gib=max(r["peak"][n] for r in per_rank) / 2**30,
+                       first_step_s=max(r["first_s"][n] for r in per_rank), loss0=per_rank[0]["loss0"][n],
+                       mfu=(flops / (ms / 1e3) / len(per_rank) / (peak_tflops * 1e12)) if flops and peak_tflops else None)
+    return rows
+
+
+def _markdown(result: dict) -> str:
+    a = result["args"]
+    head = (f"HF Llama ({a['preset']}: hidden {result['config']['hidden_size']}, {result['config']['num_hidden_layers']} "
+            f"layers, {a['batch']} x {a['seq']} tokens a dp rank), {result['device']}, tp={a['tp']} dp={a['dp']}, "
+            f"{a['threads']} thread(s) a rank, torch {result['torch']}, transformers {result['transformers']}, "
+            f"{a['rounds']} rounds after {a['warmup']}; ratio = median per-round ratio to `{result['reference']}` "
+            "(middle half in brackets); step = slowest rank, median\n\n")
+    rows = ["| variant | step ms | ratio | tokens/s | peak GiB/rank | MFU | first step s | loss0 |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for n, r in result["rows"].items():
+        lo, hi = r["ratio_middle_half"]
+        mfu = f"{100 * r['mfu']:.1f} %" if r["mfu"] is not None else "—"
+        rows.append(f"| {n} | {r['step_ms']:.1f} | {r['ratio']:.3f} [{lo:.3f}, {hi:.3f}] | {r['tokens_per_s']:.0f} | "
+                    f"{r['peak_gib']:.3f} | {mfu} | {r['first_step_s']:.2f} | {r['loss0']:.5f} |")
+    notes = [f"\nfirst-step losses agree: {result['losses_agree']} (spread {result['loss_spread']:.2e})"]
+    if result.get("best_fixed"):
+        notes.append(f"auto / best fixed mode ({result['best_fixed']}): {result['auto_vs_best']:.3f}")
+    return head + "\n".join(rows) + "\n" + "\n".join(notes) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    from overlapkit.launch import spawn
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    ap.add_argument("--world", type=int, default=1)
+    ap.add_argument("--tp", type=int, default=None, help="tensor-parallel size (default: the world)")
+    ap.add_argument("--dp", type=int, default=1)
+    ap.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
+    ap.add_argument("--batch", type=int, default=None)
+    ap.add_argument("--seq", type=int, default=None)
+    ap.add_argument("--layers", type=int, default=None)
+    ap.add_argument("--rounds", type=int, default=None, help="timed rounds (default 8 on a GPU, 6 on CPU)")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads a rank")
+    ap.add_argument("--set", dest="which", choices=("eager", "compiled", "all"), default="eager",
+                    help="which variants: eager, torch.compile'd (compile time reported), or both")
+    ap.add_argument("--no-clip", dest="clip", action="store_false", help="skip clip_grad_norm_")
+    ap.add_argument("--variants", default=None, help="comma-separated subset of the variants")
+    ap.add_argument("--budget-s", type=float, default=None,
+                    help="stop timing after the round that passes this many seconds (at least 2 rounds)")
+    ap.add_argument("--timeout", type=float, default=600.0)
+    ap.add_argument("--out", default=RESULTS)
+    args = ap.parse_args(argv)
+    tp = args.tp or args.world // args.dp
+    if tp * args.dp != args.world:
+        ap.error(f"--tp {tp} x --dp {args.dp} is not the world {args.world}")
+    cfg = dict(PRESETS[args.preset])
+    for k, key in (("batch", "batch"), ("seq", "seq"), ("layers", "num_hidden_layers")):
+        if getattr(args, k) is not None:
+            cfg[key] = getattr(args, k)
+    names = _variants(args.world, tp, args.which, args.device)
+    if args.variants:
+        wanted = args.variants.split(",")
+        unknown = sorted(set(wanted) - set(names))
+        if unknown:
+            ap.error(f"--variants: unknown {unknown}; known {names}")
+        names = [n for n in names if n in wanted]
+    rounds = args.rounds or (8 if args.device == "cuda" else 6)
+    backend = "nccl" if args.device == "cuda" else "gloo"
+    per_rank = spawn(_rank_body, args.world, cfg, names, rounds, args.warmup, tp, args.dp, args.threads,
+                     args.device, args.clip, args.budget_s, backend=backend, timeout_s=args.timeout,
+                     on_message=lambda r, t: print(f"[rank {r}] {t}", flush=True))
+    from transformers import __version__ as hf_version
+
+    from overlapkit.costmodel.flops import step_flops
+    from overlapkit.costmodel.hf import from_hf_config
+
+    model_cfg = from_hf_config({k: v for k, v in cfg.items() if k not in ("batch", "seq")} | {"hidden_act": "silu"},
+                               seq_len=cfg["seq"])
+    flops = step_flops(model_cfg, cfg["batch"] * args.dp, "megatron2024")
+    peak_tflops = None
+    if args.device == "cuda" and "H200" in device_label("cuda"):
+        from overlapkit.costmodel import load_hardware
+        peak_tflops = load_hardware("h200-sxm").bf16_tflops
+    ref = next(n for n in ("plain", "plain_compiled", "torch_tp", "torch_tp_compiled") if n in names)
+    rows = _summary(per_rank, names, ref, cfg["batch"] * cfg["seq"] * args.dp, flops, peak_tflops)
+    losses = [r["loss0"] for r in rows.values()]
+    spread = (max(losses) - min(losses)) / abs(statistics.median(losses))
+    result = dict(device=device_label(args.device), torch=torch.__version__, transformers=hf_version,
+                  args=dict(vars(args), tp=tp, rounds=len(per_rank[0]["times"][names[0]]), batch=cfg["batch"],
+                            seq=cfg["seq"]),
+                  config=cfg, reference=ref, rows=rows, loss_spread=spread,
+                  losses_agree=spread <= (2e-2 if args.device == "cuda" else 1e-4))
+    suffix = "_compiled" if args.which == "compiled" else ""
+    fixed = {m: rows[f"ok_{m}{suffix}"]["step_ms"] for m in ("none", "bulk", "pipelined") if f"ok_{m}{suffix}" in rows}
+    if fixed and f"ok_auto{suffix}" in rows:
+        best = min(fixed, key=fixed.get)
+        result.update(best_fixed=best, auto_vs_best=rows[f"ok_auto{suffix}"]["step_ms"] / fixed[best])
+    layout = f"tp{tp}" + (f"_dp{args.dp}" if args.dp > 1 else "")
+    stem = os.path.join(args.out, f"user_step_{args.device}_{args.preset}_ws{args.world}_{layout}_{args.which}")
+    write_results(result, stem, _markdown)
+    return 0 if result["losses_agree"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,73 @@
+"""MeasuredChoice: candidates timed on the first calls, the fastest kept, nothing timed afterwards (one process)."""
+
+import pytest
+
+from overlapkit import tuning
+from overlapkit.tuning import MeasuredChoice
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    """A fake clock the test advances by hand: stamps are its current value, durations their difference."""
+    now = [0.0]
+    monkeypatch.setattr(tuning, "_stamp", lambda device: now[0])
+    monkeypatch.setattr(tuning, "_ms", lambda a, b: b - a)
+    return now
+
+
+def _run(choice: MeasuredChoice, clock, fwd: dict, bwd: dict | None) -> list:
+    """Make calls until the choice is decided; return the candidates the calls ran, in order."""
+    ran = []
+    while True:
+        trial = choice.trial("cpu")
+        if trial is None:
+            return ran
+        ran.append(trial.choice)
+        with trial.forward():
+            clock[0] += fwd[trial.choice]
+        if bwd is not None:
+            with trial.backward():
+                clock[0] += bwd[trial.choice]
+
+
+def test_fastest_forward_plus_backward_is_kept_after_rotated_rounds(clock):
+    choice = MeasuredChoice([1, 2, 4], None, what="t", kind="ep_dispatch", rounds=3, warmup_rounds=1)
+    ran = _run(choice, clock, {1: 10.0, 2: 4.0, 4: 3.0}, {1: 10.0, 2: 4.0, 4: 6.0})
+    # One warm-up round and three timed ones, each round in the next rotated order.
+    assert ran == [1, 2, 4, 2, 4, 1, 4, 1, 2, 1, 2, 4]
+    assert choice.decided == 2  # 8 ms fwd+bwd; 4 is faster forward only (3 ms) but 9 ms in all
+    assert choice.measured == {1: 20.0, 2: 8.0, 4: 9.0}
+    assert "forward+backward" in choice.reason and "2: 8 ms" in choice.reason
+
+
+def test_forward_only_calls_are_judged_by_forward(clock):
+    choice = MeasuredChoice(["pipelined", "none"], None, what="t", kind="cp_kv", rounds=2)
+    _run(choice, clock, {"pipelined": 5.0, "none": 7.0}, None)
+    assert choice.decided == "pipelined" and "measured forward (" in choice.reason
+
+
+def test_a_tie_keeps_the_first_candidate(clock):
+    choice = MeasuredChoice([1, 2], None, what="t", kind="ep_dispatch", rounds=2, tie=0.01)
+    _run(choice, clock, {1: 10.0, 2: 9.95}, {1: 0.0, 2: 0.0})  # 0.5 % apart: within the tie
+    assert choice.decided == 1
+
+
+def test_nothing_is_timed_once_decided(clock, monkeypatch):
+    choice = MeasuredChoice([1, 2], None, what="t", kind="ep_dispatch", rounds=1)
+    _run(choice, clock, {1: 1.0, 2: 2.0}, {1: 1.0, 2: 1.0})
+    assert choice.decided == 1
+
+    def no_clock(*_):
+        raise AssertionError("a clock was read after the decision")
+    monkeypatch.setattr(tuning, "_stamp", no_clock)
+    for _ in range(3):
+        assert choice.trial("cpu") is None
+
+
+def test_single_candidate_and_decide_now_need_no_trials(clock):
+    assert MeasuredChoice([3], None, what="t", kind="ep_dispatch").trial("cpu") is None
+    choice = MeasuredChoice([1, 2], None, what="t", kind="ep_dispatch")
+    choice.decide_now(1, "one rank")
+    assert choice.trial("cpu") is None and choice.decided == 1 and choice.reason == "one rank"
+    with pytest.raises(ValueError, match="at least one candidate"):
+        MeasuredChoice([], None, what="t", kind="ep_dispatch")
