@@ -142,7 +142,10 @@ class MoE(nn.Module):
         padded = cfg.padded(x.device.type)
         # Checked across ranks before any transfer: a wrong width or dtype on one rank fails on all. The
         # padded path also needs the same number of tokens everywhere (its split sizes come from it).
+        # Autocast on one rank only would send rows of another dtype (gloo aborts on the size mismatch).
+        from ..tensor_parallel.precision import autocast_dtype
         self._agreement.check(self.group, width=x.shape[-1] if x.dim() else None, dtype=x.dtype,
+                              autocast=autocast_dtype(x), weights=self.experts.w1.dtype,
                               device=x.device.type, tokens=x.numel() // max(x.shape[-1], 1) if padded else None)
         if x.dim() < 1 or x.shape[-1] != cfg.hidden:
             raise ValueError(f"MoE {self.name}: input's last dim must be hidden={cfg.hidden}, got shape {tuple(x.shape)}")
