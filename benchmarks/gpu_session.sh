@@ -256,6 +256,29 @@ final)
   step cp_cpu_ws4 45 python3 benchmarks/cp_overlap.py --world 4 --threads 3 --out "$r"
   step pp_zb_ws4 50 python3 benchmarks/pp_zero_bubble.py --world 4 --threads 4 --steps 12 --out "$r"
   ;;
+last)
+  # The session's one call, in two lanes at once so it fits: lane A (cores 0-2) the GPU — the new MoE/ring
+  # CUDA tests, the compiled step's kernels beside the compiled plain model's, EP and CP auto/fixed/none at
+  # world size 1; lane B (cores 3-15) the gloo runs — the user's path at tp 4 (and tp 8) and one rank, EP and CP
+  # at 4 ranks, ZeRO-3 / DP / PP beside their PyTorch peers. Every step bounded; the lanes never share a core.
+  A=(env); B=(env)  # `timeout` runs a command, not a shell function: the pinning is a command prefix
+  if command -v taskset > /dev/null; then A=(taskset -c 0-2); B=(taskset -c 3-15); fi
+  (
+    step pytest_cuda 70 "${A[@]}" python3 -m pytest -q -x -p no:cacheprovider tests/gpu/test_moe_host_syncs_cuda.py \
+        tests/gpu/test_grouped_experts_cuda.py tests/expert_parallel/test_moe_one_rank.py tests/context_parallel/test_cp_cuda.py
+    step compiled_profile 100 "${A[@]}" python3 benchmarks/compiled_step_profile.py --device cuda --layers 4 --out "$r"
+    step ep_cuda_ws1 55 "${A[@]}" python3 benchmarks/ep_overlap.py --device cuda --world 1 --out "$r"
+    step cp_cuda_ws1 45 "${A[@]}" python3 benchmarks/cp_overlap.py --device cuda --world 1 --rounds 6 --out "$r"
+  ) > "$out/logs/lane_a.txt" 2>&1 &
+  lane_a=$!
+  step user_tp4 75 "${B[@]}" python3 benchmarks/user_step.py --world 4 --preset cpu16 --threads 3 --rounds 6 --warmup 1 \
+      --budget-s 35 --out "$r"
+  step ep_cpu_ws4 55 "${B[@]}" python3 benchmarks/ep_overlap.py --world 4 --threads 3 --out "$r"
+  step cp_cpu_ws4 45 "${B[@]}" python3 benchmarks/cp_overlap.py --world 4 --threads 3 --out "$r"
+  LAST_EXTRA
+  step user_tiny 25 "${B[@]}" python3 benchmarks/user_step.py --world 1 --threads 2 --rounds 8 --budget-s 12 --out "$r"
+  wait "$lane_a"; cat "$out/logs/lane_a.txt"
+  ;;
 *) echo "unknown part $part"; exit 2 ;;
 esac
 tar czf "$out/$part.tgz" -C "$out" results logs && rm -rf "$out/results" "$out/logs"
