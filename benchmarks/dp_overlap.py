@@ -10,9 +10,12 @@ in separate steps after the timed ones so that recording never slows a timed ste
 every variant, "step − no-comm" is what communication and its bookkeeping added.
 
     python benchmarks/dp_overlap.py                       # CPU, gloo, 2 ranks
+    python benchmarks/dp_overlap.py --world 4 --threads 3 --budget-s 40   # the 16-core GPU host's CPU
     python3 benchmarks/dp_overlap.py --device cuda        # NCCL, one rank per visible GPU
 
-Writes benchmarks/results/dp_overlap_<device>.json and .md.
+`--budget-s` bounds the timed rounds: the warm-up's round time sets how many of `--steps` fit.
+Writes benchmarks/results/dp_overlap_<device>.json and .md (CPU at another world size than 2:
+dp_overlap_cpu_ws<N>).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import argparse
 import os
 import statistics
 import sys
+import time
 from dataclasses import asdict
 
 import torch
@@ -29,6 +33,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from _common import (add_common_args, backend, device_label, line_up, lm_train_step, time_variants, world_size,
                      write_results)
+from _ratios import per_round, text, verdict
 from overlapkit.data_parallel import DataParallel
 from overlapkit.launch import spawn
 from overlapkit.models.gpt import GPT, GPTConfig
@@ -48,9 +53,14 @@ PRESETS = {  # also read by dp_overhead_probe.py
                     batch=4, bucket_mb=25.0),
 }
 VARIANTS = ("overlapkit overlap=True", "overlapkit overlap=False", "torch DDP", "no communication")
+DDP_TARGET = 0.98
+"""DataParallel's default step at most this share of DDP's (and within 1 % of its own overlap=False)."""
 
 
-def _rank_body(device_type: str, preset: dict, steps: int, warmup: int, recorded: int, seed: int) -> dict:
+def _rank_body(device_type: str, preset: dict, steps: int, warmup: int, recorded: int, seed: int,
+               threads: int | None = None, budget_s: float | None = None) -> dict:
+    if threads is not None:
+        torch.set_num_threads(threads)
     rank = dist.get_rank()
     device = torch.device(device_type, rank) if device_type == "cuda" else torch.device("cpu")
     cfg = GPTConfig(**preset["gpt"])
@@ -70,7 +80,13 @@ def _rank_body(device_type: str, preset: dict, steps: int, warmup: int, recorded
     opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-4) for k, m in models.items()}
     step = lm_train_step(models, opts, cfg.vocab_size, preset["batch"], cfg.seq_len, seed + rank, device)
 
-    times = time_variants(step, list(VARIANTS), steps, warmup, device)
+    t0 = time.perf_counter()
+    time_variants(step, list(VARIANTS), 0, warmup, device)
+    if budget_s is not None:  # every rank times the same number of rounds: the slowest rank's round time
+        per_round = torch.tensor([(time.perf_counter() - t0) / max(1, warmup)], dtype=torch.float64, device=device)
+        dist.all_reduce(per_round, op=dist.ReduceOp.MAX)
+        steps = max(5, min(steps, int(budget_s / per_round.item())))
+    times = time_variants(step, list(VARIANTS), steps, 0, device)
 
     per_step: dict[str, list] = {k: [] for k in VARIANTS[:2]}
     with record(device=device) as rec:
@@ -85,7 +101,7 @@ def _rank_body(device_type: str, preset: dict, steps: int, warmup: int, recorded
         by_step.setdefault(s.step, []).append(s)
     recorded_times = {name: [asdict(measure(by_step.get(k, []))) for k in ks] for name, ks in per_step.items()}
     comm_bytes = sum(s.nbytes for s in by_step.get(per_step[VARIANTS[0]][0], []) if s.name.startswith("bucket"))
-    return dict(times=times, recorded=recorded_times, comm_bytes=comm_bytes,
+    return dict(times=times, recorded=recorded_times, comm_bytes=comm_bytes, steps=steps,
                 params=sum(p.numel() for p in models[VARIANTS[3]].parameters()),
                 buckets=len(models[VARIANTS[0]].sync.buffer.buckets))
 
@@ -128,7 +144,13 @@ def markdown(result: dict) -> str:
         lines.append(f"| {name} | {row['step_ms']:.2f} | {row['vs_ddp']:.3f} | {iqr} | {row['added_by_comm_ms']:.2f} | "
                      f"{fmt(row['exposed_comm_ms'], '.2f')} | {fmt(row['comm_ms'], '.2f')} | "
                      f"{fmt(row['overlap_pct'], '.0f')} |")
-    return head + "\n".join(lines) + "\n"
+    rows = result["rows"]
+    ours = rows[VARIANTS[0]]["step_ms_all"]
+    tail = "".join(
+        f"\n{VARIANTS[0]} vs {other}, per round: {text(r)} — target <= {target:g}: {verdict(r, target)}."
+        for other, target, r in (("torch DDP", DDP_TARGET, per_round(ours, rows["torch DDP"]["step_ms_all"])),
+                                 (VARIANTS[1], 1.01, per_round(ours, rows[VARIANTS[1]]["step_ms_all"]))))
+    return head + "\n".join(lines) + "\n" + tail + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -139,6 +161,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--recorded", type=int, default=3, help="extra recorded steps per overlapkit variant")
     ap.add_argument("--bucket-mb", type=float, default=None, help="bucket cap for overlapkit and DDP alike")
     ap.add_argument("--preset", choices=sorted(PRESETS), default=None, help="model size (default: the device's)")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads per rank (default: torch's)")
+    ap.add_argument("--budget-s", type=float, default=None,
+                    help="seconds the timed rounds may take (the warm-up's round time sets how many; at least 5)")
     args = ap.parse_args(argv)
     world = world_size(args)
     if world is None:
@@ -148,13 +173,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.bucket_mb is not None:
         preset["bucket_mb"] = args.bucket_mb
     per_rank = spawn(_rank_body, world, args.device, preset, args.steps, args.warmup, args.recorded, 0,
-                     backend=backend(args.device), timeout_s=600.0)
+                     args.threads, args.budget_s, backend=backend(args.device), timeout_s=600.0)
     result = dict(device=device_label(args.device),
-                  world=world, torch=torch.__version__, preset=preset, steps=args.steps,
+                  world=world, torch=torch.__version__, preset=preset, steps=per_rank[0]["steps"], threads=args.threads,
                   params=per_rank[0]["params"], buckets=per_rank[0]["buckets"],
                   comm_mb=per_rank[0]["comm_bytes"] / 1e6, rows=summarize(per_rank))
     # dp_overlap_cpu / dp_overlap_cuda for the default runs; preset and GPU count named otherwise
-    tag = ("" if preset_name == args.device else f"_{preset_name}") + (f"_ws{world}" if args.device == "cuda" and world > 1 else "")
+    tag = ("" if preset_name == args.device else f"_{preset_name}") + \
+        (f"_ws{world}" if (args.device == "cuda" and world > 1) or (args.device == "cpu" and world != 2) else "")
     write_results(result, os.path.join(args.out, f"dp_overlap_{args.device}{tag}"), markdown)
     return 0
 

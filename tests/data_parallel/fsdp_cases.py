@@ -6,7 +6,9 @@ compares with one process on the whole batch and with torch's plain FSDP2 on the
 
 from __future__ import annotations
 
+import collections
 import functools
+import sys
 import time
 
 import torch
@@ -17,8 +19,11 @@ from torch.distributed.tensor import DTensor
 from torch.nn import functional as F
 
 from distributed import distributed
+from overlapkit import tuning
 from overlapkit.agreement import RankMismatchError
 from overlapkit.data_parallel import fully_shard, layer_report, prefetch_plan
+from overlapkit.data_parallel import fsdp_prefetch
+from overlapkit.data_parallel.fsdp_comm import Probe
 from overlapkit.timeline import record
 
 PER_RANK = 4
@@ -36,8 +41,11 @@ class Net(nn.Module):
         self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(7, 13), nn.Tanh(), nn.Linear(13, 7)) for _ in range(4))
         self.out = nn.Linear(7, 3)
         self.sleep_in, self.sleep_s, self.slept = sleep_in, sleep_s, None
+        self.delay = None  # a callable: seconds to sleep at the start of each forward
 
     def forward(self, x):
+        if self.delay is not None:
+            time.sleep(self.delay())
         h = self.inp(x)
         for i, b in enumerate(self.blocks):
             h = h + b(h)
@@ -157,6 +165,27 @@ def _issued(model, x, y) -> dict:
     return {"comms": comms, "lists": lists, "probe stamps": len(model._overlapkit_zero3.probe.comms)}
 
 
+def _python_calls(model, x, y) -> collections.Counter:
+    """(file, function) -> calls of one unrecorded step, while any clock auto times with raises."""
+    calls: collections.Counter = collections.Counter()
+
+    def count(frame, event, _arg):
+        if event == "call":
+            calls[(frame.f_code.co_filename, frame.f_code.co_name)] += 1
+
+    def no_clock(*_):
+        raise AssertionError("auto read a clock after deciding")
+    stamps = tuning._stamp, Probe.stamp
+    tuning._stamp, Probe.stamp = no_clock, no_clock
+    sys.setprofile(count)
+    try:
+        F.mse_loss(model(x), y).backward()
+    finally:
+        sys.setprofile(None)
+        tuning._stamp, Probe.stamp = stamps
+    return calls
+
+
 def _decided_case(world: int, mesh) -> dict:
     """After auto decides, it is the fixed model at its depths: the same collectives, in the same
     order, with the same FSDP2 prefetch lists, and nothing of the probe or trials left."""
@@ -170,9 +199,45 @@ def _decided_case(world: int, mesh) -> dict:
     plan = prefetch_plan(auto)
     fixed = fully_shard(Net(), mesh, prefetch=(plan.forward_depth, plan.backward_depth))
     F.mse_loss(fixed(x), y).backward()  # lazy init, as auto had
+    F.mse_loss(auto(x), y).backward()  # the step that decided runs its forward at the kept depths
+    auto_calls, fixed_calls = _python_calls(auto, x, y), _python_calls(fixed, x, y)
     return {"decided after": steps, "auto decided": plan.decided,
             "auto depths": (plan.forward_depth, plan.backward_depth),
-            "auto issues": _issued(auto, x, y), "fixed issues": _issued(fixed, x, y)}
+            "auto issues": _issued(auto, x, y), "fixed issues": _issued(fixed, x, y),
+            "python calls": (sum(auto_calls.values()), sum(fixed_calls.values())),
+            "python calls that differ": {f"{k[0]}:{k[1]}": (auto_calls[k], fixed_calls[k])
+                                         for k in auto_calls.keys() | fixed_calls.keys()
+                                         if auto_calls[k] != fixed_calls[k]}}
+
+
+def _trials_case(world: int, mesh) -> dict:
+    """auto's trials keep what they measured, not the model's pick: every depth but the deepest candidate
+    is slowed by 40 ms a forward (on every rank), so the deepest must be kept, against the tie rule's
+    preference for the shallowest, and run."""
+    x, y = batch(world)
+    x, y = x[:PER_RANK], y[:PER_RANK]
+    real_tie, fsdp_prefetch.TIE = fsdp_prefetch.TIE, 100.0  # every neighbour of the model's pick is timed
+    try:
+        auto = fully_shard(Net(), mesh, prefetch="auto")
+        state, ran = auto._overlapkit_zero3, []
+
+        def delay() -> float:
+            if state.choice is None or state._window is None:
+                return 0.0
+            ran.append((state.plan.forward_depth, state.plan.backward_depth))
+            return 0.0 if ran[-1] == max(state.choice.candidates) else 0.04
+        auto.delay = delay
+        steps = 0
+        while not prefetch_plan(auto).decided and steps < 20:
+            F.mse_loss(auto(x), y).backward()
+            steps += 1
+    finally:
+        fsdp_prefetch.TIE = real_tie
+    plan = prefetch_plan(auto)
+    fixed = fully_shard(Net(), mesh, prefetch=(plan.forward_depth, plan.backward_depth))
+    F.mse_loss(fixed(x), y).backward()
+    return {"trials ran": ran, "trials kept": (plan.forward_depth, plan.backward_depth), "trials measured": plan.measured,
+            "trials reason": plan.reason, "trials lists": (_issued(auto, x, y)["lists"], _issued(fixed, x, y)["lists"])}
 
 
 def _bad_input_cases(rank: int, world: int, mesh) -> dict:
@@ -217,6 +282,8 @@ def _run(cases: tuple[str, ...]) -> dict:
         out.update(_overlap_case(world, mesh))
     if "decided" in cases:
         out.update(_decided_case(world, mesh))
+    if "trials" in cases:
+        out.update(_trials_case(world, mesh))
     if "bad" in cases:
         out.update(_bad_input_cases(rank, world, mesh))
     return out
@@ -224,7 +291,7 @@ def _run(cases: tuple[str, ...]) -> dict:
 
 @distributed(world_size=2, timeout_s=60.0)
 def _two():
-    return _run(("equal", "memory", "overlap", "decided", "bad"))
+    return _run(("equal", "memory", "overlap", "decided", "trials", "bad"))
 
 
 @distributed(world_size=3, timeout_s=60.0)

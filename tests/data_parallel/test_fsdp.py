@@ -40,7 +40,7 @@ def test_fixed_depths_are_set_and_auto_decides_the_same_on_every_rank(world):
 
 @pytest.mark.parametrize("world", WORLDS)
 def test_decided_auto_issues_what_the_fixed_model_at_its_depths_issues(world):
-    """auto's probe and trials leave nothing behind: no other collective, order or prefetch list."""
+    """auto's probe and trials leave nothing behind: no other collective, order, prefetch list, Python call or clock."""
     for r in results(world):
         assert r["auto decided"], r["decided after"]
         a, f = r["auto issues"], r["fixed issues"]
@@ -52,6 +52,21 @@ def test_decided_auto_issues_what_the_fixed_model_at_its_depths_issues(world):
         fd, bd = r["auto depths"]
         assert a["lists"][""][0] == [f"blocks.{i}" for i in range(min(fd, 4))], a["lists"]
         assert a["probe stamps"] == 0 and f["probe stamps"] == 0
+        # The same Python on the host, call for call (hooks, checks, FSDP2), and no clock read.
+        assert r["python calls that differ"] == {}, r["python calls that differ"]
+        assert r["python calls"][0] == r["python calls"][1] > 0, r["python calls"]
+
+
+def test_auto_keeps_and_runs_what_its_trials_measured_fastest():
+    for r in results(2):
+        ran, kept = r["trials ran"], r["trials kept"]
+        candidates = sorted(set(ran))
+        assert len(candidates) >= 2 and len(ran) == 2 * len(candidates), ran  # trials=2 rounds, one window each
+        assert kept == max(candidates), (kept, r["trials measured"])  # the only unslowed one
+        assert set(r["trials measured"]) == {f"{f}/{b}" for f, b in candidates}, r["trials measured"]
+        assert "measured step" in r["trials reason"], r["trials reason"]
+        auto_lists, fixed_lists = r["trials lists"]
+        assert auto_lists == fixed_lists  # the kept depths are the ones FSDP2 runs
 
 
 @pytest.mark.parametrize("world", WORLDS)

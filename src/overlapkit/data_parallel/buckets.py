@@ -155,13 +155,32 @@ class GradBuffer:
             view.copy_(g)
         p.grad = self._as_grad(p, view)
 
+    def attach_missing(self) -> None:
+        """Put the zeroed view back as the gradient of every parameter whose `.grad` is None.
+
+        For the start of backward after an optimizer's `zero_grad()` (which sets them to None):
+        autograd then accumulates straight into the buffer, where it would otherwise make a new
+        tensor that the gradient hook copies in, parameter by parameter.
+        """
+        missing = [p for p in self._views if p.grad is None]
+        if not missing:
+            return
+        if len(missing) == len(self._views):
+            self.data.zero_()
+        for p in missing:
+            view = self._views[p]
+            if len(missing) != len(self._views):
+                view.zero_()
+            p.grad = self._as_grad(p, view)
+
     @staticmethod
     def _as_grad(p: nn.Parameter, view: torch.Tensor) -> torch.Tensor:
         spec, loc = param_parts(p)
         return view if spec is None else grad_as_param(view, spec, loc)
 
     def zero_(self) -> None:
-        """Zero every gradient in place, keeping the views."""
+        """Zero every gradient in place, keeping the views (and putting back those replaced)."""
         self.data.zero_()
         for p, view in self._views.items():
-            p.grad = self._as_grad(p, view)
+            if p.grad is not view:  # a plain parameter's attached gradient is the view itself
+                p.grad = self._as_grad(p, view)

@@ -11,7 +11,9 @@ reduce-scatter alone; the ranks take the slowest rank's times (one tiny all-redu
 `costmodel.fsdp_prefetch_choice` prices each depth on its stream simulator within the memory
 budget. The model's pick and its neighbours that it prices within `fsdp_prefetch.TIE` are then
 timed for `trials` rounds of steps (the model cannot see, e.g., gloo running two collectives at
-once) and the fastest is kept (fsdp_prefetch.py). Every rank decides from the same all-reduced
+once) and the fastest is kept (`overlapkit.tuning.MeasuredChoice`, as the other engines' `auto`:
+the slowest rank's median per depth, agreed once); from then on a step runs exactly what a model
+fixed at the kept depths runs (fsdp_prefetch.py). Every rank decides from the same all-reduced
 numbers, so the gathers stay paired across ranks.
 FSDP2's collectives go through `overlapkit.comm` (see fsdp_comm.py): the timeline recorder
 and profiler traces see them as `zero_all_gather` / `zero_reduce_scatter`, named by block.

@@ -11,14 +11,15 @@ backward, so a "step" here is a window from a forward to the end of the next bac
 3. `trials` rounds, one window per candidate: the model's pick and the neighbouring depths
    (one shallower, one deeper, within memory) that it prices within TIE of its pick. The model
    has one communication stream; gloo runs two collectives at once and NCCL's streams contend
-   with compute in ways it does not price, so near-ties are settled by the clock;
+   with compute in ways it does not price, so near-ties are settled by the clock
+   (`overlapkit.tuning.MeasuredChoice`, which the other engines' `auto` use too);
 4. the fastest candidate (slowest rank's median), the shallowest within MIN_GAIN of it.
 Every decision is taken from all-reduced numbers, so every rank switches depth at the same window.
+After it, a step of an auto model runs what a model fixed at its depths runs: the same hooks and
+Python calls, the same collectives, no clock read (tests/data_parallel/test_fsdp.py counts them).
 """
 
 from __future__ import annotations
-
-import statistics
 
 import torch
 import torch.distributed as dist
@@ -26,6 +27,7 @@ import torch.distributed as dist
 from .. import comm
 from ..timeline.fsdp2 import ROOT
 from ..timeline.recorder import compute_span
+from ..tuning import MeasuredChoice
 from .fsdp_comm import Probe, RecordedAllGather, RecordedReduceScatter
 
 MIB = 1024 * 1024
@@ -54,8 +56,8 @@ class ZeroThree:
         self._pending = None  # what the next pre-forward decides: "model" or "trials"
         self._in_backward = False
         self._spans: dict[str, object] = {}
-        self._trials: list[tuple[int, int]] = []  # candidate (forward, backward) depth of each trial window
-        self._windows: list[list] = []  # [candidate index, start stamp, end stamp] of each window run
+        self.choice: MeasuredChoice | None = None  # auto's trials of the model's near-ties, while they last
+        self._window = None  # the timing context of the trial window in progress (forward to end of backward)
         self._model_reason = ""
         root.register_forward_pre_hook(self._pre_forward, prepend=True)  # before FSDP2's root pre-forward
         root.register_forward_hook(self._post_forward)  # after FSDP2's post-forward
@@ -93,23 +95,28 @@ class ZeroThree:
     def _pre_forward(self, _module, _args) -> None:
         self.check.model()
         self.check.forward_starts()
-        if self._pending == "model":
+        if self._pending is not None:
             self._pending = None
             self._decide_by_model()
-        elif self._pending == "trials":
-            self._pending = None
-            self._decide_by_trials()
-        grad = torch.is_grad_enabled()
-        if grad and not self.plan.decided and not self.probe.on and not self._trials \
-                and self.steps >= self.cfg.probe_step:  # `>=`: a stage may step over probe_step between forwards
+        if torch.is_grad_enabled() and not self.plan.decided:
+            self._measure()
+        self._open("forward")
+
+    def _measure(self) -> None:
+        """auto, at a training forward: start the probe window or the next trial window, or keep the trials' pick."""
+        if self.choice is not None:
+            if self._window is None:  # a pipeline stage runs several forwards in one window
+                trial = self.choice.trial(self.device)  # the call after the last window decides (collective)
+                if trial is None:
+                    self._finish_trials()
+                else:
+                    self._apply(*trial.choice)
+                    # One region per window, so a stage's several forwards and its backward count once.
+                    self._window = trial.forward()
+                    self._window.__enter__()
+        elif not self.probe.on and self.steps >= self.cfg.probe_step:  # `>=`: a stage may step over probe_step
             self.probe.reset()
             self.probe.on = True
-        if grad and self._trials and (not self._windows or self._windows[-1][2] is not None):
-            k = len(self._windows)
-            if k < len(self._trials):
-                self._apply(*self._trials[k])
-                self._windows.append([k, self.probe.stamp(), None])
-        self._open("forward")
 
     def _post_forward(self, _module, _args, output):
         self._close("forward")
@@ -134,10 +141,9 @@ class ZeroThree:
         if self.probe.on:
             self.probe.on = False
             self._pending = "model"
-        elif self._windows and self._windows[-1][2] is None:
-            self._windows[-1][2] = self.probe.stamp()
-            if len(self._windows) == len(self._trials):
-                self._pending = "trials"
+        elif self._window is not None:
+            self._window.__exit__(None, None, None)
+            self._window = None
         self.steps += 1
 
     # -- auto ------------------------------------------------------------------------------
@@ -184,26 +190,15 @@ class ZeroThree:
         if self.cfg.trials == 0 or len(candidates) == 1:
             self._finish(fd, bd, "")
             return
-        candidates.sort()
-        rounds = [candidates[r % len(candidates):] + candidates[:r % len(candidates)] for r in range(self.cfg.trials)]
-        self._trials = [c for r in rounds for c in r]
-        self._windows = []
-        self.plan.reason = f"{self._model_reason}; timing depths {candidates} for {self.cfg.trials} rounds"
+        # Shallow to deep: among depths within MIN_GAIN of the fastest, the one holding the least memory wins.
+        self.choice = MeasuredChoice(sorted(candidates), self.group, what="zero3-prefetch", kind="dp_all_reduce",
+                                     rounds=self.cfg.trials, warmup_rounds=0, tie=MIN_GAIN)
+        self.plan.reason = f"{self._model_reason}; timing depths {sorted(candidates)} for {self.cfg.trials} rounds"
 
-    def _decide_by_trials(self) -> None:
-        if self.probe.cuda:
-            torch.cuda.synchronize(self.device)
-        candidates = sorted(set(self._trials))
-        per = {c: [] for c in candidates}
-        for k, a, b in self._windows:
-            per[self._trials[k]].append(self.probe._ms(a, b))
-        slow = self._slowest([statistics.median(per[c]) for c in candidates], "zero3-auto-trials")
-        best = min(slow)
-        # Sorted shallow to deep: the first within MIN_GAIN of the fastest holds the least memory.
-        fd, bd = next(c for c, ms in zip(candidates, slow) if ms <= best * (1 + MIN_GAIN))
-        self.plan.measured = {f"{f}/{b}": ms for (f, b), ms in zip(candidates, slow)}
-        shown = ", ".join(f"{f}/{b}: {ms:.3g} ms" for (f, b), ms in zip(candidates, slow))
-        self._trials, self._windows = [], []
+    def _finish_trials(self) -> None:
+        (fd, bd), measured, self.choice = self.choice.decided, self.choice.measured, None
+        self.plan.measured = {f"{f}/{b}": ms for (f, b), ms in measured.items()}
+        shown = ", ".join(f"{f}/{b}: {ms:.3g} ms" for (f, b), ms in measured.items())
         self._finish(fd, bd, f"; measured step (forward/backward depth: median ms, slowest rank) {shown}")
 
     def _finish(self, fd: int, bd: int, measured: str) -> None:

@@ -6,6 +6,13 @@ in launch order is ready, its collective starts at once. A callback queued on th
 engine runs when backward ends: it launches what is left and waits for everything, so the
 optimizer sees reduced gradients with no extra call. Only the last bucket is exposed.
 
+Host cost: the hook is the only Python that runs per parameter, so it does as little as it can
+(its parameter's index and bucket are bound into it; one identity check tells that `.grad` is
+still the buffer's view; the launch loop runs only when a bucket fills). Gradients an optimizer's
+`zero_grad()` set to None get their zeroed views back when backward starts, so autograd
+accumulates into the buffer itself instead of the hook copying each one in. At world size 1 the
+average is the gradient itself: no collective is issued at all.
+
 Buckets launch strictly in order, on every rank. A parameter that got no gradient holds its
 bucket (and the ones after it) back until the end of backward, where they launch anyway; so
 every rank issues the same collectives in the same order whatever its graph did, and a tiny
@@ -104,9 +111,11 @@ class GradSync:
                                 "the parameters' shapes")
         self.buffer = GradBuffer(named_params, bucket_mb=config.bucket_mb,
                                  first_bucket_mb=config.first_bucket_mb, pad_to=self.world * SHARD_ALIGN)
+        self.named = list(named_params)
+        """(name, parameter) in registration order (a plain ShardedOptimizer's checkpoint keys follow it)."""
         self.params = self.buffer.params
         self.names = [n for b in self.buffer.buckets for n in b.names]
-        # param -> (its index in backward order, its bucket): one lookup per gradient in the hook
+        # param -> (its index in backward order, its bucket); the hooks have theirs bound in
         self.slot = {p: (i, self.buffer.bucket_of(p)) for i, p in enumerate(self.params)}
         # Per bucket, the parameters whose gradient covers only this rank's tokens under
         # sequence parallelism: summed over the TP group just before the bucket is reduced.
@@ -124,7 +133,8 @@ class GradSync:
         # backward then sends what the buffer holds, so the other ranks' collectives still pair,
         # and every rank raises at its end.
         self.poison: str | None = None
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
+        self._hooks = [p.register_post_accumulate_grad_hook(self._grad_hook(i, b))
+                       for p, (i, b) in self.slot.items()]
         for p in self.params:
             p._overlapkit_grad_sync = True
         self.reset()
@@ -144,6 +154,7 @@ class GradSync:
         """Forget a backward that never finished (an error inside it)."""
         self._in_backward = False
         self._syncing = False
+        self._collecting = False  # syncing, and this rank's model still fits the buffer
         self._span = None
         self._ready = [False] * len(self.params)
         self._missing = [len(b.params) for b in self.buffer.buckets]
@@ -158,23 +169,36 @@ class GradSync:
         self.reset()
         self._in_backward = True
         self._syncing = sync and self.enabled
+        self._collecting = self._syncing and self.poison is None
+        if self.poison is None:  # (a changed model's parameters may no longer take the buffer's views)
+            self.buffer.attach_missing()
         _queue_callback(self._end_backward)
         self._span = compute_span("backward")
         self._span.__enter__()
 
-    def _on_grad(self, p: nn.Parameter) -> None:
-        self.begin_backward(self.enabled)
-        if not self._syncing or self.poison is not None:
-            return
-        self.buffer.attach(p)
-        i, b = self.slot[p]
-        if self._ready[i]:
-            return  # a second accumulation in one backward (reentrant checkpointing): already counted
-        self._ready[i] = True
-        self._missing[b] -= 1
-        if self.config.overlap:
-            while self._next < len(self._missing) and self._missing[self._next] == 0:
-                self._launch(self._next)
+    def _grad_hook(self, i: int, b: int):
+        """Parameter i's post-accumulate-grad hook (i in backward order, in bucket b)."""
+        view = self.buffer.view(self.params[i])
+        attach = self.buffer.attach
+        overlap = self.config.overlap
+
+        def on_grad(p: nn.Parameter) -> None:
+            if not self._in_backward:
+                self.begin_backward(self.enabled)
+            if not self._collecting:
+                return
+            if p.grad is not view:  # replaced (set to None, assigned) or a DTensor around the view
+                attach(p)
+            ready = self._ready
+            if ready[i]:
+                return  # a second accumulation in one backward (reentrant checkpointing): already counted
+            ready[i] = True
+            missing = self._missing
+            missing[b] -= 1
+            if overlap and b == self._next and not missing[b]:
+                while self._next < len(missing) and not missing[self._next]:
+                    self._launch(self._next)
+        return on_grad
 
     def _launch(self, b: int) -> None:
         assert b == self._next, "buckets launch in order on every rank"
@@ -182,7 +206,8 @@ class GradSync:
         if self._sp_params[b]:
             self._sum_sequence_parallel(b)
         data = self.buffer.bucket_data(b)
-        if self.group is None:
+        if self.group is None or (self.world == 1 and self._staging is None):
+            # Nothing to average over: the gradient is its own mean (and, sharded, its own shard).
             if self.shards is not None:
                 self.shards[b].copy_(data)
             return
@@ -193,7 +218,11 @@ class GradSync:
         if self.world > 1:
             src.mul_(1.0 / self.world)  # average; scaling before the sum keeps low precision in range
         name = f"bucket{b}"
-        if self.shards is None:
+        if self.world == 1:  # only the reduce dtype's rounding, as every world size has it
+            h = None
+            if self.shards is not None:
+                self.shards[b].copy_(src)
+        elif self.shards is None:
             h = comm.all_reduce(src, self.group, kind="dp_all_reduce", name=name)
         else:
             h = comm.reduce_scatter(self.shards[b], src, self.group, kind="dp_reduce_scatter", name=name)
@@ -236,7 +265,8 @@ class GradSync:
         b = None
         try:
             for b, h in self._handles:
-                h.wait()
+                if h is not None:
+                    h.wait()
                 if self.shards is not None:
                     # .grad on this rank's shard: the true average (elsewhere: this rank's unreduced part).
                     lo, hi = self.buffer.buckets[b].shard(self.rank, self.world)

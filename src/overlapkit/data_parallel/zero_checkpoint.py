@@ -180,7 +180,7 @@ class PerParameterCheckpoint:
             from torch.distributed.tensor import DTensor
 
             if self._module is None:
-                named, sd = [(n, p) for n, p, _, _ in self.sync.layout], {}
+                named, sd = list(self.sync.named), {}
             else:
                 named = [(n, p) for n, p in self._module.named_parameters() if p in self.sync.slot]
                 sd = self._module.state_dict(keep_vars=True)
