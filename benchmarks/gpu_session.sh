@@ -258,25 +258,35 @@ final)
   ;;
 last)
   # The session's one call, in two lanes at once so it fits: lane A (cores 0-2) the GPU — the new MoE/ring
-  # CUDA tests, the compiled step's kernels beside the compiled plain model's, EP and CP auto/fixed/none at
-  # world size 1; lane B (cores 3-15) the gloo runs — the user's path at tp 4 (and tp 8) and one rank, EP and CP
-  # at 4 ranks, ZeRO-3 / DP / PP beside their PyTorch peers. Every step bounded; the lanes never share a core.
+  # CUDA tests and DataParallel's, the compiled step's kernels beside the compiled plain model's, EP and CP
+  # auto/fixed/none and DP's host cost at world size 1; lane B (cores 3-15) the gloo runs — the user's path at
+  # tp 4 and one rank, EP and CP at 4 ranks, ZeRO-3 at 8, DP and PP at 4 beside their PyTorch peers. Every step
+  # bounded; the lanes never share a core; results in $r/h200 and $r/cpu16 (no committed file overwritten).
   A=(env); B=(env)  # `timeout` runs a command, not a shell function: the pinning is a command prefix
   if command -v taskset > /dev/null; then A=(taskset -c 0-2); B=(taskset -c 3-15); fi
+  g="$r/h200" c="$r/cpu16"; mkdir -p "$g" "$c"
   (
     step pytest_cuda 70 "${A[@]}" python3 -m pytest -q -x -p no:cacheprovider tests/gpu/test_moe_host_syncs_cuda.py \
-        tests/gpu/test_grouped_experts_cuda.py tests/expert_parallel/test_moe_one_rank.py tests/context_parallel/test_cp_cuda.py
-    step compiled_profile 100 "${A[@]}" python3 benchmarks/compiled_step_profile.py --device cuda --layers 4 --out "$r"
-    step ep_cuda_ws1 55 "${A[@]}" python3 benchmarks/ep_overlap.py --device cuda --world 1 --out "$r"
-    step cp_cuda_ws1 45 "${A[@]}" python3 benchmarks/cp_overlap.py --device cuda --world 1 --rounds 6 --out "$r"
+        tests/gpu/test_grouped_experts_cuda.py tests/expert_parallel/test_moe_one_rank.py \
+        tests/context_parallel/test_cp_cuda.py tests/gpu/test_nccl_data_parallel.py
+    step compiled_profile 100 "${A[@]}" python3 benchmarks/compiled_step_profile.py --device cuda --layers 4 --out "$g"
+    step ep_cuda_ws1 55 "${A[@]}" python3 benchmarks/ep_overlap.py --device cuda --world 1 --out "$g"
+    step cp_cuda_ws1 45 "${A[@]}" python3 benchmarks/cp_overlap.py --device cuda --world 1 --rounds 6 --out "$g"
+    step dp_host_cuda_ws1 45 "${A[@]}" python3 benchmarks/dp_host_cost.py --device cuda --world 1 --budget-s 12 --out "$g"
+    step dp_cuda_ws1 60 "${A[@]}" python3 benchmarks/dp_overlap.py --device cuda --steps 30 --budget-s 15 --out "$g"
   ) > "$out/logs/lane_a.txt" 2>&1 &
   lane_a=$!
   step user_tp4 75 "${B[@]}" python3 benchmarks/user_step.py --world 4 --preset cpu16 --threads 3 --rounds 6 --warmup 1 \
-      --budget-s 35 --out "$r"
-  step ep_cpu_ws4 55 "${B[@]}" python3 benchmarks/ep_overlap.py --world 4 --threads 3 --out "$r"
-  step cp_cpu_ws4 45 "${B[@]}" python3 benchmarks/cp_overlap.py --world 4 --threads 3 --out "$r"
-  LAST_EXTRA
-  step user_tiny 25 "${B[@]}" python3 benchmarks/user_step.py --world 1 --threads 2 --rounds 8 --budget-s 12 --out "$r"
+      --budget-s 35 --out "$c"
+  step ep_cpu_ws4 55 "${B[@]}" python3 benchmarks/ep_overlap.py --world 4 --threads 3 --out "$c"
+  step cp_cpu_ws4 45 "${B[@]}" python3 benchmarks/cp_overlap.py --world 4 --threads 3 --out "$c"
+  step fsdp_cpu_ws8 80 "${B[@]}" python3 benchmarks/fsdp_overlap.py --world 8 --threads 1 --variants fsdp2,1,2,auto \
+      --budget-s 16 --steps 12 --warmup 1 --recorded 0 --out "$c"
+  step dp_cpu_ws4 60 "${B[@]}" python3 benchmarks/dp_overlap.py --world 4 --threads 3 --budget-s 30 --steps 60 \
+      --recorded 1 --out "$c"
+  step pp_cpu_ws4 60 "${B[@]}" python3 benchmarks/pp_overlap.py --world 4 --threads 3 --schedules 1f1b,interleaved \
+      --steps 40 --warmup 2 --recorded 1 --out "$c"
+  step user_tiny 25 "${B[@]}" python3 benchmarks/user_step.py --world 1 --threads 2 --rounds 8 --budget-s 12 --out "$c"
   wait "$lane_a"; cat "$out/logs/lane_a.txt"
   ;;
 *) echo "unknown part $part"; exit 2 ;;
