@@ -87,7 +87,8 @@ def _rank_body(device_type: str, layers: int, width: int, batch: int, rounds: in
     for r in range(warmup):
         for j in orders[r % len(orders)]:
             step(VARIANTS[j])
-    per_round = torch.tensor([(time.perf_counter() - t0) / max(1, warmup)], dtype=torch.float64)
+    per_round = torch.tensor([(time.perf_counter() - t0) / max(1, warmup)], dtype=torch.float64,
+                             device=device if cuda else None)  # NCCL reduces only device tensors
     dist.all_reduce(per_round, op=dist.ReduceOp.MAX)  # every rank times the same number of rounds
     rounds = max(5, min(rounds, int(budget_s / max(per_round.item(), 1e-6))))
     wall: dict[str, list[float]] = {k: [] for k in VARIANTS}

@@ -289,6 +289,24 @@ last)
   step user_tiny 25 "${B[@]}" python3 benchmarks/user_step.py --world 1 --threads 2 --rounds 8 --budget-s 12 --out "$c"
   wait "$lane_a"; cat "$out/logs/lane_a.txt"
   ;;
+last2)
+  # What the first call's limits cut short: the user's path at tp 4 (fewer rounds), PP at 4 ranks (fewer
+  # steps), the one-rank user's path and DP's host cost on the GPU (fixed: NCCL reduces device tensors only).
+  A=(env); B=(env)
+  if command -v taskset > /dev/null; then A=(taskset -c 0-2); B=(taskset -c 3-15); fi
+  g="$r/h200" c="$r/cpu16"; mkdir -p "$g" "$c"
+  (
+    step user_tiny 45 "${A[@]}" python3 benchmarks/user_step.py --world 1 --threads 2 --rounds 6 --warmup 1 \
+        --budget-s 10 --out "$c"
+    step dp_host_cuda_ws1 45 "${A[@]}" python3 benchmarks/dp_host_cost.py --device cuda --world 1 --budget-s 10 --out "$g"
+  ) > "$out/logs/lane_a.txt" 2>&1 &
+  lane_a=$!
+  step user_tp4 110 "${B[@]}" python3 benchmarks/user_step.py --world 4 --preset cpu16 --threads 3 --rounds 4 --warmup 1 \
+      --budget-s 30 --out "$c"
+  step pp_cpu_ws4 60 "${B[@]}" python3 benchmarks/pp_overlap.py --world 4 --threads 3 --schedules 1f1b,interleaved \
+      --steps 16 --warmup 2 --recorded 1 --out "$c"
+  wait "$lane_a"; cat "$out/logs/lane_a.txt"
+  ;;
 *) echo "unknown part $part"; exit 2 ;;
 esac
 tar czf "$out/$part.tgz" -C "$out" results logs && rm -rf "$out/results" "$out/logs"
