@@ -41,7 +41,9 @@ def out_dir(args: argparse.Namespace) -> str:
     if args.out:
         return args.out
     if getattr(args, "smoke", False):
-        return tempfile.mkdtemp(prefix="overlapkit_smoke_")
+        args.out = tempfile.mkdtemp(prefix="overlapkit_smoke_")
+        print(f"--smoke: results go to {args.out}", file=sys.stderr)
+        return args.out
     return RESULTS
 
 
