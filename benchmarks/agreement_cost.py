@@ -18,14 +18,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from _common import RESULTS, device_label, write_results  # noqa: E402
-
-from overlapkit.launch import spawn  # noqa: E402
+from _lib.common import add_out_arg, add_smoke_arg, device_label, out_dir, run_ranks, write_results  # noqa: E402
 
 
 def _rank_body(new_calls: int, seen_calls: int) -> dict:
-    from overlapkit.agreement import Agreement
-    from overlapkit.groups import ParallelGroups
+    from _lib.unexported import Agreement
+    from overlapkit import ParallelGroups
 
     g = ParallelGroups.build(tp=dist.get_world_size())
     a = Agreement("bench")
@@ -53,13 +51,16 @@ def main(argv=None) -> int:
     ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--new-calls", type=int, default=30)
     ap.add_argument("--seen-calls", type=int, default=20000)
-    ap.add_argument("--out", default=RESULTS)
+    add_out_arg(ap)
+    add_smoke_arg(ap)
     args = ap.parse_args(argv)
-    per_rank = spawn(_rank_body, args.world, args.new_calls, args.seen_calls, timeout_s=120.0)
+    if args.smoke:
+        args.new_calls, args.seen_calls = 2, 10
+    per_rank = run_ranks(_rank_body, args.world, args.new_calls, args.seen_calls, timeout_s=120.0)
     result = dict(device=device_label("cpu"), torch=torch.__version__, world=args.world,
                   first_ms=statistics.median(r["first_ms"] for r in per_rank),
                   seen_us=statistics.median(r["seen_us"] for r in per_rank))
-    write_results(result, os.path.join(args.out, f"agreement_cost_cpu_ws{args.world}"), markdown)
+    write_results(result, os.path.join(out_dir(args), f"agreement_cost_cpu_ws{args.world}"), markdown)
     return 0
 
 

@@ -1,6 +1,7 @@
 """`overlapkit analyze` on every job of the third-party trace corpus, against HolisticTraceAnalysis.
 
-For each folder of ../shared/traces/corpus: our overlap % per rank (read + report + the
+For each folder of benchmarks/data/traces/corpus (a copy of the project's third-party trace corpus; sources
+and licences in its SOURCES.tsv): our overlap % per rank (read + report + the
 diagnosis's analysis with the cross-rank critical path and its what-ifs, timed, best of --repeat),
 the critical path's length against the step's (the shortest ratio over the steps) and its untraced share, HTA 0.5.0's figure from the corpus's
 hta_reference.json, the difference, and — when HTA is importable (`--hta-path` to where it is
@@ -22,11 +23,12 @@ import sys
 import time
 from pathlib import Path
 
-from _common import write_results
-from overlapkit.timeline.diagnose import analyze
-from overlapkit.timeline.trace import TraceError, read_traces
+from _lib.common import DATA, ROOT, add_out_arg, add_smoke_arg, out_dir, write_results
+from overlapkit.timeline import TraceError, analyze, read_traces
 
-CORPUS = Path(__file__).resolve().parents[1] / ".." / "shared" / "traces" / "corpus"
+CORPUS = Path(DATA) / "traces" / "corpus"
+SMOKE_JOBS = ("hta_cpu_only", "gen_gloo_ddp_2ranks")
+"""--smoke: a one-rank CPU trace and a two-rank gloo job, analyzed once each."""
 
 
 def _ours(folder: Path, repeat: int):
@@ -76,9 +78,14 @@ def main() -> None:
     ap.add_argument("--corpus", default=str(CORPUS))
     ap.add_argument("--repeat", type=int, default=3, help="time each analysis this many times, keep the best")
     ap.add_argument("--hta-path", help="a directory holding an installed HolisticTraceAnalysis (pip --target)")
-    ap.add_argument("--out", default="benchmarks/results")
+    add_out_arg(ap)
     ap.add_argument("--jobs", nargs="+", help="re-run only these jobs, replacing their rows in the existing results")
+    add_smoke_arg(ap)
     args = ap.parse_args()
+    if args.smoke:
+        args.repeat = 1
+    wanted = args.jobs or (SMOKE_JOBS if args.smoke else None)
+    out = out_dir(args)
     corpus = Path(args.corpus)
     reference = json.loads((corpus / "hta_reference.json").read_text())["cases"]
     hta_ok = False
@@ -91,7 +98,7 @@ def main() -> None:
         except ImportError as e:
             print(f"HTA not importable from {args.hta_path}: {e}", file=sys.stderr)
     rows = []
-    for folder in sorted(p for p in corpus.iterdir() if p.is_dir() and (not args.jobs or p.name in args.jobs)):
+    for folder in sorted(p for p in corpus.iterdir() if p.is_dir() and (not wanted or p.name in wanted)):
         # The two alternate, best of --repeat each: a machine shared with other jobs slows one run, not both.
         seconds = hta_s = float("inf")
         for _ in range(args.repeat):
@@ -108,11 +115,11 @@ def main() -> None:
         rows.append(row)
         print(f"{folder.name}: {ours} in {seconds:.2f} s {note}", file=sys.stderr, flush=True)
     if args.jobs:
-        previous = json.loads(Path(args.out, "analyze_corpus.json").read_text())["rows"]
+        previous = json.loads(Path(out, "analyze_corpus.json").read_text())["rows"]
         fresh = {r["job"]: r for r in rows}
         rows = [fresh.get(r["job"], r) for r in previous]
-    write_results(dict(corpus=str(corpus), hta_timed=hta_ok, rows=rows),
-                  os.path.join(args.out, "analyze_corpus"), _markdown)
+    shown = os.path.relpath(corpus.resolve(), ROOT) if corpus.resolve().is_relative_to(ROOT) else str(corpus)
+    write_results(dict(corpus=shown, hta_timed=hta_ok, rows=rows), os.path.join(out, "analyze_corpus"), _markdown)
 
 
 def _fmt(x) -> str:

@@ -9,7 +9,7 @@ the compute stream, bucketed NCCL all-reduces on the NCCL stream with record_par
 size gives it; what it drops (args, flows, python functions) is what makes real traces large.
 
     python benchmarks/analyze_large.py                          # 16 ranks x 32 MB, in /tmp
-    python benchmarks/analyze_large.py --ranks 2 --mb 4 --out /tmp/smoke   # the smoke run
+    python benchmarks/analyze_large.py --smoke                  # 2 ranks x 0.5 MB, results in a temporary folder
 
 Writes benchmarks/results/analyze_large.json and .md (or under --out).
 """
@@ -131,8 +131,12 @@ def main() -> None:
     ap.add_argument("--mb", type=float, default=32.0, help="MB of JSON per rank")
     ap.add_argument("--slow-rank", type=int, default=3)
     ap.add_argument("--dir", help="where to write the traces (default: a temporary directory, removed after)")
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    ap.add_argument("--out", default=None, help="results folder (default: benchmarks/results; with --smoke a new "
+                                                "temporary folder)")
+    ap.add_argument("--smoke", action="store_true", help="2 ranks of 0.5 MB: shows the script runs, measures nothing")
     args = ap.parse_args()
+    if args.smoke:
+        args.ranks, args.mb, args.slow_rank = 2, 0.5, 1
     folder = Path(args.dir or tempfile.mkdtemp(prefix="analyze_large_"))
     folder.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
@@ -141,12 +145,12 @@ def main() -> None:
     made_s = time.perf_counter() - t0
     total_mb = sum(sizes) / 1e6
     print(f"wrote {args.ranks} traces, {total_mb:.0f} MB, in {made_s:.1f} s", file=sys.stderr)
-    analyze = "from overlapkit.cli import main; sys.exit(main(sys.argv[1:]))"
+    analyze = "import runpy; sys.argv[0] = 'overlapkit'; runpy.run_module('overlapkit', run_name='__main__')"
     streamed_s, streamed_mb, out = _measure(analyze, "analyze", str(folder), "--json", "--progress")
     doc = json.loads(out)
     whole_s, whole_mb, _ = _measure("import json; print(len(json.load(open(sys.argv[1]))['traceEvents']))",
                                     str(folder / "rank0.pt.trace.json"))
-    _, baseline_mb, _ = _measure("import overlapkit.timeline.diagnose, overlapkit.timeline.plot")
+    _, baseline_mb, _ = _measure("from overlapkit.timeline import analyze, plot_spans")
     paths = doc["critical_paths"]
     waited = {}
     for s in doc["critical_path"]:
@@ -160,9 +164,9 @@ def main() -> None:
     # imported only now: its torch import would otherwise count in every child's peak (Linux keeps a
     # process's max RSS across the fork and exec that start it)
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from _common import write_results
+    from _lib.common import out_dir, write_results
 
-    write_results(result, os.path.join(args.out, "analyze_large"), _markdown)
+    write_results(result, os.path.join(out_dir(args), "analyze_large"), _markdown)
     if not args.dir:
         shutil.rmtree(folder, ignore_errors=True)
 

@@ -11,7 +11,7 @@ overlap modes are the same program there; the rows say so).
     python benchmarks/calibrate_validation.py --device cpu                  # the 16-core host, overlapkit's GPT
     python benchmarks/calibrate_validation.py --device cpu --model llama    # HF Llama through parallelize (no pp)
     python benchmarks/calibrate_validation.py --device cuda                 # the H200, world size 1
-    python benchmarks/calibrate_validation.py --device cpu --smoke          # tiny sizes, two steps (a smoke run)
+    python benchmarks/calibrate_validation.py --device cpu --smoke          # tiny sizes, two steps, two layouts
 
 Writes benchmarks/results/calibrate_validation_<device>_<model>[_smoke].{json,md}. Targets: every predicted
 layout within 10 % (16 cores) and 5 % (H200, world size 1) of its measured step.
@@ -27,7 +27,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _lib.common import SMOKE_HELP, add_out_arg, out_dir  # noqa: E402
+
 SIZES = {"smoke": dict(hidden=64, num_heads=8, ffn_hidden=256, num_layers=2, seq_len=32, vocab_size=256, batch=4),
          "cpu": dict(hidden=512, num_heads=8, ffn_hidden=2048, num_layers=4, seq_len=256, vocab_size=4096, batch=8),
          "cuda": dict(hidden=2048, num_heads=16, ffn_hidden=8192, num_layers=8, seq_len=2048, vocab_size=32768,
@@ -66,10 +68,9 @@ def run_rank(sizes: dict, layout: tuple, steps: int, trace_dir: str, overlap: st
     import torch
     from torch.profiler import ProfilerActivity, profile, schedule
 
+    from overlapkit import ParallelGroups, optim_param_groups
     from overlapkit.data_parallel import DataParallel
-    from overlapkit.groups import ParallelGroups
     from overlapkit.models import lm_loss, parallelize
-    from overlapkit.optim import optim_param_groups
     from overlapkit.timeline import record
 
     tp, pp, dp, mb, m = layout
@@ -123,7 +124,7 @@ def run_rank(sizes: dict, layout: tuple, steps: int, trace_dir: str, overlap: st
 def measure(sizes: dict, layout: tuple, steps: int, overlap: str, device: str, timeout_s: float,
             folder: str | None = None, arch: str = "gpt") -> str:
     """Run one layout on its ranks (unless `folder` already holds its traces); returns the traces' folder."""
-    from overlapkit.launch import spawn
+    from _lib.unexported import spawn
 
     tp, pp, dp, _, _ = layout
     if folder and Path(folder).is_dir() and any(Path(folder).glob("rank*.json")):
@@ -156,9 +157,8 @@ def par_of(layout: tuple, overlap: str):
 
 def run(device: str, kind: str, steps: int, overlap: str, timeout_s: float, traces: str | None = None,
         arch: str = "gpt") -> dict:
+    from _lib.unexported import RankFailed, fit, predict_calibrated, read_measured
     from overlapkit.costmodel import ModelConfig, predict, preset
-    from overlapkit.costmodel.calibrate import fit, predict_calibrated
-    from overlapkit.plan_tools import read_measured
 
     sizes = SIZES[kind]
     model = ModelConfig(**model_json(sizes, arch))
@@ -168,7 +168,9 @@ def run(device: str, kind: str, steps: int, overlap: str, timeout_s: float, trac
                                                                  for x in (b // 4, b // 2, 2 * b) if x >= 1}}
     else:
         plan = layouts(sizes["batch"], arch)
-    from overlapkit.launch import RankFailed
+    if kind == "smoke":  # the traced layout and one predicted at another split
+        first, other = next(iter(plan)), "tp4"
+        plan = {first: plan[first], other: plan[other]}
 
     rows, cal, failed = [], None, []
     for i, (name, layout) in enumerate(plan.items()):
@@ -231,13 +233,13 @@ def main(argv=None) -> int:
     ap.add_argument("--world", type=int, default=4, help="ranks of the CPU layouts (4: the layouts above)")
     ap.add_argument("--model", choices=("gpt", "llama"), default="gpt",
                     help="overlapkit's GPT, or a Hugging Face Llama through overlapkit.parallelize")
-    ap.add_argument("--smoke", action="store_true", help="tiny sizes and two steps")
+    ap.add_argument("--smoke", action="store_true", help=SMOKE_HELP)
     ap.add_argument("--steps", type=int, default=None, help="measured steps per layout (default 5; smoke 2)")
     ap.add_argument("--overlap", default="bulk", choices=("none", "bulk", "pipelined"))
     ap.add_argument("--timeout", type=float, default=300.0, help="process-group timeout per layout, s")
     ap.add_argument("--traces", metavar="DIR", help="keep each layout's traces in DIR/<layout>; a layout whose "
                     "folder already holds traces is not run again (re-analysis)")
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    add_out_arg(ap)
     args = ap.parse_args(argv)
     if args.device == "cpu" and args.world != 4:
         print("--world: the CPU layouts (dp2 x tp2, tp4, dp4, pp2 x tp2) need 4 ranks", file=sys.stderr)
@@ -245,7 +247,7 @@ def main(argv=None) -> int:
     kind = "smoke" if args.smoke else args.device
     res = run(args.device, kind, args.steps or (2 if args.smoke else 5), args.overlap, args.timeout, args.traces,
               args.model)
-    out = Path(args.out)
+    out = Path(out_dir(args))
     out.mkdir(parents=True, exist_ok=True)
     stem = f"calibrate_validation_{args.device}_{args.model}" + ("_smoke" if args.smoke else "")
     (out / f"{stem}.json").write_text(json.dumps(res, indent=1))

@@ -6,7 +6,7 @@ of its kernels), the host calls that wait for the GPU (stream/device synchroniza
 host), and the kernels whose total time differs most between the two.
 
     python benchmarks/compiled_step_profile.py --device cuda --layers 4          # one GPU
-    python benchmarks/compiled_step_profile.py --layers 1 --seq 128               # CPU smoke run
+    python benchmarks/compiled_step_profile.py --smoke                            # CPU smoke run (eager variants)
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 
-from _common import RESULTS, device_label, write_results  # noqa: E402
-from user_step import PRESETS, _build  # noqa: E402
+from _lib.common import add_out_arg, add_smoke_arg, device_label, out_dir, run_ranks, write_results  # noqa: E402
+from _lib.hf_llama import PRESETS, build_variant  # noqa: E402
 
 SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy ", "cudaMemcpyAsync")
 
@@ -52,7 +52,7 @@ def _rank_body(cfg_kw: dict, variants: list[str], warmup: int, device_type: str)
     ids = torch.randint(0, cfg.vocab_size, (cfg_kw["batch"], cfg_kw["seq"])).to(device)
     out = {}
     for name in variants:
-        model, ctx = _build(name, base, groups, 1)
+        model, ctx = build_variant(name, base, groups, 1)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, **(dict(fused=True) if device_type == "cuda" else {}))
 
         def step():
@@ -101,8 +101,6 @@ def _markdown(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from overlapkit.launch import spawn
-
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument("--preset", choices=sorted(PRESETS), default="1b")
@@ -110,17 +108,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seq", type=int, default=None)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--variants", default="plain_compiled,ok_none_compiled")
-    ap.add_argument("--out", default=RESULTS)
+    add_out_arg(ap)
+    add_smoke_arg(ap)
     args = ap.parse_args(argv)
+    if args.smoke:  # the tiny config, one layer and 32 tokens, the same two variants uncompiled (no compile time)
+        args.preset, args.layers, args.seq, args.warmup, args.variants = "tiny", 1, 32, 1, "plain,ok_none"
     cfg = dict(PRESETS[args.preset], num_hidden_layers=args.layers)
     if args.seq:
         cfg["seq"] = args.seq
     variants = args.variants.split(",")
-    per_rank = spawn(_rank_body, 1, cfg, variants, args.warmup, args.device,
-                     backend="nccl" if args.device == "cuda" else "gloo", timeout_s=600)
+    per_rank = run_ranks(_rank_body, 1, cfg, variants, args.warmup, args.device, device=args.device, timeout_s=600)
     result = dict(device=device_label(args.device), torch=torch.__version__, config=cfg, variants=variants,
                   rows=per_rank[0])
-    write_results(result, os.path.join(args.out, f"compiled_step_profile_{args.device}"), _markdown)
+    write_results(result, os.path.join(out_dir(args), f"compiled_step_profile_{args.device}"), _markdown)
     return 0
 
 

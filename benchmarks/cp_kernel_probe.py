@@ -16,9 +16,9 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from _lib.common import add_out_arg, add_smoke_arg, mean_call_ms, out_dir, write_results
+
 aten = torch.ops.aten
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import RESULTS, mean_call_ms, write_results  # noqa: E402
 
 
 def variants(q, k, v, dout):
@@ -80,26 +80,27 @@ def markdown(r: dict) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default=RESULTS)
+    add_out_arg(ap)
+    add_smoke_arg(ap)
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
-        print("CUDA only", file=sys.stderr)
+        print("cp_kernel_probe: CUDA only (the SDPA backends it compares are GPU kernels)", file=sys.stderr)
         return 2
     dev = torch.device("cuda")
     out = {"torch": torch.__version__, "device": torch.cuda.get_device_name(0), "rows": {}}
-    for seq in (4096, 16384):
+    for seq in (256,) if a.smoke else (4096, 16384):
         q = torch.randn(1, 32, seq, 128, device=dev, dtype=torch.bfloat16)
         k, v = (torch.randn(1, 8, seq, 128, device=dev, dtype=torch.bfloat16) for _ in range(2))
         dout = torch.randn_like(q)
         row = {}
         for name, fn in variants(q, k, v, dout).items():
             try:
-                row[name] = round(mean_call_ms(fn, dev, reps=10, warmup=2), 3)
+                row[name] = round(mean_call_ms(fn, dev, reps=2 if a.smoke else 10, warmup=2), 3)
             except Exception as e:  # noqa: BLE001 - a probe: record what each backend says
                 row[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
             print(seq, name, row[name], flush=True)
         out["rows"][seq] = row
-    write_results(out, os.path.join(a.out, "cp_kernel_probe_h200"), markdown)
+    write_results(out, os.path.join(out_dir(a), "cp_kernel_probe_h200"), markdown)
     return 0
 
 

@@ -9,7 +9,7 @@ comes and goes hits them alike; a call's time is the slowest rank's. Ratios are 
 middle half). Exposed cp_kv comes from recorded calls after the timed ones: the cp_kv time not covered by
 a block's attention, as a share of the transfer (a hop timed alone — ranks lined up, the ring's exchange
 and nothing else — times the hops of the phase). Target: <= 20 % exposed where a block's attention is
-longer than its hop. The waits are attributed from every rank's spans (cp_waits.py): the sending rank
+longer than its hop. The waits are attributed from every rank's spans (_lib/cp_waits.py): the sending rank
 posted late, a hop is longer than the block even alone, or the transfer ran slower than alone; beside
 it the blocks' time overlapped vs sequential (contention), the merge's share and the ranks' compute spread.
 
@@ -40,14 +40,12 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from _common import add_common_args, backend, device_label, line_up, time_variants, world_size, write_results
-from _ratios import per_round, text, verdict
-from cp_waits import attribute, rank_spans
-from overlapkit import comm
+from _lib.common import add_common_args, device_label, line_up, out_dir, run_ranks, time_variants, world_size, write_results
+from _lib.cp_waits import attribute, rank_spans
+from _lib.ratios import per_round, text, verdict
+from _lib.unexported import comm, measure
 from overlapkit.context_parallel import ContextParallelConfig, RingAttention, shard
-from overlapkit.launch import spawn
 from overlapkit.timeline import record
-from overlapkit.timeline.report import measure
 
 PRESETS = {
     # One block (512 queries against 256 keys, 4 heads of 64) takes a few ms on one CPU thread while
@@ -67,8 +65,11 @@ TARGET = 20.0
 
 @contextlib.contextmanager
 def _sends_joined():
-    """Make the ring wait for its sends with its receives, as it did before (in this process, for the block)."""
-    real = comm.ring_exchange
+    """Make the ring wait for its sends with its receives, as it did before (in this process, for the block).
+
+    The ring's exchange is replaced where the ring looks it up (`comm.ring_exchange`); a block in which
+    the ring never called it would time plain "pipelined" under this variant's name, so it raises."""
+    real, calls = comm.ring_exchange, [0]
 
     class Both:
         def __init__(self, received, sent):
@@ -79,6 +80,7 @@ def _sends_joined():
             self.received.wait()
 
     def joined(sends, recvs, group, *, kind, name=""):
+        calls[0] += 1
         received, sent = real(sends, recvs, group, kind=kind, name=name)
         return Both(received, sent), comm.Handle([])
 
@@ -87,6 +89,9 @@ def _sends_joined():
         yield
     finally:
         comm.ring_exchange = real
+    if dist.get_world_size() > 1 and not calls[0]:
+        raise RuntimeError(f"{JOINED!r}: the ring no longer exchanges through comm.ring_exchange, so this variant "
+                           "would time plain 'pipelined'")
 
 
 def _median(xs):
@@ -165,8 +170,6 @@ def _ring_body(device_type: str, p: dict, rounds: int, warmup: int, recorded: in
 def _hop_ms(tensors, device, trials: int = 15) -> float:
     """A hop's transfer time alone: ranks line up, every rank sends these to the next and receives from the
     previous (the ring's exchange), nothing else runs; median over trials of the slowest rank."""
-    from overlapkit import comm
-
     rank, size = dist.get_rank(), dist.get_world_size()
     out = []
     for _ in range(trials):
@@ -359,7 +362,7 @@ def markdown(result: dict) -> str:
         goal = {None: "n/a (block not longer than hop)", True: "met", False: "MISSED"}[x["variants"]["auto"]["target"]]
         lines.append(f"| {phase} | {x['kv_hops']} + {x['dkv_hops']} | {fmt(x['block_ms_sequential'])} | "
                      f"{fmt(x['transfer_ms'])} | " + " | ".join(cells) + f" | {goal} |")
-    lines += ["", "Why it waits (cp_waits.py; ms per rank and step, medians over recorded steps): exposed = sending "
+    lines += ["", "Why it waits (_lib/cp_waits.py; ms per rank and step, medians over recorded steps): exposed = sending "
               "rank posted late + a hop alone longer than the block + the transfer slower than alone; blocks "
               "overlapped vs sequential above show contention on the compute side.", "",
               "| variant | phase | exposed | peer late | hop longer than block | slower than alone | merge ms a step "
@@ -382,6 +385,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--recorded", type=int, default=5, help="recorded fwd+bwd calls per overlap mode")
     ap.add_argument("--seq-per-rank", type=int, default=None, help="tokens a rank (default: the device preset's)")
     args = ap.parse_args(argv)
+    if args.smoke:  # 32 tokens a rank (CUDA, one rank: one sequence of 256), two rounds after one, one recorded call
+        args.seq_per_rank, args.rounds, args.warmup, args.recorded = args.seq_per_rank or 32, 2, 1, 1
     world = world_size(args)
     if world is None:
         return 2
@@ -391,13 +396,15 @@ def main(argv: list[str] | None = None) -> int:
     result = dict(device=device_label(args.device), world=world, torch=torch.__version__, preset=preset,
                   threads=args.threads, rounds=args.rounds, load_avg_before=os.getloadavg()[0])
     if args.device == "cuda" and world == 1:
-        result.update(spawn(_fixed_cost_body, 1, preset, args.rounds, args.warmup, backend="nccl", timeout_s=600.0)[0])
+        seqs = (256,) if args.smoke else CUDA_WS1_SEQS
+        result.update(run_ranks(_fixed_cost_body, 1, preset, args.rounds, args.warmup, seqs, device="cuda",
+                                timeout_s=600.0)[0])
     else:
-        per_rank = spawn(_ring_body, world, args.device, preset, args.rounds, args.warmup, args.recorded, args.threads,
-                         backend=backend(args.device), timeout_s=600.0)
+        per_rank = run_ranks(_ring_body, world, args.device, preset, args.rounds, args.warmup, args.recorded,
+                             args.threads, device=args.device, timeout_s=600.0)
         result["ring"] = summarize_ring(per_rank)
     tag = f"_s{preset['seq_per_rank']}" if preset["seq_per_rank"] != PRESETS[args.device]["seq_per_rank"] else ""
-    write_results(result, os.path.join(args.out, f"cp_overlap_{args.device}_ws{world}{tag}"), markdown)
+    write_results(result, os.path.join(out_dir(args), f"cp_overlap_{args.device}_ws{world}{tag}"), markdown)
     return 0
 
 

@@ -32,10 +32,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from _common import add_common_args, backend, balanced_orders, device_label, line_up, world_size, write_results
-from _ratios import per_round, text, verdict
+from _lib.common import (add_common_args, balanced_orders, device_label, line_up, out_dir, run_ranks, world_size,
+                         write_results)
+from _lib.ratios import per_round, text, verdict
 from overlapkit.data_parallel import DataParallel
-from overlapkit.launch import spawn
 
 VARIANTS = ("overlapkit DataParallel", "overlapkit overlap=False", "torch DDP", "no data parallelism")
 TARGET = 1.0
@@ -148,16 +148,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--budget-s", type=float, default=30.0, help="seconds the timed rounds may take (at least 5 rounds)")
     args = ap.parse_args(argv)
+    if args.smoke:  # a few small blocks, five rounds after two
+        args.layers, args.rounds, args.warmup, args.budget_s = 8, 5, 2, 1.0
     world = world_size(args)
     if world is None:
         return 2
-    per_rank = spawn(_rank_body, world, args.device, args.layers, args.width, args.batch, args.rounds, args.warmup,
-                     args.threads, args.bucket_mb, args.budget_s, backend=backend(args.device), timeout_s=600.0)
+    per_rank = run_ranks(_rank_body, world, args.device, args.layers, args.width, args.batch, args.rounds, args.warmup,
+                         args.threads, args.bucket_mb, args.budget_s, device=args.device, timeout_s=600.0)
     result = dict(device=device_label(args.device), world=world, threads=args.threads, torch=torch.__version__,
                   layers=args.layers, width=args.width, batch=args.batch, bucket_mb=args.bucket_mb,
                   rounds=per_rank[0]["rounds"], params=per_rank[0]["params"], elements=per_rank[0]["elements"],
                   buckets=per_rank[0]["buckets"], rows=summarize(per_rank))
-    write_results(result, os.path.join(args.out, f"dp_host_cost_{args.device}_ws{world}"), markdown)
+    write_results(result, os.path.join(out_dir(args), f"dp_host_cost_{args.device}_ws{world}"), markdown)
     return 0
 
 

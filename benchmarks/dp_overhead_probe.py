@@ -20,17 +20,15 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from torch.profiler import ProfilerActivity, profile
 
-from _common import add_common_args, backend, device_label, world_size
-from dp_overlap import PRESETS
+from _lib.common import add_common_args, device_label, out_dir, run_ranks, world_size
+from _lib.presets import DP_PRESETS, SMOKE_DP
 from overlapkit.data_parallel import DataParallel
-from overlapkit.launch import spawn
-from overlapkit.models.gpt import GPT, GPTConfig, lm_loss
+from overlapkit.models import GPT, GPTConfig, lm_loss
 
 
-def _body(device_type: str, steps: int) -> dict:
+def _body(device_type: str, steps: int, preset: dict) -> dict:
     rank = dist.get_rank()
     device = torch.device(device_type, rank) if device_type == "cuda" else torch.device("cpu")
-    preset = PRESETS[device_type]
     cfg = GPTConfig(**preset["gpt"])
     group = dist.group.WORLD
     variants = {
@@ -71,15 +69,19 @@ def main(argv=None) -> int:
     add_common_args(ap)
     ap.add_argument("--steps", type=int, default=5)
     args = ap.parse_args(argv)
+    if args.smoke:  # the tiny GPT, one profiled step
+        args.steps = 1
     world = world_size(args)
     if world is None:
         return 2
-    tables = spawn(_body, 1, args.device, args.steps, backend=backend(args.device), timeout_s=600.0)[0]
+    preset = SMOKE_DP if args.smoke else DP_PRESETS[args.device]
+    tables = run_ranks(_body, 1, args.device, args.steps, preset, device=args.device, timeout_s=600.0)[0]
     text = f"Host time of a DP step, {device_label(args.device)}, torch {torch.__version__}, one rank, " \
            f"{args.steps} profiled steps per variant (self CPU time, top 15 operators).\n\n"
     text += "\n".join(f"## {name}\n\n```\n{table}\n```\n" for name, table in tables.items())
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, f"dp_overhead_probe_{args.device}.md"), "w") as f:
+    out = out_dir(args)
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, f"dp_overhead_probe_{args.device}.md"), "w") as f:
         f.write(text)
     print(text)
     return 0

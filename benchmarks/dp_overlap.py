@@ -31,27 +31,15 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from _common import (add_common_args, backend, device_label, line_up, lm_train_step, time_variants, world_size,
-                     write_results)
-from _ratios import per_round, text, verdict
+from _lib.common import (add_common_args, device_label, line_up, lm_train_step, out_dir, run_ranks, time_variants,
+                         world_size, write_results)
+from _lib.presets import DP_PRESETS as PRESETS, SMOKE_DP
+from _lib.ratios import per_round, text, verdict
+from _lib.unexported import measure
 from overlapkit.data_parallel import DataParallel
-from overlapkit.launch import spawn
-from overlapkit.models.gpt import GPT, GPTConfig
+from overlapkit.models import GPT, GPTConfig
 from overlapkit.timeline import record
-from overlapkit.timeline.report import measure
 
-PRESETS = {  # also read by dp_overhead_probe.py
-    # Small enough that 2 CPU ranks step in ~0.1 s, big enough (5 M parameters, 21 MB of fp32
-    # gradients) that the all-reduce is a real share of the step. 4 MiB buckets (for both
-    # overlapkit and DDP) give this small model several buckets to overlap, as 25 MiB do a big one.
-    "cpu": dict(gpt=dict(vocab_size=4096, seq_len=64, hidden=256, num_heads=4, ffn_hidden=1024, num_layers=4),
-                batch=1, bucket_mb=4.0),
-    "cuda": dict(gpt=dict(vocab_size=32768, seq_len=512, hidden=1024, num_heads=16, ffn_hidden=4096, num_layers=8),
-                 batch=8, bucket_mb=25.0),
-    # ~0.94 B parameters (3.8 GB of fp32 gradients): the multi-GPU comparison with DDP.
-    "cuda-1b": dict(gpt=dict(vocab_size=32768, seq_len=1024, hidden=2048, num_heads=16, ffn_hidden=8192, num_layers=16),
-                    batch=4, bucket_mb=25.0),
-}
 VARIANTS = ("overlapkit overlap=True", "overlapkit overlap=False", "torch DDP", "no communication")
 DDP_TARGET = 0.98
 """DataParallel's default step at most this share of DDP's (and within 1 % of its own overlap=False)."""
@@ -169,11 +157,13 @@ def main(argv: list[str] | None = None) -> int:
     if world is None:
         return 2
     preset_name = args.preset or args.device
-    preset = dict(PRESETS[preset_name])
+    preset = dict(SMOKE_DP if args.smoke else PRESETS[preset_name])
+    if args.smoke:  # the tiny GPT, two rounds after one, one recorded step
+        args.steps, args.warmup, args.recorded = 2, 1, 1
     if args.bucket_mb is not None:
         preset["bucket_mb"] = args.bucket_mb
-    per_rank = spawn(_rank_body, world, args.device, preset, args.steps, args.warmup, args.recorded, 0,
-                     args.threads, args.budget_s, backend=backend(args.device), timeout_s=600.0)
+    per_rank = run_ranks(_rank_body, world, args.device, preset, args.steps, args.warmup, args.recorded, 0,
+                         args.threads, args.budget_s, device=args.device, timeout_s=600.0)
     result = dict(device=device_label(args.device),
                   world=world, torch=torch.__version__, preset=preset, steps=per_rank[0]["steps"], threads=args.threads,
                   params=per_rank[0]["params"], buckets=per_rank[0]["buckets"],
@@ -181,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     # dp_overlap_cpu / dp_overlap_cuda for the default runs; preset and GPU count named otherwise
     tag = ("" if preset_name == args.device else f"_{preset_name}") + \
         (f"_ws{world}" if (args.device == "cuda" and world > 1) or (args.device == "cpu" and world != 2) else "")
-    write_results(result, os.path.join(args.out, f"dp_overlap_{args.device}{tag}"), markdown)
+    write_results(result, os.path.join(out_dir(args), f"dp_overlap_{args.device}{tag}"), markdown)
     return 0
 
 

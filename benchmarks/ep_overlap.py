@@ -29,12 +29,11 @@ import time
 import torch
 import torch.distributed as dist
 
-from _common import add_common_args, backend, device_label, line_up, time_variants, world_size, write_results
-from _ratios import per_round, text, verdict
+from _lib.common import add_common_args, device_label, line_up, out_dir, run_ranks, time_variants, world_size, write_results
+from _lib.ratios import per_round, text, verdict
+from _lib.unexported import load_imbalance, measure
 from overlapkit.expert_parallel import MoE
-from overlapkit.launch import spawn
 from overlapkit.timeline import record
-from overlapkit.timeline.report import load_imbalance, measure
 
 PRESETS = {
     # Per rank 1024 tokens x top-2 = 2048 rows of 256 floats (2 MiB each way per layer): expert
@@ -263,6 +262,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hidden", type=int, default=None, help="model width (default: the preset's)")
     ap.add_argument("--ffn", type=int, default=None, help="expert inner width (default: the preset's)")
     args = ap.parse_args(argv)
+    if args.smoke:  # 64 tokens of width 32 a rank, two rounds after one, one recorded step
+        args.tokens, args.hidden, args.ffn = args.tokens or 64, args.hidden or 32, args.ffn or 64
+        args.steps, args.warmup, args.recorded = 2, 1, 1
     world = world_size(args)
     if world is None:
         return 2
@@ -270,14 +272,14 @@ def main(argv: list[str] | None = None) -> int:
     for key, value in (("tokens", args.tokens), ("hidden", args.hidden), ("ffn_hidden", args.ffn)):
         if value:
             preset[key] = value
-    per_rank = spawn(_rank_body, world, args.device, preset, args.steps, args.warmup, args.recorded, args.threads,
-                     backend=backend(args.device), timeout_s=600.0)
+    per_rank = run_ranks(_rank_body, world, args.device, preset, args.steps, args.warmup, args.recorded, args.threads,
+                         device=args.device, timeout_s=600.0)
     result = dict(device=device_label(args.device), world=world, threads=args.threads, torch=torch.__version__,
                   preset=preset, steps=args.steps, experts=per_rank[0]["experts"], summary=summarize(per_rank),
                   times=per_rank[0]["times"])
     base = PRESETS[args.device]
     tag = "".join(f"_{k[0]}{preset[k]}" for k in ("tokens", "hidden", "ffn_hidden") if preset[k] != base[k])
-    write_results(result, os.path.join(args.out, f"ep_overlap_{args.device}_ws{world}{tag}"), markdown)
+    write_results(result, os.path.join(out_dir(args), f"ep_overlap_{args.device}_ws{world}{tag}"), markdown)
     return 0
 
 

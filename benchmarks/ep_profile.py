@@ -15,16 +15,20 @@ import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
-from _common import RESULTS, write_results  # noqa: E402
-from overlapkit.expert_parallel import MoE  # noqa: E402
+from _lib.common import add_out_arg, add_smoke_arg, init_one_rank, out_dir, write_results
+from overlapkit.expert_parallel import MoE
+
+SHAPE = dict(hidden=2048, ffn=1408, experts=8, top_k=2, tokens=8192)
+"""The EP benchmark's CUDA shapes (ep_overlap.py's cuda preset) on one rank."""
+SMOKE = dict(hidden=64, ffn=128, experts=4, top_k=2, tokens=256)
 
 
-def run(chunks: int, reps: int) -> dict:
+def run(chunks: int, reps: int, p: dict = SHAPE) -> dict:
     dev = torch.device("cuda")
     torch.manual_seed(0)
-    moe = MoE(2048, 1408, 8, 2, dist.group.WORLD, chunks=chunks, device=dev, dtype=torch.bfloat16)
-    x = torch.randn(8192, 2048, device=dev, dtype=torch.bfloat16)
+    moe = MoE(p["hidden"], p["ffn"], p["experts"], p["top_k"], dist.group.WORLD, chunks=chunks, device=dev,
+              dtype=torch.bfloat16)
+    x = torch.randn(p["tokens"], p["hidden"], device=dev, dtype=torch.bfloat16)
     with torch.no_grad():
         for _ in range(3):
             moe(x)
@@ -49,7 +53,8 @@ def run(chunks: int, reps: int) -> dict:
 
 def markdown(r: dict) -> str:
     lines = [f"# One MoE forward on {r['device']}, torch {r['torch']}: host and device time", "",
-             "hidden 2048, expert ffn 1408, 8 experts, top-2, 8192 tokens, bf16, one rank, no grad; "
+             "hidden {hidden}, expert ffn {ffn}, {experts} experts, top-{top_k}, {tokens} tokens, bf16, one rank, no grad; "
+             .format(**r.get("shape", SHAPE)) +
              "per forward, means over the profiled calls (wall: synchronized calls, unprofiled).", ""]
     for row in r["rows"]:
         lines += [f"## chunks = {row['chunks']}: wall {row['wall_ms']:.2f} ms, host self time {row['host_self_ms']:.2f} ms, "
@@ -62,15 +67,18 @@ def markdown(r: dict) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default=RESULTS)
+    add_out_arg(ap)
     ap.add_argument("--reps", type=int, default=10)
+    add_smoke_arg(ap)
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
-        print("CUDA only", file=sys.stderr)
+        print("ep_profile: CUDA only (device time per kernel)", file=sys.stderr)
         return 2
-    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:29735", rank=0, world_size=1)
-    r = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "rows": [run(c, a.reps) for c in (1, 4)]}
-    write_results(r, os.path.join(a.out, "ep_profile_h200"), markdown)
+    init_one_rank("gloo")
+    p = SMOKE if a.smoke else SHAPE
+    r = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "shape": p,
+         "rows": [run(c, 2 if a.smoke else a.reps, p) for c in (1, 4)]}
+    write_results(r, os.path.join(out_dir(a), "ep_profile_h200"), markdown)
     return 0
 
 

@@ -44,14 +44,13 @@ import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
-from _common import (add_common_args, backend, balanced_orders, device_label, line_up, lm_train_step,
-                     time_variants, world_size, write_results)
-from overlapkit.costmodel.fsdp import prefetch_wall_ms
+from _lib.common import (add_common_args, balanced_orders, device_label, line_up, lm_train_step, out_dir,
+                         print_message, run_ranks, time_variants, world_size, write_results)
+from _lib.presets import SMOKE_GPT
+from _lib.unexported import measure, prefetch_wall_ms
 from overlapkit.data_parallel import DataParallel, ShardedOptimizer, fully_shard, layer_report, prefetch_plan
-from overlapkit.launch import spawn
-from overlapkit.models.gpt import GPT, GPTConfig
+from overlapkit.models import GPT, GPTConfig
 from overlapkit.timeline import record
-from overlapkit.timeline.report import measure
 
 PRESETS = {
     # 8 blocks of 0.8 M parameters (3 MB of fp32 each): one gather per block is a real share of a block's compute.
@@ -91,7 +90,7 @@ def _state_bytes(model, opt) -> int:
 
 def _rank_body(device_type: str, preset: dict, steps: int, warmup: int, recorded: int, threads: int,
                variants: tuple[str, ...], budget_s: float) -> dict:
-    from overlapkit.launch import progress
+    from _lib.unexported import progress
 
     torch.set_num_threads(threads)
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -336,6 +335,8 @@ def main(argv: list[str] | None = None) -> int:
                          "auto's depths always run)")
     ap.add_argument("--preset", choices=sorted(PRESETS), default=None, help="model size (default: the device's)")
     args = ap.parse_args(argv)
+    if args.smoke:  # the tiny GPT, the fewest rounds (5), one warm-up round, one recorded step
+        args.steps, args.warmup, args.recorded = 1, 1, 1
     world = world_size(args)
     if world is None:
         return 2
@@ -349,14 +350,13 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     variants = tuple(v for v in VARIANTS if v in {SHORT[a] for a in asked} | {"FSDP2 defaults", AUTO})
-    preset = PRESETS[args.preset or args.device]
-    per_rank = spawn(_rank_body, world, args.device, preset, args.steps, args.warmup, args.recorded, args.threads,
-                     variants, args.budget_s, backend=backend(args.device), timeout_s=900.0,
-                     on_message=lambda rank, text: print(f"[rank {rank}] {text}", file=sys.stderr, flush=True))
+    preset = dict(gpt=SMOKE_GPT, batch=1) if args.smoke else PRESETS[args.preset or args.device]
+    per_rank = run_ranks(_rank_body, world, args.device, preset, args.steps, args.warmup, args.recorded, args.threads,
+                         variants, args.budget_s, device=args.device, timeout_s=900.0, on_message=print_message)
     result = dict(device=device_label(args.device), world=world, threads=args.threads, torch=torch.__version__,
                   preset=preset, steps=args.steps, params=per_rank[0]["params"], **summarize(per_rank))
     tag = f"_{args.preset}" if args.preset and args.preset != args.device else ""
-    write_results(result, os.path.join(args.out, f"fsdp_overlap_{args.device}{tag}_ws{world}"), markdown)
+    write_results(result, os.path.join(out_dir(args), f"fsdp_overlap_{args.device}{tag}_ws{world}"), markdown)
     return 0
 
 

@@ -6,7 +6,7 @@ it from bytes per logit (`overlapkit.costmodel.layer.CE_BYTES`). This times it w
 (or the wall clock on CPU) at Llama-3-like shapes, one GPU, and prints measured vs predicted.
 
     python benchmarks/lm_head_probe.py --device cuda --out benchmarks/results   # on the H200
-    python benchmarks/lm_head_probe.py --quick                                  # a CPU smoke run
+    python benchmarks/lm_head_probe.py --smoke                                  # a CPU smoke run
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import add_common_args, device_label, mean_call_ms, write_results  # noqa: E402
+from _lib.common import add_common_args, device_label, mean_call_ms, out_dir, write_results  # noqa: E402
 
 SHAPES = ((8192, 4096, 128256), (8192, 8192, 128256 // 8), (4096, 2048, 131072), (2048, 12288, 51200 // 8))
 """(tokens, hidden, vocab on this rank): Llama 3 8B; 70B at TP 8; Megatron's 1.7B; GPT-3 at TP 8."""
@@ -78,8 +78,10 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=None, help="CPU threads (torch.set_num_threads)")
     ap.add_argument("--hardware", default="h200-sxm", help="cost-model preset to predict with")
     ap.add_argument("--reps", type=int, default=10)
-    ap.add_argument("--quick", action="store_true", help="tiny shapes (a smoke run)")
+    ap.add_argument("--quick", action="store_true", help="the CPU's small shapes on any device")
     args = ap.parse_args(argv)
+    if args.smoke:
+        args.quick, args.reps = True, 2
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -93,7 +95,7 @@ def main(argv=None) -> int:
             row["predicted"] = predicted(row, args.hardware)
         rows.append(row)
     result = {"device": device_label(args.device), "hardware": args.hardware, "reps": args.reps, "rows": rows}
-    write_results(result, os.path.join(args.out, f"lm_head_probe_{args.device}"), markdown)
+    write_results(result, os.path.join(out_dir(args), f"lm_head_probe_{args.device}"), markdown)
     return 0
 
 

@@ -9,8 +9,9 @@ H200 rows are held out of the fit (see overlapkit.costmodel.calibration): the mo
     python benchmarks/model_vs_measured.py --update-docs   # also refresh docs/model.md's table
     python benchmarks/model_vs_measured.py --write-preset  # refit data/h200-sxm.json first
 
-Runs on CPU (it predicts; the measurements are files). Reads ../shared/calibration (or
-shared/calibration inside the checkout).
+Runs on CPU (it predicts; the measurements are files). Reads tests/data/calibration (the H200
+probe and GEMM grid) unless --calibration names another folder. `--write-preset` and `--update-docs`
+write outside benchmarks/results, on purpose: the shipped preset and docs/model.md.
 """
 
 from __future__ import annotations
@@ -22,15 +23,14 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from overlapkit.costmodel import Collectives, Group, ModelConfig, Overlap, ParallelConfig, load_model, predict, preset
-from overlapkit.costmodel.calibration import (FITTED_HIDDEN, HELD_OUT_ATTENTION_TP, add_probe, fit_curves, split_gemm,
-                                             with_add_probe)
-from overlapkit.costmodel.hardware import Link
-from overlapkit.costmodel.overlap import bucket_sizes, buckets_ms
-from overlapkit.costmodel.planner import Site, plan_site
-from overlapkit.costmodel.transformer import layer_gemms
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _lib.common import ROOT as _ROOT, SMOKE_HELP, TEST_DATA, out_dir  # noqa: E402
+from _lib.unexported import (FITTED_HIDDEN, HELD_OUT_ATTENTION_TP, Site, add_probe, bucket_sizes, buckets_ms,  # noqa: E402
+                             fit_curves, layer_gemms, split_gemm, with_add_probe)
+from overlapkit.costmodel import (Collectives, Group, Link, ModelConfig, Overlap, ParallelConfig, load_model,  # noqa: E402
+                                  plan_site, predict, preset)
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(_ROOT)
 PRESET_JSON = ROOT / "src" / "overlapkit" / "costmodel" / "data" / "h200-sxm.json"
 PRESET_SOURCE = ("fitted by benchmarks/model_vs_measured.py --write-preset on calibration/h200_gemm_grid.json "
                  "(one H200, torch 2.11) and, for the elementwise bandwidth, x + y of hbm_add_probe.py "
@@ -62,7 +62,7 @@ def err(pred: float, meas: float) -> float:
 
 
 def calibration_dir(arg: str | None) -> Path | None:
-    for d in ([Path(arg)] if arg else [ROOT / "shared" / "calibration", ROOT.parent / "shared" / "calibration"]):
+    for d in ([Path(arg)] if arg else [Path(TEST_DATA) / "calibration"]):
         if (d / "h200_gemm_grid.json").is_file():
             return d
     return None
@@ -296,10 +296,14 @@ def table(rows: list[dict], extra: str | None = None) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--calibration", help="folder with h200_gemm_grid.json and h200_1gpu_probe.json")
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    ap.add_argument("--out", default=None, help="results folder (default: benchmarks/results; with --smoke a new "
+                                                "temporary folder)")
+    ap.add_argument("--smoke", action="store_true", help=SMOKE_HELP + " (here: the whole table; it is quick)")
     ap.add_argument("--write-preset", action="store_true", help="refit src/overlapkit/costmodel/data/h200-sxm.json")
     ap.add_argument("--update-docs", action="store_true", help="rewrite the table block in docs/model.md")
     args = ap.parse_args(argv)
+    if args.smoke and (args.write_preset or args.update_docs):
+        ap.error("--smoke writes nothing outside its results folder: not with --write-preset or --update-docs")
     cal = calibration_dir(args.calibration)
     if cal is None:
         print("no calibration folder (h200_gemm_grid.json) found; pass --calibration", file=sys.stderr)
@@ -314,7 +318,7 @@ def main(argv=None) -> int:
         PRESET_JSON.write_text(text + "\n")
         print(f"wrote {PRESET_JSON}", file=sys.stderr)
         preset.cache_clear()
-    out = Path(args.out)
+    out = Path(out_dir(args))
     chunk, small = probe_rows(probe)
     sections = [
         ("H200 GEMMs held out of the fit (all shapes of the M=2048 rows)", gemm_rows(grid), "roofline"),

@@ -1,7 +1,7 @@
 """The cost model against 30 published training steps: predicted vs published step time, per source.
 
-Runs `overlapkit.costmodel.predict` on every case of ../shared/published_steps/cases.json (or
-shared/published_steps inside the checkout) with the settings each source states, turns the
+Runs `overlapkit.costmodel.predict` on every case of tests/data/published_steps/cases.json (or
+--cases) with the settings each source states, turns the
 published TFLOP/s per GPU into a step time under the source's FLOP convention, and writes the
 error table per source to benchmarks/results/model_vs_published.{json,md}; `--update-docs` also
 refreshes the table in docs/model.md. It also predicts the held-out validation set
@@ -25,22 +25,18 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from overlapkit.costmodel import ModelConfig, Overlap, ParallelConfig, predict, preset
-from overlapkit.costmodel.flops import step_flops
-from overlapkit.costmodel import hardware
-from overlapkit.costmodel.hardware import POWER_LIMIT_CLOCK, SUSTAINED_CLOCK
-
-ROOT = Path(__file__).resolve().parents[1]
-DOCS_BEGIN, DOCS_END = "<!-- model_vs_published:begin -->", "<!-- model_vs_published:end -->"
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # the settings and deepspeed_pipe.py live beside it
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # _lib, the settings and deepspeed_pipe.py live beside it
+from _lib.common import ROOT as _ROOT, SMOKE_HELP, TEST_DATA, out_dir  # noqa: E402
+from _lib.unexported import POWER_LIMIT_CLOCK, SUSTAINED_CLOCK, hardware, step_flops  # noqa: E402
+from overlapkit.costmodel import ModelConfig, Overlap, ParallelConfig, predict, preset  # noqa: E402
 from published_settings import SOURCE_SETTINGS  # noqa: E402
+
+ROOT = Path(_ROOT)
+DOCS_BEGIN, DOCS_END = "<!-- model_vs_published:begin -->", "<!-- model_vs_published:end -->"
 
 
 def published_dir(arg: str | None) -> Path | None:
-    # The shared folder where it exists (the source of record), else the project's copy in tests/data.
-    for d in ([Path(arg)] if arg else [ROOT / "shared" / "published_steps", ROOT.parent / "shared" / "published_steps",
-                                       ROOT / "tests" / "data" / "published_steps"]):
+    for d in ([Path(arg)] if arg else [Path(TEST_DATA) / "published_steps"]):
         if (d / "cases.json").is_file():
             return d
     return None
@@ -213,9 +209,9 @@ def fp32_reduce_rows(cases: list[dict]) -> list[dict]:
 def deepspeed_schedule_rows(cases: list[dict]) -> list[dict]:
     """MT-NLG's pipeline replayed under DeepSpeed's own TrainSchedule (deepspeed_pipe) with the model's
     stage times, beside the model's 1F1B pricing of the same: the schedule's cost, not assumed."""
-    from overlapkit.costmodel import Collectives
+    from _lib.unexported import p2p_ms
     from deepspeed_pipe import makespan_ms
-    from overlapkit.costmodel.step import p2p_ms
+    from overlapkit.costmodel import Collectives
 
     rows = []
     for c in cases:
@@ -317,14 +313,18 @@ def markdown(rows: list[dict], summary: dict, extra: list[dict], fp32: list[dict
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--cases", help="folder with cases.json (default: shared/published_steps)")
+    ap.add_argument("--cases", help="folder with cases.json (default: tests/data/published_steps)")
     ap.add_argument("--validation", default=str(ROOT / "tests" / "data" / "published_steps" / "korthikanti22.json"),
                     help="held-out validation cases (same format), reported beside the table")
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    ap.add_argument("--out", default=None, help="results folder (default: benchmarks/results; with --smoke a new "
+                                                "temporary folder)")
+    ap.add_argument("--smoke", action="store_true", help=SMOKE_HELP + " (here: the held-out refits on one source)")
     ap.add_argument("--update-docs", action="store_true", help="rewrite the table block in docs/model.md")
     ap.add_argument("--fit-power-limit", action="store_true",
                     help="print the least-squares POWER_LIMIT_CLOCK over the async-TP runs (its calibration)")
     args = ap.parse_args(argv)
+    if args.smoke and args.update_docs:
+        ap.error("--smoke writes nothing outside its results folder: not with --update-docs")
     if args.fit_power_limit:
         print(f"POWER_LIMIT_CLOCK least squares: {fit_power_limit_clock():.4f} (shipped {POWER_LIMIT_CLOCK})")
         return 0
@@ -338,12 +338,13 @@ def main(argv=None) -> int:
     extra = ([run_case(cp)] if cp else []) + power_limit_rows()
     summary = summarize(rows)
     fp32 = fp32_reduce_rows(data["cases"])
-    held = held_out(data["cases"])
+    first = data["cases"][0]["source"]
+    held = held_out([c for c in data["cases"] if c["source"] == first] if args.smoke else data["cases"])
     deepspeed = deepspeed_schedule_rows(data["cases"])
     validation_path = Path(args.validation)
     validation = [run_case(c) for c in json.loads(validation_path.read_text())["cases"]] if validation_path.is_file() else []
     text = markdown(rows, summary, extra, fp32, held, deepspeed, validation)
-    out = Path(args.out)
+    out = Path(out_dir(args))
     out.mkdir(parents=True, exist_ok=True)
     (out / "model_vs_published.json").write_text(json.dumps(
         {"summary": summary, "rows": rows, "extra": extra, "megatron_fp32_reduce": fp32, "held_out": held,

@@ -21,7 +21,6 @@ Writes benchmarks/results/pp_overlap_cpu_ws<N>.json and .md.
 
 from __future__ import annotations
 
-import argparse
 import copy
 import os
 import statistics
@@ -32,11 +31,11 @@ from dataclasses import asdict
 import torch
 import torch.distributed as dist
 
-from _common import add_common_args, balanced_orders, device_label, line_up, write_results
-from _ratios import per_round, text, verdict
-from overlapkit.groups import ParallelGroups
-from overlapkit.launch import spawn
-from overlapkit.models.gpt import GPT, GPTConfig, lm_loss
+from _lib.common import balanced_orders, device_label, line_up, out_dir, pipeline_args, run_ranks, write_results
+from _lib.presets import SMOKE_GPT
+from _lib.ratios import per_round, text, verdict
+from overlapkit import ParallelGroups
+from overlapkit.models import GPT, GPTConfig, lm_loss
 from overlapkit.pipeline_parallel import PipelineConfig, PipelineEngine, bubble_fraction, gpt_chunks, pipeline_times
 from overlapkit.timeline import record
 
@@ -193,18 +192,6 @@ PRESET = dict(gpt=dict(vocab_size=1024, seq_len=64, hidden=256, num_heads=4, ffn
               mb_rows=2)
 
 
-def pipeline_args(description: str) -> argparse.ArgumentParser:
-    """The arguments every pipeline benchmark takes: _common's, threads a rank, steps, warm-up, recorded steps, m."""
-    ap = argparse.ArgumentParser(description=description)
-    add_common_args(ap)
-    ap.add_argument("--threads", type=int, default=1, help="torch threads a rank")
-    ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--recorded", type=int, default=3)
-    ap.add_argument("--microbatches", type=int, default=None, help="m (default 2·pp)")
-    return ap
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = pipeline_args(__doc__.split("\n\n")[0])
     ap.add_argument("--layers", type=int, default=None, help="GPT layers (default 2·pp: one per interleaved chunk)")
@@ -215,6 +202,8 @@ def main(argv: list[str] | None = None) -> int:
     if not schedules or any(s not in SCHEDULE_NAMES for s in schedules):
         print(f"--schedules {args.schedules!r}: choose among {list(SCHEDULE_NAMES)}", file=sys.stderr)
         return 2
+    if args.smoke:  # the tiny GPT, one step after one, one recorded
+        args.steps, args.warmup, args.recorded = 1, 1, 1
     if args.device != "cpu":
         print("pp_overlap: pipeline stages need one GPU each (NCCL refuses two ranks on one GPU); run it on the "
               "CPU with gloo (--device cpu), or on a multi-GPU host once the CUDA path is added", file=sys.stderr)
@@ -222,15 +211,17 @@ def main(argv: list[str] | None = None) -> int:
     pp = args.world or 2
     m = args.microbatches or 2 * pp
     preset = copy.deepcopy(PRESET)
+    if args.smoke:
+        preset["gpt"] = dict(SMOKE_GPT)
     preset["gpt"]["num_layers"] = args.layers or 2 * pp
     preset["microbatches"] = m
-    per_rank = spawn(_rank_body, pp, preset, args.steps, args.warmup, args.recorded, args.threads, schedules,
-                     backend="gloo", timeout_s=600.0)
+    per_rank = run_ranks(_rank_body, pp, preset, args.steps, args.warmup, args.recorded, args.threads, schedules,
+                         timeout_s=600.0)
     rows = summarize(per_rank, pp, m)
     result = dict(device=device_label("cpu"), world=pp, threads=args.threads, torch=torch.__version__, preset=preset,
                   microbatches=m, steps=args.steps, params=per_rank[0]["params"],
                   activation_bytes=per_rank[0]["activation_bytes"], rows=rows, misses=misses(rows))
-    write_results(result, os.path.join(args.out, f"pp_overlap_cpu_ws{pp}"), markdown)
+    write_results(result, os.path.join(out_dir(args), f"pp_overlap_cpu_ws{pp}"), markdown)
     return 0
 
 

@@ -3,7 +3,7 @@
 ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble (ZB-H1 with one stage a rank),
 ScheduleZBVZeroBubble and ScheduleDualPipeV (those this torch has) on the same chunks of the same GPT.
 
-Measured: step time (slowest rank, median; variants take turns in a balanced order, _common.time_variants);
+Measured: step time (slowest rank, median; variants take turns in a balanced order, _lib.common.time_variants);
 the bubble (the recorder's waits for a neighbour that had not sent, plus the drain) over compute,
 from recorded steps; the peak of the bytes a step allocates (torch.profiler's CPU memory events, the
 rank that allocates most); exactness of each of ours against torch's same schedule (loss and every
@@ -11,7 +11,7 @@ gradient, fp32). A second run puts a MoE in every block (experts over ep ranks, 
 ranks) and measures, for DualPipeV with its pairs overlapped and not, the share of the all-to-all
 time no compute covered.
 
-    python benchmarks/pp_zero_bubble.py --world 2 --threads 1 --tiny --steps 2   # smoke, 2 shared cores
+    python benchmarks/pp_zero_bubble.py --smoke                                  # tiny sizes, one step each
     python benchmarks/pp_zero_bubble.py --world 4 --threads 4 --steps 30         # the 16-core host: pp=4
 
 Writes benchmarks/results/pp_zero_bubble_cpu_ws<pp>.json and .md.
@@ -31,14 +31,12 @@ from dataclasses import asdict
 import torch
 import torch.distributed as dist
 
-from _common import device_label, line_up, time_variants, write_results
-from pp_overlap import pipeline_args
-from overlapkit.groups import ParallelGroups
-from overlapkit.launch import spawn
-from overlapkit.models.gpt import GPT, GPTConfig, lm_loss
+from _lib.common import device_label, line_up, out_dir, pipeline_args, run_ranks, time_variants, write_results
+from _lib.unexported import intervals as iv
+from overlapkit import ParallelGroups
+from overlapkit.models import GPT, GPTConfig, lm_loss
 from overlapkit.pipeline_parallel import (PipelineConfig, PipelineEngine, chunks_of, gpt_chunks, pipeline_times,
                                           placement, rank_of)
-from overlapkit.timeline import intervals as iv
 from overlapkit.timeline import record
 
 _TORCH_V_BROKEN = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) < (2, 13)
@@ -296,6 +294,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ep", type=int, default=2, help="expert-parallel ranks per stage in the MoE run (0: skip it)")
     ap.add_argument("--tiny", action="store_true", help="tiny sizes (a smoke run)")
     args = ap.parse_args(argv)
+    if args.smoke:  # the tiny sizes, one step after one, one recorded
+        args.tiny, args.steps, args.warmup, args.recorded = True, 1, 1, 1
     if args.device != "cpu":
         print("pp_zero_bubble: pipeline stages need one GPU each; run it on the CPU with gloo (--device cpu)",
               file=sys.stderr)
@@ -303,19 +303,19 @@ def main(argv: list[str] | None = None) -> int:
     pp = args.world or 2
     preset = copy.deepcopy(PRESETS["tiny" if args.tiny else "cpu16"])
     preset["microbatches"] = args.microbatches or 2 * pp
-    per_rank = spawn(_dense_body, pp, preset, args.steps, args.warmup, args.recorded, args.threads,
-                     backend="gloo", timeout_s=600.0)
+    per_rank = run_ranks(_dense_body, pp, preset, args.steps, args.warmup, args.recorded, args.threads,
+                         timeout_s=600.0)
     moe = None
     if args.ep > 0:
-        moe = spawn(_moe_body, pp * args.ep, preset, args.ep, args.steps, args.recorded,
-                    max(1, args.threads // args.ep), backend="gloo", timeout_s=600.0)
+        moe = run_ranks(_moe_body, pp * args.ep, preset, args.ep, args.steps, args.recorded,
+                        max(1, args.threads // args.ep), timeout_s=600.0)
     summary = summarize(per_rank, moe)
     result = dict(device=device_label("cpu"), world=pp, threads=args.threads, torch=torch.__version__, preset=preset,
                   steps=args.steps, ep=args.ep, params=per_rank[0]["params"], layers=per_rank[0]["layers"],
                   costs=per_rank[0]["costs"], missing=per_rank[0]["missing"], **summary)
     result["misses"] = misses(summary)
     stem = f"pp_zero_bubble_cpu_ws{pp}" + ("_tiny" if args.tiny else "")
-    write_results(result, os.path.join(args.out, stem), markdown)
+    write_results(result, os.path.join(out_dir(args), stem), markdown)
     return 0
 
 

@@ -26,15 +26,13 @@ import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile, schedule
 
-from _common import add_common_args, backend, device_label, world_size, write_results
-from overlapkit import comm
+from _lib.common import add_common_args, device_label, out_dir, run_ranks, world_size, write_results
+from _lib.presets import SMOKE_GPT
+from _lib.unexported import all_gather_matmul, comm, compare_spans
 from overlapkit.data_parallel import DataParallel
-from overlapkit.launch import spawn
-from overlapkit.models.gpt import GPT, GPTConfig, lm_loss
-from overlapkit.tensor_parallel.pipelined import all_gather_matmul
+from overlapkit.models import GPT, GPTConfig, lm_loss
 from overlapkit.timeline import compute_span, plot_spans, read_traces, record, report_spans, report_traces
 from overlapkit.timeline import print_report, write_chrome_trace
-from overlapkit.timeline.agree import compare_spans
 
 PRESETS = {
     "cpu": dict(tp_rows=256, tp_in=512, tp_out=1024, dtype="float32",
@@ -44,6 +42,8 @@ PRESETS = {
                  gpt=dict(vocab_size=32768, seq_len=512, hidden=1024, num_heads=16, ffn_hidden=4096, num_layers=8),
                  batch=8, bucket_mb=25.0),
 }
+SMOKE = dict(tp_rows=16, tp_in=32, tp_out=64, dtype="float32", gpt=SMOKE_GPT, batch=1, bucket_mb=0.01)
+"""--smoke: the same four variants at toy sizes."""
 VARIANTS = ("tp pipelined", "tp sequential", "dp overlap", "dp sequential")
 TOLERANCE_MS = {"cpu": 0.5, "cuda": 0.05}
 """How far a traced span may stick out of its record: clock alignment (CPU: two wall clocks;
@@ -177,19 +177,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
     ap.add_argument("--trace-dir", default=None, help="keep the profiler traces here (default: a temporary folder)")
     args = ap.parse_args(argv)
+    if args.smoke:
+        args.steps = 1
+    preset = SMOKE if args.smoke else PRESETS[args.device]
     world = world_size(args)
     if world is None:
         return 2
-    os.makedirs(args.out, exist_ok=True)
-    stem = os.path.join(args.out, f"profile_step_{args.device}")
+    out = out_dir(args)
+    os.makedirs(out, exist_ok=True)
+    stem = os.path.join(out, f"profile_step_{args.device}")
     with tempfile.TemporaryDirectory() as tmp:
         trace_dir = args.trace_dir or tmp
         os.makedirs(trace_dir, exist_ok=True)
-        per_rank = spawn(_rank_body, world, args.device, PRESETS[args.device], args.steps, trace_dir,
-                         args.variants, backend=backend(args.device), timeout_s=600.0)
+        per_rank = run_ranks(_rank_body, world, args.device, preset, args.steps, trace_dir, args.variants,
+                             device=args.device, timeout_s=600.0)
         result = analyze(per_rank, args.device, stem)
     result.update(device=device_label(args.device),
-                  world=world, torch=torch.__version__, steps=args.steps, preset=PRESETS[args.device])
+                  world=world, torch=torch.__version__, steps=args.steps, preset=preset)
     write_results(result, stem, markdown)
     for a in result["agreement"]:
         if not a["ok"]:

@@ -12,6 +12,7 @@ set beside the host time of one DataParallel forward+backward of the same model 
 step the watch runs in), so the share is an upper bound for any larger step.
 
     python benchmarks/reliability_cost.py            # CPU, one process, ~20 s
+    python benchmarks/reliability_cost.py --smoke    # a few seconds, results to a temporary folder
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-from _common import RESULTS, write_results  # noqa: E402
+from _lib.common import add_out_arg, add_smoke_arg, out_dir, write_results  # noqa: E402
 
 
 def _median_us(fn, reps: int) -> float:
@@ -47,9 +48,8 @@ def _model(n_params: int, width: int) -> nn.Module:
 def _measure(n_params: int, width: int, reps: int) -> dict:
     import torch.distributed as dist
 
+    from _lib.unexported import ParamWatch, guard, release
     from overlapkit.data_parallel import DataParallel
-    from overlapkit.data_parallel.watch import ParamWatch
-    from overlapkit.data_parallel.zero_guard import guard, release
 
     model = _model(n_params, width)
     dp = DataParallel(model, dist.group.WORLD)
@@ -101,19 +101,25 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--params", type=int, nargs="+", default=[64, 512, 4096])
     ap.add_argument("--width", type=int, default=16)
     ap.add_argument("--reps", type=int, default=200)
-    ap.add_argument("--out", default=os.path.join(RESULTS, "reliability_cost_cpu"))
+    add_out_arg(ap)
+    add_smoke_arg(ap)
     args = ap.parse_args(argv)
+    if args.smoke:
+        args.params, args.reps = [8, 32], 5
     import torch.distributed as dist
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29613")
+    from _lib.unexported import free_port
+
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
     dist.init_process_group("gloo", rank=0, world_size=1)
     try:
         torch.set_num_threads(1)
         rows = [_measure(n, args.width, args.reps) for n in args.params]
     finally:
         dist.destroy_process_group()
-    write_results(dict(device="CPU", torch=torch.__version__, width=args.width, rows=rows), args.out, _markdown)
+    write_results(dict(device="CPU", torch=torch.__version__, width=args.width, rows=rows),
+                  os.path.join(out_dir(args), "reliability_cost_cpu"), _markdown)
     return 0
 
 

@@ -28,7 +28,8 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import RESULTS, device_label, time_variants, write_results  # noqa: E402
+from _lib.common import (add_out_arg, add_smoke_arg, device_label, init_one_rank, out_dir, time_variants,  # noqa: E402
+                         write_results)
 
 
 def _norm(hidden: int):
@@ -46,17 +47,18 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--out", default=RESULTS)
+    add_out_arg(ap)
+    add_smoke_arg(ap)
     args = ap.parse_args()
+    if args.smoke:
+        args.steps = 2
     torch.set_num_threads(args.threads)
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29533")
-    dist.init_process_group("gloo", rank=0, world_size=1)
+    init_one_rank("gloo")
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Replicate
 
+    from _lib.unexported import replicate_module
     from overlapkit.tensor_parallel import VocabParallelEmbedding, mark_sequence_parallel
-    from overlapkit.tensor_parallel.replicated import replicate_module
 
     mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("tp",))
     group = mesh.get_group()
@@ -87,13 +89,13 @@ def main() -> None:
             emb.weight.grad = None
 
     variants = [*norms, "embedding plain", "embedding VocabParallelEmbedding"]
-    times = time_variants(step, variants, args.steps, warmup=20, device=torch.device("cpu"))
+    times = time_variants(step, variants, args.steps, warmup=1 if args.smoke else 20, device=torch.device("cpu"))
     med = {k: statistics.median(v) * 1e3 for k, v in times.items()}  # µs
     result = {"device": device_label("cpu"), "tokens": args.tokens, "hidden": args.hidden, "vocab": args.vocab,
               "threads": args.threads, "steps": args.steps, "median_us": med,
               "ratio_to_plain": {k: med[k] / med["norm plain" if k.startswith("norm") else "embedding plain"]
                                  for k in med}}
-    stem = os.path.join(args.out, f"replicated_params_probe_t{args.tokens}_h{args.hidden}")
+    stem = os.path.join(out_dir(args), f"replicated_params_probe_t{args.tokens}_h{args.hidden}")
     write_results(result, stem, _markdown)
     dist.destroy_process_group()
 

@@ -13,7 +13,7 @@ Each cycle's traces (one per rank) are analyzed as `overlapkit analyze DIR` does
   With two ranks the "median of the others" is the other rank, whose own jitter sets the step without
   the straggler: a 2-rank smoke run checks that it runs, not the target.
 
-    python benchmarks/straggler_path.py --world 2 --hidden 64 --layers 2 --steps 3 --sleep-ms 20   # smoke
+    python benchmarks/straggler_path.py --smoke     # 2 ranks, MLP 2x64, 3 steps, 20 ms: runs, checks nothing
     python benchmarks/straggler_path.py --world 16 --straggler 5 --sleep-ms 30                      # 16 cores
 
 Writes benchmarks/results/straggler_path_cpu{N}.json and .md.
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -31,11 +32,9 @@ import time
 import torch
 import torch.distributed as dist
 
-from _common import write_results
-from overlapkit.launch import spawn
-from overlapkit.timeline import read_traces
-from overlapkit.timeline import whatif
-from overlapkit.timeline.diagnose import analyze
+from _lib.common import add_out_arg, add_smoke_arg, out_dir, run_ranks, write_results
+from _lib.unexported import whatif
+from overlapkit.timeline import analyze, read_traces
 
 CYCLES = ("without_a", "with", "without_b")
 
@@ -119,12 +118,15 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--timeout", type=float, default=600.0)
     ap.add_argument("--keep", help="keep the traces in this folder (default: a temporary one)")
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    add_out_arg(ap)
+    add_smoke_arg(ap)
     args = ap.parse_args()
+    if args.smoke:
+        args.world, args.hidden, args.layers, args.steps, args.sleep_ms = 2, 64, 2, 3, 20.0
     k = args.world - 1 if args.straggler is None else args.straggler
     folder = args.keep or tempfile.mkdtemp(prefix="straggler_path_")
-    walls = spawn(_rank, args.world, folder, args.engine, args.hidden, args.layers, args.batch, args.steps, k,
-                  args.sleep_ms, args.stall, backend="gloo", timeout_s=args.timeout)
+    walls = run_ranks(_rank, args.world, folder, args.engine, args.hidden, args.layers, args.batch, args.steps, k,
+                      args.sleep_ms, args.stall, timeout_s=args.timeout)
     cycles = {c: _cycle(os.path.join(folder, c)) for c in CYCLES}
     without = statistics.mean(cycles[c]["path_ms"] for c in ("without_a", "without_b"))
     slow = cycles["with"]
@@ -147,7 +149,9 @@ def main() -> None:
         traces=folder if args.keep else None)
     for c in cycles.values():
         c.pop("analysis")
-    write_results(result, os.path.join(args.out, f"straggler_path_cpu{args.world}"), _markdown)
+    if not args.keep:
+        shutil.rmtree(folder, ignore_errors=True)
+    write_results(result, os.path.join(out_dir(args), f"straggler_path_cpu{args.world}"), _markdown)
     ok = result["named_ok"] and abs(result["error_pct"]) <= 5.0
     print(("within target" if ok else "MISSED the target") + f": path names rank {named} (straggler {k}), "
           f"predicted {predicted:.1f} ms vs measured {without:.1f} ms without it ({result['error_pct']:+.1f} %)",

@@ -15,7 +15,7 @@ Scenarios (each ends with work in flight that nobody waited for, as real code do
   demo       one step of `overlapkit demo`'s rank body (tp=2)
 
 Run: python benchmarks/teardown_repeat.py --runs 50        (about 2 s a run here)
-Writes benchmarks/results/teardown_repeat_cpu.{json,md}; `--json -` prints the JSON only.
+Writes benchmarks/results/teardown_repeat_cpu.{json,md} (or under --out); `--json -` prints the JSON only.
 """
 
 from __future__ import annotations
@@ -32,12 +32,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from _common import RESULTS, device_label, write_results  # noqa: E402
+from _lib.common import add_out_arg, add_smoke_arg, device_label, out_dir, write_results  # noqa: E402
+from _lib.unexported import DemoConfig, comm, free_port, run_rank, shutdown  # noqa: E402 - imported before forking
 from torch.nn import functional as F  # noqa: E402
 
 import overlapkit.data_parallel  # noqa: E402,F401 - imported before forking: each rank starts in a second
-import overlapkit.demo  # noqa: E402
-from overlapkit import comm, launch  # noqa: E402
 from overlapkit.timeline import record  # noqa: E402
 
 SCENARIOS = ("recorded", "sharded", "demo")
@@ -70,7 +69,7 @@ def _sharded() -> None:
 
 
 def _demo() -> None:
-    overlapkit.demo.run_rank(overlapkit.demo.DemoConfig(tp=dist.get_world_size(), dp=1, steps=1, timeout_s=30))
+    run_rank(DemoConfig(tp=dist.get_world_size(), dp=1, steps=1, timeout_s=30))
 
 
 BODIES = {"recorded": _recorded, "sharded": _sharded, "demo": _demo}
@@ -86,13 +85,13 @@ def _rank(rank: int, world: int, port: int, scenario: str, joined: bool) -> int:
         BODIES[scenario]()
     except Exception:  # noqa: BLE001 - counted as a failed run, not an exit-time death
         code = 3
-    launch.shutdown(joined=joined and code == 0)
+    shutdown(joined=joined and code == 0)
     return code
 
 
 def one_run(scenario: str, world: int, joined: bool) -> collections.Counter:
     """How the `world` processes of one run ended: exit0, exit<N>, or the signal's name."""
-    port = launch.free_port()
+    port = free_port()
     pids = []
     for r in range(world):
         pid = os.fork()
@@ -128,8 +127,12 @@ def main(argv=None) -> int:
     ap.add_argument("--scenario", choices=SCENARIOS, action="append", help="default: all")
     ap.add_argument("--teardown", choices=("joined", "at once"), action="append", help="default: both")
     ap.add_argument("--budget-s", type=float, default=1800.0, help="stop starting runs after this long")
-    ap.add_argument("--json", metavar="PATH", help="'-' prints the JSON only; default: results/teardown_repeat_cpu")
+    ap.add_argument("--json", metavar="PATH", help="'-' prints the JSON only; default: <--out>/teardown_repeat_cpu")
+    add_out_arg(ap)
+    add_smoke_arg(ap)
     args = ap.parse_args(argv)
+    if args.smoke:  # one run of each scenario and teardown
+        args.runs = 1
     rows, t_start = [], time.monotonic()
     for scenario in args.scenario or SCENARIOS:
         for teardown in args.teardown or ("at once", "joined"):
@@ -144,7 +147,7 @@ def main(argv=None) -> int:
     if args.json == "-":
         print(json.dumps(result))
     else:
-        write_results(result, args.json or os.path.join(RESULTS, "teardown_repeat_cpu"), _markdown)
+        write_results(result, args.json or os.path.join(out_dir(args), "teardown_repeat_cpu"), _markdown)
     return 0
 
 

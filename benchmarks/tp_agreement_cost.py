@@ -1,12 +1,13 @@
 """What the TP layers' cross-rank checks cost: construction, first forward of a shape, steady state.
 
 A layer compares its arguments across the TP group when built and each new input signature
-the first time it sees it (a store round trip each); afterwards its entry is a set lookup
-plus the DTensor `.to_local()` views and local checks. This measures each, per rank, and
+the first time it sees it (a store round trip each); afterwards a seen input is a dict lookup
+before the GEMM. This measures each, per rank, and
 reports the slowest rank's median:
 - `agree` alone (one store round trip), construction of a ColumnParallelLinear,
-- the first forward of a new shape vs the steady-state forward (their difference is the check),
-- the steady-state entry (`_enter`: lookup, to_local, checks; no GEMM, no collective).
+- the first forward of a new shape vs the steady-state forward (their difference is the check).
+(The steady-state entry alone, a private method the layer no longer has, is not timed: a seen input is one
+dict lookup inside forward now, part of the steady-state forward.)
 
     python benchmarks/tp_agreement_cost.py --world 2 --threads 1 --out benchmarks/results
 """
@@ -22,7 +23,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import add_common_args, backend, device_label, world_size, write_results  # noqa: E402
+from _lib.common import add_common_args, device_label, out_dir, run_ranks, world_size, write_results  # noqa: E402
 
 
 def _ms(fn, reps: int) -> float:
@@ -37,7 +38,7 @@ def _ms(fn, reps: int) -> float:
 def _measure(device: str, threads: int, h: int, tokens: int, reps: int) -> dict:
     import torch.distributed as dist
 
-    from overlapkit.agreement import agree
+    from _lib.unexported import agree
     from overlapkit.tensor_parallel import ColumnParallelLinear
 
     torch.set_num_threads(threads)
@@ -64,7 +65,6 @@ def _measure(device: str, threads: int, h: int, tokens: int, reps: int) -> dict:
         layer(x)
         out["first_forward_ms"] = statistics.median(first)
         out["steady_forward_ms"] = _ms(lambda: layer(x), 5 * reps)
-        out["steady_entry_us"] = 1e3 * _ms(lambda: layer._enter(x, h, sp_split=False), 5 * reps)
     gathered = [None] * ws
     dist.all_gather_object(gathered, out)
     return {k: max(g[k] for g in gathered) for k in out}
@@ -80,8 +80,7 @@ def _markdown(r: dict) -> str:
             f"| construction (agree + nn.Linear init of the full weight) | {m['construct_ms']:.3f} ms |\n"
             f"| first forward of a new shape | {m['first_forward_ms']:.3f} ms |\n"
             f"| steady-state forward | {m['steady_forward_ms']:.3f} ms |\n"
-            f"| first − steady (the shape check) | {m['first_forward_ms'] - m['steady_forward_ms']:.3f} ms |\n"
-            f"| steady-state entry (lookup + to_local + checks) | {m['steady_entry_us']:.1f} µs |\n")
+            f"| first − steady (the shape check) | {m['first_forward_ms'] - m['steady_forward_ms']:.3f} ms |\n")
 
 
 def main() -> None:
@@ -92,16 +91,16 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--reps", type=int, default=20)
     args = ap.parse_args()
+    if args.smoke:
+        args.hidden, args.tokens, args.reps = 32, 8, 2
     ws = world_size(args)
     if ws is None:
         sys.exit(1)
-    from overlapkit.launch import spawn
-
-    per_rank = spawn(_measure, ws, args.device, args.threads, args.hidden, args.tokens, args.reps,
-                     backend=backend(args.device), timeout_s=120)
+    per_rank = run_ranks(_measure, ws, args.device, args.threads, args.hidden, args.tokens, args.reps,
+                         device=args.device, timeout_s=120)
     result = dict(device=device_label(args.device), world=ws, threads=args.threads, hidden=args.hidden,
                   tokens=args.tokens, torch=torch.__version__, measured=per_rank[0])
-    write_results(result, os.path.join(args.out, f"tp_agreement_{args.device}_ws{ws}"), _markdown)
+    write_results(result, os.path.join(out_dir(args), f"tp_agreement_{args.device}_ws{ws}"), _markdown)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@
 At world size 1 with TP=<tp> per-rank shapes, `pipelined` with chunks=<tp> runs the chunk GEMMs
 and accumulations the TP=<tp> ring would run, without transfers; `tp_host_cost.py` measured it
 at 1.35x `none` on the H200 even CUDA-graphed (no host cost left). This profiles one
-forward+backward of benchmarks/tp_overlap.py's TPLayer per variant with torch.profiler and
+forward+backward of the TP benchmarks' TPLayer (_lib/tp_layer.py) per variant with torch.profiler and
 lists device time per kernel name, so the loss can be assigned to chunk-GEMM efficiency, the
 fp32 wgrad accumulation, copies, or something else.
 
@@ -20,10 +20,9 @@ from collections import defaultdict
 import torch
 import torch.distributed as dist
 
-from _common import add_common_args, backend, device_label, world_size, write_results
-from tp_overlap import CPU_SHRINK, MODELS, TPLayer, device_slug
-
-from overlapkit.launch import spawn
+from _lib.common import add_common_args, device_label, device_slug, out_dir, run_ranks, world_size, write_results
+from _lib.presets import MODELS
+from _lib.tp_layer import CPU_SHRINK, TPLayer
 
 
 def _kernel_class(name: str) -> str:
@@ -116,16 +115,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=3, help="profiled steps per variant")
     ap.add_argument("--models", default=",".join(MODELS))
     a = ap.parse_args(argv)
+    if a.smoke:  # one model, 16 tokens, one profiled step
+        a.world, a.tokens, a.steps, a.models = a.world or 1, a.tokens or 16, 1, next(iter(MODELS))
     world = world_size(a)
     if world != 1:
         print("tp_chunk_profile runs at world size 1 (pass --world 1)", file=sys.stderr)
         return 2
     args = dict(device=a.device, shape_tp=a.shape_tp, steps=a.steps, models=a.models.split(","),
                 tokens=a.tokens or (8192 if a.device == "cuda" else 384))
-    (raw,) = spawn(_rank_body, 1, args, backend=backend(a.device), timeout_s=600.0)
+    (raw,) = run_ranks(_rank_body, 1, args, device=a.device, timeout_s=600.0)
     result = dict(device=device_label(a.device), shape_tp=a.shape_tp, tokens=args["tokens"], torch=torch.__version__,
                   raw=raw)
-    write_results(result, os.path.join(a.out, f"tp_chunk_profile_{device_slug(a.device)}_tp{a.shape_tp}"), markdown)
+    write_results(result, os.path.join(out_dir(a), f"tp_chunk_profile_{device_slug(a.device)}_tp{a.shape_tp}"), markdown)
     return 0
 
 

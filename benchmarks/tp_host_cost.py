@@ -3,7 +3,7 @@
 Measures what a pipelined call costs beyond a plain one before any byte moves: on one GPU at
 world size 1 with TP=`--shape-tp` per-rank shapes (the chunk GEMMs of TP=8 are 30–160 µs, so
 Python per chunk decides whether the pipeline keeps up). Per variant and model (Llama-3 8B,
-70B), forward+backward of benchmarks/tp_overlap.py's TPLayer:
+70B), forward+backward of the TP benchmarks' TPLayer (_lib/tp_layer.py):
 - eager none / eager pipelined (p2p);
 - graphed none / graphed pipelined: the step captured once with torch.cuda.graph, replayed;
 - compiled: torch.compile (default mode) of the layer with overlapkit's layers (none and
@@ -38,11 +38,10 @@ import time
 import torch
 import torch.distributed as dist
 
-from _common import add_common_args, backend, device_label, time_variants, world_size, write_results
-from tp_overlap import CPU_SHRINK, MODELS, TPLayer, device_slug, tp_gemms
-
-from overlapkit import comm
-from overlapkit.launch import spawn
+from _lib.common import (add_common_args, device_label, device_slug, out_dir, run_ranks, time_variants, world_size,
+                         write_results)
+from _lib.presets import MODELS
+from _lib.tp_layer import CPU_SHRINK, TPLayer, tp_gemms
 
 TARGETS = {
     # (numerator, denominator, model or None for both) -> max ratio of device time (issue 18)
@@ -103,7 +102,7 @@ def _sync(device) -> None:
 def _measure(fns: dict, device, warmup: int, reps: int) -> dict:
     """Per variant: median host ms (the call returning) and device ms (events around it) over `reps` calls.
 
-    The variants take turns call by call in a balanced order (_common.time_variants), so a
+    The variants take turns call by call in a balanced order (_lib.common.time_variants), so a
     clock or host drift during the run spreads over all of them instead of deciding the ratio
     between the ones measured early and late (sequential runs put 70B's identical graphed none
     and graphed pipelined 6 % apart). A variant that fails its first call is reported, not run.
@@ -187,7 +186,7 @@ def _variants(model, shrink, tp, tokens, group, device, dtype, compile_: bool) -
     if compile_:
         plain = torch.compile(PlainLayer(model, shrink, tp, device, dtype))
         out["compiled nn.Linear"] = _train_step(plain, x.clone().requires_grad_(True))
-        if comm.group_size(group) == 1:
+        if dist.get_world_size(group) == 1:
             out["compiled DTensor TP"] = _train_step(torch.compile(_dtensor_tp(model, shrink, tp, group, device, dtype)),
                                                      x.clone().requires_grad_(True))
     return out
@@ -346,6 +345,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--block", type=int, default=20, help="--host-only: steps per timed block")
     ap.add_argument("--tag", default="", help="suffix of the result files' name (e.g. 'before')")
     a = ap.parse_args(argv)
+    if a.smoke:  # one model, one round after one, the compiled variants left out (minutes of compile on CPU)
+        a.world, a.models, a.reps, a.warmup, a.no_compile = a.world or 1, next(iter(MODELS)), 1, 1, True
+        a.tokens, a.block = a.tokens or 16, 2
     world = world_size(a)
     if world is None:
         return 2
@@ -361,10 +363,10 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         args = dict(models=models, shape_tp=a.shape_tp, threads=a.threads, block=a.block, warmup=a.warmup,
                     reps=a.reps or 15)
-        per_rank = spawn(_host_body, world, args, backend="gloo", timeout_s=900.0)
+        per_rank = run_ranks(_host_body, world, args, timeout_s=900.0)
         result = dict(device=device_label("cpu"), world=world, shape_tp=a.shape_tp, reps=args["reps"],
                       block=a.block, torch=torch.__version__, raw=per_rank, summary=host_summary(per_rank))
-        write_results(result, os.path.join(a.out, f"tp_host_cost_cpu_host_ws{world}_tp{a.shape_tp}{tag}"),
+        write_results(result, os.path.join(out_dir(a), f"tp_host_cost_cpu_host_ws{world}_tp{a.shape_tp}{tag}"),
                       host_markdown)
         return 0
     if world != 1:
@@ -375,12 +377,12 @@ def main(argv: list[str] | None = None) -> int:
                 threads=a.threads,
                 tokens=a.tokens or (8192 if a.device == "cuda" else 384),
                 reps=a.reps or (30 if a.device == "cuda" else 10))
-    (raw,) = spawn(_rank_body, world, args, backend=backend(a.device), timeout_s=900.0)
+    (raw,) = run_ranks(_rank_body, world, args, device=a.device, timeout_s=900.0)
     result = dict(device=device_label(a.device), world=world, shape_tp=a.shape_tp, tokens=args["tokens"],
                   reps=args["reps"], dtype="bf16" if a.device == "cuda" else "fp32", torch=torch.__version__,
                   raw=raw)
     result["summary"] = summarize(raw)
-    write_results(result, os.path.join(a.out, f"tp_host_cost_{device_slug(a.device)}_ws{world}_tp{a.shape_tp}{tag}"),
+    write_results(result, os.path.join(out_dir(a), f"tp_host_cost_{device_slug(a.device)}_ws{world}_tp{a.shape_tp}{tag}"),
                   markdown)
     return 0
 

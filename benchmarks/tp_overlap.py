@@ -38,32 +38,16 @@ import time
 import torch
 import torch.distributed as dist
 
-from _common import add_common_args, backend, device_label, line_up, world_size, write_results
-from overlapkit import comm
-from overlapkit.launch import spawn
-from overlapkit.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-from overlapkit.tensor_parallel.pipelined import all_gather_matmul, matmul_reduce_scatter
+from _lib.common import (TEST_DATA, add_common_args, device_label, device_slug, line_up, out_dir, run_ranks,
+                         world_size, write_results)
+from _lib.presets import MODELS
+from _lib.tp_layer import CPU_SHRINK, TPLayer, tp_gemms
+from _lib.unexported import all_gather_matmul, comm, matmul_reduce_scatter
 
-MODELS = {
-    # Llama 3 (the released config.json files): hidden, MLP width, query heads, key/value heads; head dim 128.
-    "llama3-8b": dict(hidden=4096, ffn=14336, heads=32, kv_heads=8),
-    "llama3-70b": dict(hidden=8192, ffn=28672, heads=64, kv_heads=8),
-}
 BASELINES = ("gemm", "comm", "sequential")
 """Variants that define the efficiency scale rather than being measured on it."""
-CPU_SHRINK = 32
-"""On CPU every width is divided by this and tokens are 384 (divisible by 2·ws for ws ≤ 4)."""
-CALIBRATION = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared", "calibration",
-                           "h200_1gpu_probe.json")
-
-
-def tp_gemms(model: str, shrink: int) -> list[tuple[str, str, int, int]]:
-    """(name, 'ag' or 'rs', K, N) of the full (unsplit) TP GEMMs of one layer."""
-    m = MODELS[model]
-    h, ffn = m["hidden"], m["ffn"]
-    qkv = (m["heads"] + 2 * m["kv_heads"]) * h // m["heads"]
-    full = [("qkv", "ag", h, qkv), ("proj", "rs", h, h), ("fc1", "ag", h, 2 * ffn), ("fc2", "rs", ffn, h)]
-    return [(n, kind, k // shrink, nn // shrink) for n, kind, k, nn in full]
+CALIBRATION = os.path.join(TEST_DATA, "calibration", "h200_1gpu_probe.json")
+"""The one-GPU probe (chunked-GEMM efficiency at 70B TP=8 shapes) the world-size-1 rows are set beside."""
 
 
 def _time_ms(fn, device: torch.device) -> float:
@@ -136,30 +120,6 @@ def _gemm_variants(kind: str, k: int, n: int, tp: int, tokens: int, chunk_list, 
     return v
 
 
-class TPLayer(torch.nn.Module):
-    """The TP+SP linears of one Llama layer: qkv → proj (+x), fc1 → SwiGLU → fc2 (+h).
-
-    Attention itself is left out (it has no TP communication); the rank's query heads stand in
-    for its output. Full widths are scaled so that each rank holds the TP=`tp` slice.
-    """
-
-    def __init__(self, model: str, shrink: int, tp: int, group, device, dtype, **overlap) -> None:
-        super().__init__()
-        ws = comm.group_size(group)
-        (_, _, h, qkv), _, (_, _, _, ffn2), _ = tp_gemms(model, shrink)
-        kw = dict(bias=False, sequence_parallel=True, device=device, dtype=dtype, **overlap)
-        self.h_rank = h // tp
-        self.qkv = ColumnParallelLinear(h, qkv * ws // tp, group, name="qkv", **kw)
-        self.proj = RowParallelLinear(h * ws // tp, h, group, name="proj", **kw)
-        self.fc1 = ColumnParallelLinear(h, ffn2 * ws // tp, group, name="fc1", **kw)
-        self.fc2 = RowParallelLinear(ffn2 // 2 * ws // tp, h, group, name="fc2", **kw)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.proj(self.qkv(x)[..., :self.h_rank].contiguous()) + x
-        gate, up = self.fc1(h).chunk(2, dim=-1)
-        return self.fc2(torch.nn.functional.silu(gate) * up) + h
-
-
 LAYER_MODES = {"none": dict(overlap="none"), "bulk": dict(overlap="bulk"),
                "pipelined p2p": dict(overlap="pipelined", transport="p2p"),
                "pipelined symm_mem": dict(overlap="pipelined", transport="symm_mem")}
@@ -196,7 +156,7 @@ def _rank_body(args: dict) -> dict:
     tp, tokens, group = args["shape_tp"] or ws, args["tokens"], dist.group.WORLD
     chunk_list = [ws, 2 * ws] if ws > 1 else [1, 2, 4, 8]
     res = {"gemms": {}, "layers": {}}
-    for model in MODELS:
+    for model in args["models"]:
         if not args["layers_only"]:
             for name, kind, k, n in tp_gemms(model, shrink):
                 v = _gemm_variants(kind, k, n, tp, tokens, chunk_list, group, device, dtype)
@@ -280,12 +240,6 @@ def markdown(result: dict) -> str:
     return "\n".join(out) + "\n"
 
 
-def device_slug(device: str) -> str:
-    if device == "cpu":
-        return "cpu"
-    return torch.cuda.get_device_name(0).split()[-1].lower().replace("-", "")
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_common_args(ap)
@@ -298,19 +252,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layers-only", action="store_true",
                     help="only the whole-layer rows (every round), not the GEMM grid: the no-regression check")
     a = ap.parse_args(argv)
+    if a.smoke:  # one model, 32 tokens, one round after one
+        a.tokens, a.reps, a.warmup = a.tokens or 32, 1, 1
     if a.render:
         with open(a.render) as f:
             result = json.load(f)
         result["summary"] = summarize(result["raw"], result["world"], _calibration(a.calibration, result))
-        write_results(result, os.path.join(a.out, os.path.splitext(os.path.basename(a.render))[0]), markdown)
+        write_results(result, os.path.join(out_dir(a), os.path.splitext(os.path.basename(a.render))[0]), markdown)
         return 0
     world = world_size(a)
     if world is None:
         return 2
     args = dict(device=a.device, shape_tp=a.shape_tp, warmup=a.warmup, layers_only=a.layers_only,
+                models=list(MODELS)[:1] if a.smoke else list(MODELS),
                 tokens=a.tokens or (8192 if a.device == "cuda" else 384),
                 reps=a.reps or (30 if a.device == "cuda" else 15))
-    per_rank = spawn(_rank_body, world, args, backend=backend(a.device), timeout_s=900.0)
+    per_rank = run_ranks(_rank_body, world, args, device=a.device, timeout_s=900.0)
     result = dict(device=device_label(a.device),
                   world=world, shape_tp=a.shape_tp or world, tokens=args["tokens"], reps=args["reps"],
                   dtype="bf16" if a.device == "cuda" else "fp32", torch=torch.__version__,
@@ -319,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
     result["summary"] = summarize(per_rank, world, _calibration(a.calibration, result))
     tp_tag = f"_tp{a.shape_tp}" if a.shape_tp not in (None, world) else ""
     tag = "_layers" if a.layers_only else ""
-    write_results(result, os.path.join(a.out, f"tp_overlap_{device_slug(a.device)}_ws{world}{tp_tag}{tag}"),
+    write_results(result, os.path.join(out_dir(a), f"tp_overlap_{device_slug(a.device)}_ws{world}{tp_tag}{tag}"),
                   markdown)
     return 0
 

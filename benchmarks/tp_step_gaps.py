@@ -4,7 +4,7 @@ A step's device time (CUDA events around it) is its kernels' time plus the gaps 
 At 70B per-rank shapes of TP=8 the host is far ahead of the device on average, yet the layer
 A/B (tp_overlap_h200_ws1_tp8_layers_ab.md) measured +2 % device time for the code with DTensor
 parameters, with the same kernels. This profiles `--steps` forward+backward steps of
-benchmarks/tp_overlap.py's TPLayer (overlap none, gradients set to None first), delimits each
+the TP benchmarks' TPLayer (_lib/tp_layer.py) (overlap none, gradients set to None first), delimits each
 step on the device by its record_function range, and reports per step: kernel busy time, span,
 the gaps over 5 µs, and for the largest gaps the host op that launched the kernel after it
 (the launch was late: the device waited for that op's Python).
@@ -24,10 +24,9 @@ import tempfile
 import torch
 import torch.distributed as dist
 
-from _common import add_common_args, backend, device_label, world_size, write_results
-from tp_overlap import MODELS, TPLayer, device_slug
-
-from overlapkit.launch import spawn
+from _lib.common import add_common_args, device_label, device_slug, out_dir, run_ranks, world_size, write_results
+from _lib.presets import MODELS
+from _lib.tp_layer import TPLayer
 
 GAP_US = 5.0
 """Gaps shorter than this are a kernel's own launch spacing, not waiting."""
@@ -150,18 +149,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--models", default="llama3-8b,llama3-70b")
     ap.add_argument("--tag", default="", help="suffix of the result files (e.g. old / new for an A/B)")
     args = ap.parse_args(argv)
+    if args.smoke:  # on the GPU: one model, 256 tokens, two profiled steps
+        args.world, args.models, args.tokens, args.steps = args.world or 1, "llama3-8b", 256, 2
     if args.device != "cuda" or world_size(args) != 1:
         print("tp_step_gaps needs CUDA (device kernels and their gaps) and runs at world size 1 (--world 1)",
               file=sys.stderr)
         return 2
     body = dict(models=args.models.split(","), shape_tp=args.shape_tp, tokens=args.tokens, steps=args.steps)
-    (raw,) = spawn(_rank_body, 1, body, backend=backend(args.device), timeout_s=600.0)
+    (raw,) = run_ranks(_rank_body, 1, body, device=args.device, timeout_s=600.0)
     import overlapkit
     src = os.path.dirname(overlapkit.__file__)
     result = dict(device=device_label(args.device), shape_tp=args.shape_tp, tokens=args.tokens, steps=args.steps,
                   torch=torch.__version__, source=src, tag_note=f" ({args.tag}: {src})" if args.tag else "", raw=raw)
     name = f"tp_step_gaps_{device_slug(args.device)}_tp{args.shape_tp}" + (f"_{args.tag}" if args.tag else "")
-    write_results(result, os.path.join(args.out, name), markdown)
+    write_results(result, os.path.join(out_dir(args), name), markdown)
     return 0
 
 

@@ -33,8 +33,6 @@ the first step's loss, which must agree across variants (same init, same data).
 from __future__ import annotations
 
 import argparse
-import contextlib
-import copy
 import os
 import statistics
 import sys
@@ -45,90 +43,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from _common import RESULTS, balanced_orders, device_label, line_up, write_results  # noqa: E402
-
-PRESETS = {
-    # the issue's CPU config: a tiny HF Llama, 2 x 512 tokens
-    "tiny": dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=8,
-                 num_key_value_heads=8, vocab_size=4096, batch=2, seq=512),
-    # the 16-core host: a step of >= 200 ms at tp 4 and 8 (~0.5 TFLOP)
-    "cpu16": dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=4, num_attention_heads=16,
-                  num_key_value_heads=8, vocab_size=32000, batch=2, seq=512),
-    # ~1.1 B, the H200 config: 4 x 2048 tokens in bf16
-    "1b": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=16, num_attention_heads=16,
-               num_key_value_heads=8, vocab_size=32000, batch=4, seq=2048),
-}
-MODES = ("none", "bulk", "pipelined", "auto")
-
-
-def _torch_tp_plan(model) -> dict:
-    """PyTorch's own TP+SP plan for HF Llama, in torchtitan's shape."""
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
-                                                   SequenceParallel)
-
-    plan = {
-        # HF builds the causal mask and positions from the embedding's output: keep it whole, and
-        # split the sequence where the first block takes it.
-        "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
-        "model.layers.0": PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),),
-                                             use_local_output=True),
-        "model.norm": SequenceParallel(),
-        "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False),
-    }
-    for i in range(len(model.model.layers)):
-        p = f"model.layers.{i}."
-        plan.update({
-            p + "input_layernorm": SequenceParallel(),
-            p + "self_attn": PrepareModuleInput(input_kwarg_layouts={"hidden_states": Shard(1)},
-                                                desired_input_kwarg_layouts={"hidden_states": Replicate()}),
-            p + "self_attn.q_proj": ColwiseParallel(), p + "self_attn.k_proj": ColwiseParallel(),
-            p + "self_attn.v_proj": ColwiseParallel(), p + "self_attn.o_proj": RowwiseParallel(output_layouts=Shard(1)),
-            p + "post_attention_layernorm": SequenceParallel(),
-            p + "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-            p + "mlp.gate_proj": ColwiseParallel(), p + "mlp.up_proj": ColwiseParallel(),
-            p + "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1)),
-        })
-    return plan
-
-
-def _build(name: str, base, groups, dp: int):
-    """(model, context the step runs under) of variant `name`, from a copy of `base`."""
-    import overlapkit
-    from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
-
-    model = copy.deepcopy(base)
-    kind = name.removesuffix("_compiled")
-    ctx = contextlib.nullcontext
-    async_tp = kind == "torch_async_tp"
-    if async_tp:
-        from torch.distributed._symmetric_memory import enable_symm_mem_for_group
-        enable_symm_mem_for_group(groups.mesh["tp"].get_group().group_name)
-        kind = "torch_tp"
-    if kind == "torch_tp":
-        parallelize_module(model, groups.mesh["tp"], _torch_tp_plan(model))
-        if dp > 1:
-            from torch.distributed.fsdp import fully_shard
-            for block in model.model.layers:
-                fully_shard(block, mesh=groups.mesh["dp"])
-            fully_shard(model, mesh=groups.mesh["dp"])
-        ctx = loss_parallel
-        if async_tp:  # the config is read when the graph compiles, at the first step: only this variant's
-            def ctx():
-                stack = contextlib.ExitStack()
-                stack.enter_context(loss_parallel())
-                stack.enter_context(torch._inductor.config.patch(_micro_pipeline_tp=True))
-                return stack
-    elif kind.startswith("ok_"):
-        mode, sp = kind[3:].removesuffix("_nosp"), not kind.endswith("_nosp")
-        overlapkit.parallelize(model, groups.mesh, overlap=mode, sequence_parallel=sp)
-        if dp > 1:
-            from overlapkit.data_parallel import DataParallel
-            model = DataParallel(model, groups.dp)
-    if name.endswith("_compiled"):
-        model = torch.compile(model)
-    return model, ctx
-
+from _lib.common import (add_out_arg, add_smoke_arg, balanced_orders, device_label, line_up, out_dir,  # noqa: E402
+                         print_message, run_ranks, write_results)
+from _lib.hf_llama import MODES, PRESETS, build_variant  # noqa: E402
 
 def _state_bytes(model, opt) -> int:
     """This rank's bytes of parameters and optimizer state (local shards)."""
@@ -193,7 +110,7 @@ def _rank_body(cfg_kw: dict, names: list[str], rounds: int, warmup: int, tp: int
         torch.compile(lambda t: t * 2)(torch.ones(2, device=device))
     models, opts, ctxs, first_s, loss0 = {}, {}, {}, {}, {}
     for name in names:
-        models[name], ctxs[name] = _build(name, base, groups, dp)
+        models[name], ctxs[name] = build_variant(name, base, groups, dp)
         # fused on a GPU (what users run there); foreach on CPU, where the single-tensor default would
         # pay DTensor dispatch per parameter and op (the parallelized variants only)
         fused = dict(fused=True) if device_type == "cuda" else dict(foreach=True)
@@ -212,7 +129,7 @@ def _rank_body(cfg_kw: dict, names: list[str], rounds: int, warmup: int, tp: int
         loss = loss.detach()
         return float(loss.full_tensor() if hasattr(loss, "full_tensor") else loss)
 
-    from overlapkit.launch import progress
+    from _lib.unexported import progress
 
     times = {n: [] for n in names}
     orders = balanced_orders(len(names))
@@ -290,8 +207,6 @@ def _markdown(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from overlapkit.launch import spawn
-
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument("--world", type=int, default=1)
@@ -311,8 +226,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget-s", type=float, default=None,
                     help="stop timing after the round that passes this many seconds (at least 2 rounds)")
     ap.add_argument("--timeout", type=float, default=600.0)
-    ap.add_argument("--out", default=RESULTS)
+    add_out_arg(ap)
+    add_smoke_arg(ap)
     args = ap.parse_args(argv)
+    if args.smoke:  # the tiny preset cut to one layer and 32 tokens, one round after one
+        args.preset, args.layers, args.batch, args.seq, args.rounds, args.warmup = "tiny", 1, 1, 32, 1, 1
     tp = args.tp or args.world // args.dp
     if tp * args.dp != args.world:
         ap.error(f"--tp {tp} x --dp {args.dp} is not the world {args.world}")
@@ -328,14 +246,12 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"--variants: unknown {unknown}; known {names}")
         names = [n for n in names if n in wanted]
     rounds = args.rounds or (8 if args.device == "cuda" else 6)
-    backend = "nccl" if args.device == "cuda" else "gloo"
-    per_rank = spawn(_rank_body, args.world, cfg, names, rounds, args.warmup, tp, args.dp, args.threads,
-                     args.device, args.clip, args.budget_s, backend=backend, timeout_s=args.timeout,
-                     on_message=lambda r, t: print(f"[rank {r}] {t}", flush=True))
+    per_rank = run_ranks(_rank_body, args.world, cfg, names, rounds, args.warmup, tp, args.dp, args.threads,
+                         args.device, args.clip, args.budget_s, device=args.device, timeout_s=args.timeout,
+                         on_message=print_message)
     from transformers import __version__ as hf_version
 
-    from overlapkit.costmodel.flops import step_flops
-    from overlapkit.costmodel.hf import from_hf_config
+    from _lib.unexported import from_hf_config, step_flops
 
     model_cfg = from_hf_config({k: v for k, v in cfg.items() if k not in ("batch", "seq")} | {"hidden_act": "silu"},
                                seq_len=cfg["seq"])
@@ -359,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
         best = min(fixed, key=fixed.get)
         result.update(best_fixed=best, auto_vs_best=rows[f"ok_auto{suffix}"]["step_ms"] / fixed[best])
     layout = f"tp{tp}" + (f"_dp{args.dp}" if args.dp > 1 else "")
-    stem = os.path.join(args.out, f"user_step_{args.device}_{args.preset}_ws{args.world}_{layout}_{args.which}")
+    stem = os.path.join(out_dir(args), f"user_step_{args.device}_{args.preset}_ws{args.world}_{layout}_{args.which}")
     write_results(result, stem, _markdown)
     return 0 if result["losses_agree"] else 1
 

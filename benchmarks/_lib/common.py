@@ -1,5 +1,6 @@
-"""What every benchmark script shares: device/world/out arguments, the machine's label, and
-writing a result as JSON + a markdown table (printed too)."""
+"""What every benchmark script shares: device/world/out/smoke arguments, spawning ranks, lining
+them up and timing variants in balanced rounds, the machine's label, and writing a result as JSON +
+a markdown table (printed too)."""
 
 from __future__ import annotations
 
@@ -8,18 +9,71 @@ import json
 import os
 import platform
 import sys
+import tempfile
 import time
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+BENCHMARKS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(BENCHMARKS)
+RESULTS = os.path.join(BENCHMARKS, "results")
+"""Where results are committed: benchmarks/results."""
+DATA = os.path.join(BENCHMARKS, "data")
+"""Inputs the benchmarks read that no test needs (test data lives in tests/data)."""
+TEST_DATA = os.path.join(ROOT, "tests", "data")
+SMOKE_HELP = ("tiny sizes and one or two rounds, on CPU in seconds, results into a new temporary folder unless "
+              "--out says where: shows the script runs end to end, measures nothing")
+
+
+def add_smoke_arg(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--smoke", action="store_true", help=SMOKE_HELP)
+
+
+def add_out_arg(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--out", default=None, help="results folder (default: benchmarks/results; with --smoke a new "
+                                                "temporary folder)")
+
+
+def out_dir(args: argparse.Namespace) -> str:
+    """--out, else benchmarks/results, else (--smoke) a new temporary folder: a smoke run never writes over
+    committed results."""
+    if args.out:
+        return args.out
+    if getattr(args, "smoke", False):
+        args.out = tempfile.mkdtemp(prefix="overlapkit_smoke_")
+        print(f"--smoke: results go to {args.out}", file=sys.stderr)
+        return args.out
+    return RESULTS
 
 
 def add_common_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument("--world", type=int, default=None, help="ranks (default: 2 on CPU, every visible GPU on CUDA)")
-    ap.add_argument("--out", default=RESULTS)
+    add_out_arg(ap)
+    add_smoke_arg(ap)
+
+
+def run_ranks(fn: Callable, world: int, *args: Any, device: str = "cpu", timeout_s: float = 600.0,
+              on_message: Callable[[int, str], None] | None = None) -> list:
+    """fn(*args) on `world` fresh ranks (gloo on CPU, NCCL one GPU a rank); their return values, rank by rank."""
+    from _lib.unexported import spawn
+
+    return spawn(fn, world, *args, backend=backend(device), timeout_s=timeout_s, on_message=on_message)
+
+
+def print_message(rank: int, text: str) -> None:
+    """on_message for run_ranks: a rank's progress line on stderr."""
+    print(f"[rank {rank}] {text}", file=sys.stderr, flush=True)
+
+
+def init_one_rank(backend_name: str = "gloo") -> None:
+    """A process group of this process alone (world size 1), on a free port unless MASTER_PORT is set."""
+    from _lib.unexported import free_port
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
+    torch.distributed.init_process_group(backend_name, rank=0, world_size=1)
 
 
 def world_size(args: argparse.Namespace) -> int | None:
@@ -59,8 +113,6 @@ def time_variants(step: Callable[[str], None], variants: list[str], steps: int, 
     or right after the same neighbour (a plain rotation puts each one after the same neighbour
     every round: the ZeRO-3 benchmark read a 4 % gap between two identical configurations so).
     """
-    import time
-
     times: dict[str, list[float]] = {k: [] for k in variants}
     orders = balanced_orders(len(variants)) if variants else [[]]
     for i in range(warmup + steps):
@@ -119,6 +171,13 @@ def mean_call_ms(fn: Callable[[], object], device: torch.device, reps: int, warm
     return (time.perf_counter() - t0) * 1e3 / reps
 
 
+def device_slug(device: str) -> str:
+    """The device in a result file's name: cpu, or the GPU's model (h200)."""
+    if device == "cpu":
+        return "cpu"
+    return torch.cuda.get_device_name(0).split()[-1].lower().replace("-", "")
+
+
 def device_label(device: str) -> str:
     return torch.cuda.get_device_name(0) if device == "cuda" else f"CPU ({platform.machine()}, gloo)"
 
@@ -132,3 +191,16 @@ def write_results(result: dict, stem: str, markdown: Callable[[dict], str]) -> N
     with open(stem + ".md", "w") as f:
         f.write(table)
     print(table)
+
+
+def pipeline_args(description: str) -> argparse.ArgumentParser:
+    """The arguments every pipeline benchmark takes: the common ones, threads a rank, steps, warm-up,
+    recorded steps, m."""
+    ap = argparse.ArgumentParser(description=description)
+    add_common_args(ap)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads a rank")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--recorded", type=int, default=3)
+    ap.add_argument("--microbatches", type=int, default=None, help="m (default 2·pp)")
+    return ap
