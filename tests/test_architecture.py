@@ -289,7 +289,6 @@ def test_imports_only_point_down():
     assert not climbs, "imports that climb:\n" + "\n".join(climbs)
 
 
-@pytest.mark.xfail(strict=True, reason="tensor_parallel/vocab.py cites a seed document")
 def test_no_text_about_how_it_was_made():
     hits = [f"{_where(name, i)}: {line.strip()}"
             for name, path in MODULES.items()

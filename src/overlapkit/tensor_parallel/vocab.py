@@ -1,6 +1,6 @@
 """Vocabulary-parallel embedding and cross-entropy: the [tokens, vocab] logits are never gathered.
 
-Nothing here overlaps anything; it removes communication instead. Seed 000's decision table:
+Nothing here overlaps anything; it removes communication instead:
 the output head is split over the vocabulary, and the loss is computed from the local shards
 with three [tokens]-sized reductions (max, sum of exponentials, the target's logit: one MAX
 all-reduce and one SUM all-reduce of two rows) instead of an all-gather of [tokens, vocab].
