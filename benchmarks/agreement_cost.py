@@ -24,8 +24,8 @@ from overlapkit.launch import spawn  # noqa: E402
 
 
 def _rank_body(new_calls: int, seen_calls: int) -> dict:
-    from overlapkit.agreement import Agreement
-    from overlapkit.groups import ParallelGroups
+    from overlapkit.runtime.agreement import Agreement
+    from overlapkit.runtime.groups import ParallelGroups
 
     g = ParallelGroups.build(tp=dist.get_world_size())
     a = Agreement("bench")

@@ -67,7 +67,7 @@ def run_rank(sizes: dict, layout: tuple, steps: int, trace_dir: str, overlap: st
     from torch.profiler import ProfilerActivity, profile, schedule
 
     from overlapkit.data_parallel import DataParallel
-    from overlapkit.groups import ParallelGroups
+    from overlapkit.runtime.groups import ParallelGroups
     from overlapkit.models import lm_loss, parallelize
     from overlapkit.optim import optim_param_groups
     from overlapkit.timeline import record

@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from _common import add_common_args, backend, device_label, line_up, time_variants, world_size, write_results
 from _ratios import per_round, text, verdict
 from cp_waits import attribute, rank_spans
-from overlapkit import comm
+from overlapkit.runtime import comm
 from overlapkit.context_parallel import ContextParallelConfig, RingAttention, shard
 from overlapkit.launch import spawn
 from overlapkit.timeline import record
@@ -165,7 +165,7 @@ def _ring_body(device_type: str, p: dict, rounds: int, warmup: int, recorded: in
 def _hop_ms(tensors, device, trials: int = 15) -> float:
     """A hop's transfer time alone: ranks line up, every rank sends these to the next and receives from the
     previous (the ring's exchange), nothing else runs; median over trials of the slowest rank."""
-    from overlapkit import comm
+    from overlapkit.runtime import comm
 
     rank, size = dist.get_rank(), dist.get_world_size()
     out = []

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import statistics
 
-from overlapkit.timeline import intervals as iv
+from overlapkit.runtime import intervals as iv
 
 
 def _median(xs):

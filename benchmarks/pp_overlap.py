@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from _common import add_common_args, device_label, line_up, write_results
-from overlapkit.groups import ParallelGroups
+from overlapkit.runtime.groups import ParallelGroups
 from overlapkit.launch import spawn
 from overlapkit.models.gpt import GPT, GPTConfig, lm_loss
 from overlapkit.pipeline_parallel import PipelineConfig, PipelineEngine, bubble_fraction, gpt_chunks, pipeline_times

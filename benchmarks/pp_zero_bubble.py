@@ -33,12 +33,12 @@ import torch.distributed as dist
 
 from _common import device_label, line_up, time_variants, write_results
 from pp_overlap import pipeline_args
-from overlapkit.groups import ParallelGroups
+from overlapkit.runtime.groups import ParallelGroups
 from overlapkit.launch import spawn
 from overlapkit.models.gpt import GPT, GPTConfig, lm_loss
 from overlapkit.pipeline_parallel import (PipelineConfig, PipelineEngine, chunks_of, gpt_chunks, pipeline_times,
                                           placement, rank_of)
-from overlapkit.timeline import intervals as iv
+from overlapkit.runtime import intervals as iv
 from overlapkit.timeline import record
 
 _TORCH_V_BROKEN = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) < (2, 13)

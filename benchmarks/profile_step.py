@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile, schedule
 
 from _common import add_common_args, backend, device_label, world_size, write_results
-from overlapkit import comm
+from overlapkit.runtime import comm
 from overlapkit.data_parallel import DataParallel
 from overlapkit.launch import spawn
 from overlapkit.models.gpt import GPT, GPTConfig, lm_loss

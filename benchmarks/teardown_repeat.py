@@ -37,7 +37,8 @@ from torch.nn import functional as F  # noqa: E402
 
 import overlapkit.data_parallel  # noqa: E402,F401 - imported before forking: each rank starts in a second
 import overlapkit.demo  # noqa: E402
-from overlapkit import comm, launch  # noqa: E402
+from overlapkit.runtime import comm  # noqa: E402
+from overlapkit import launch  # noqa: E402
 from overlapkit.timeline import record  # noqa: E402
 
 SCENARIOS = ("recorded", "sharded", "demo")

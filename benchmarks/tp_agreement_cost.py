@@ -37,7 +37,7 @@ def _ms(fn, reps: int) -> float:
 def _measure(device: str, threads: int, h: int, tokens: int, reps: int) -> dict:
     import torch.distributed as dist
 
-    from overlapkit.agreement import agree
+    from overlapkit.runtime.agreement import agree
     from overlapkit.tensor_parallel import ColumnParallelLinear
 
     torch.set_num_threads(threads)

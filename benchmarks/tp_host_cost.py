@@ -41,7 +41,7 @@ import torch.distributed as dist
 from _common import add_common_args, backend, device_label, time_variants, world_size, write_results
 from tp_overlap import CPU_SHRINK, MODELS, TPLayer, device_slug, tp_gemms
 
-from overlapkit import comm
+from overlapkit.runtime import comm
 from overlapkit.launch import spawn
 
 TARGETS = {

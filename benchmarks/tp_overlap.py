@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from _common import add_common_args, backend, device_label, line_up, world_size, write_results
-from overlapkit import comm
+from overlapkit.runtime import comm
 from overlapkit.launch import spawn
 from overlapkit.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from overlapkit.tensor_parallel.pipelined import all_gather_matmul, matmul_reduce_scatter

@@ -113,7 +113,7 @@ def _max_errors(pairs) -> tuple[float, float]:
 
 def run_rank(cfg: DemoConfig) -> dict:
     """The demo on one rank (the default group is initialized). Returns errors and spans."""
-    from .groups import ParallelGroups
+    from .runtime.groups import ParallelGroups
     from .models import GPT, GPTConfig, expected_local, lm_loss, parallelize
     from .timeline import record
 
@@ -287,7 +287,7 @@ def run(cfg: DemoConfig, plot_path: str | None = "timeline.png", oversubscribe: 
 
     world = cfg.tp * cfg.dp * cfg.cp * cfg.pp
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun: this process is a rank
-        from .groups import init
+        from .runtime.groups import init
         init(tp=cfg.tp, dp=cfg.dp, cp=cfg.cp, pp=cfg.pp, backend="nccl" if cfg.device == "cuda" else "gloo", timeout_s=cfg.timeout_s)
         from .launch import shutdown
         rank, ok = dist.get_rank(), False

@@ -9,7 +9,7 @@ from cp_cases import (TOL, all_attention_cases, auto_overlap, gpt_cp_dp_errors, 
                       rejections, tp_heads_errors)
 from distributed import distributed
 from overlapkit.demo import TOLERANCE, DemoConfig, run_rank
-from overlapkit.groups import ParallelGroups
+from overlapkit.runtime.groups import ParallelGroups
 
 
 @distributed(world_size=4, timeout_s=120)

@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn import functional as F
 
 from distributed import distributed
-from overlapkit.agreement import RankMismatchError
+from overlapkit.runtime.agreement import RankMismatchError
 from overlapkit.data_parallel import fully_shard, layer_report, prefetch_plan
 from overlapkit.timeline import record
 

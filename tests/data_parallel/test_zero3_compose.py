@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor
 
 from distributed import distributed
 from overlapkit.data_parallel import fully_shard, prefetch_plan
-from overlapkit.groups import ParallelGroups
+from overlapkit.runtime.groups import ParallelGroups
 from overlapkit.models import GPT, GPTConfig, lm_loss, parallelize
 from overlapkit.pipeline_parallel import PipelineConfig, PipelineEngine, gpt_chunks
 

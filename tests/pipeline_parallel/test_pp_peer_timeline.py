@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from distributed import distributed
-from overlapkit.groups import ParallelGroups
+from overlapkit.runtime.groups import ParallelGroups
 from overlapkit.pipeline_parallel import (PipelineConfig, PipelineEngine, chunks_of, gpt_chunks, pipeline_times,
                                           placement, rank_of, timetable)
 from overlapkit.timeline import record

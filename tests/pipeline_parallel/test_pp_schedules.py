@@ -203,7 +203,7 @@ def test_sequential_chunks_keep_the_sequential_names():
 def test_bubble_is_measured_apart_from_exposed_p2p():
     from overlapkit.pipeline_parallel import StepTiming, pipeline_times
     from overlapkit.timeline.report import measure
-    from overlapkit.timeline.spans import Span
+    from overlapkit.runtime.spans import Span
 
     spans = [Span("compute", "F0", "compute", 0, 10, step=1), Span("compute", "B0", "compute", 20, 40, step=1),
              Span("pp_bubble", "wait", "bubble", 10, 15, step=1), Span("pp_bubble", "wait", "bubble", 8, 12, step=1),

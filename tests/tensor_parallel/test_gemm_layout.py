@@ -24,7 +24,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from distributed import distributed
-from overlapkit import comm
+from overlapkit.runtime import comm
 from overlapkit.tensor_parallel import ColumnParallelLinear, RowParallelLinear, mappings
 from overlapkit.tensor_parallel.styles import GatheredInputColumnLinear
 

@@ -16,8 +16,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from ..comm import group_rank, group_size
-from ..groups import ParallelGroups, resolve_group
+from ..runtime.comm import group_rank, group_size
+from ..runtime.groups import ParallelGroups, resolve_group
 from ..tensor_parallel.params import LocalShardParams
 from .attention import ContextParallelConfig, RingAttention
 from .split import check_seq_len, positions, shard

@@ -15,11 +15,11 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from .. import comm
-from ..agreement import report_problem
-from ..timeline.recorder import compute_span
+from ..runtime import comm
+from ..runtime.agreement import report_problem
+from ..runtime.recorder import compute_span
 from ..tensor_parallel.params import localize_parameters
-from ..groups import resolve_group
+from ..runtime.groups import resolve_group
 from .agree import copy_from_first_rank
 from .buckets import local
 from .grad_sync import MAX_BUCKET_MB, SHARD_ALIGN, DataParallelConfig, GradSync

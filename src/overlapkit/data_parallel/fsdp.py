@@ -13,7 +13,7 @@ budget. The model's pick and its neighbours that it prices within `fsdp_prefetch
 timed for `trials` rounds of steps (the model cannot see, e.g., gloo running two collectives at
 once) and the fastest is kept (fsdp_prefetch.py). Every rank decides from the same all-reduced
 numbers, so the gathers stay paired across ranks.
-FSDP2's collectives go through `overlapkit.comm` (see fsdp_comm.py): the timeline recorder
+FSDP2's collectives go through `overlapkit.runtime.comm` (see fsdp_comm.py): the timeline recorder
 and profiler traces see them as `zero_all_gather` / `zero_reduce_scatter`, named by block.
 
 Depth d means: a block's pre-forward issues the gathers of the next d blocks (in registration
@@ -35,7 +35,7 @@ from torch import nn
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor
 
-from ..agreement import agree
+from ..runtime.agreement import agree
 from .agree import copy_from_first_rank
 from .fsdp_check import ADVICE, StepCheck
 from .fsdp_prefetch import MIB, ZeroThree
@@ -191,7 +191,7 @@ def _rehome_dtensors(model: nn.Module, mesh_or_dim) -> None:
     "dp" dim it shards over; TP layers built from a ProcessGroup get a free-standing 1-D mesh.
     Same ranks, same local tensor, same placements: only the mesh object changes.
     """
-    from ..groups import ParallelGroups
+    from ..runtime.groups import ParallelGroups
 
     root = mesh_or_dim.mesh if isinstance(mesh_or_dim, ParallelGroups) else mesh_or_dim
     names = tuple(getattr(root, "mesh_dim_names", None) or ())
@@ -220,7 +220,7 @@ def _dp_mesh(mesh_or_dim, dim: str):
     """The 1-D DeviceMesh FSDP2 shards over."""
     from torch.distributed.device_mesh import DeviceMesh
 
-    from ..groups import ParallelGroups, _device_type
+    from ..runtime.groups import ParallelGroups, _device_type
 
     if isinstance(mesh_or_dim, ParallelGroups):
         if mesh_or_dim.mesh is None:

@@ -1,4 +1,4 @@
-"""FSDP2's own all-gathers and reduce-scatters, issued through `overlapkit.comm` so the timeline
+"""FSDP2's own all-gathers and reduce-scatters, issued through `overlapkit.runtime.comm` so the timeline
 sees them: each block's parameter gather (`zero_all_gather`) overlaps the compute of the blocks
 before it, its gradient reduce-scatter (`zero_reduce_scatter`) the backward of the blocks after.
 
@@ -27,8 +27,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 
-from .. import comm
-from ..agreement import raise_explained
+from ..runtime import comm
+from ..runtime.agreement import raise_explained
 from ..timeline.fsdp2 import GATHER_KIND, REDUCE_KIND, LayerComm, layer_report
 
 __all__ = ["GATHER_KIND", "REDUCE_KIND", "LayerComm", "Probe", "RecordedAllGather", "RecordedReduceScatter",

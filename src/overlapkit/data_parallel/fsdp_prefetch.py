@@ -23,9 +23,9 @@ import statistics
 import torch
 import torch.distributed as dist
 
-from .. import comm
+from ..runtime import comm
 from ..timeline.fsdp2 import ROOT
-from ..timeline.recorder import compute_span
+from ..runtime.recorder import compute_span
 from .fsdp_comm import Probe, RecordedAllGather, RecordedReduceScatter
 
 MIB = 1024 * 1024

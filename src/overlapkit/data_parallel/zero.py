@@ -31,9 +31,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .. import comm
-from ..groups import resolve_group
-from ..agreement import raise_explained
+from ..runtime import comm
+from ..runtime.groups import resolve_group
+from ..runtime.agreement import raise_explained
 from .agree import raise_if_any
 from .ddp import DataParallel, DataParallelConfig, GradSync
 from .zero_checkpoint import PerParameterCheckpoint

@@ -28,9 +28,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import comm
-from ..timeline.recorder import compute_span
-from ..tuning import timed
+from ..runtime import comm
+from ..runtime.recorder import compute_span
+from ..runtime.tuning import timed
 from . import pairwise
 from .experts import Groups, count, device_ints, experts_backward, experts_forward, fill_grads, grouped_on
 

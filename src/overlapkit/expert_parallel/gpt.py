@@ -10,7 +10,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from ..groups import ParallelGroups
+from ..runtime.groups import ParallelGroups
 from ..models import GPT, GPTConfig, expected_local, parallelize
 from .moe import MoE
 

@@ -20,7 +20,7 @@ def run_rank(cfg) -> dict:
     """One rank of the pipeline demo (the default group is initialized)."""
     from ..data_parallel import DataParallel
     from ..demo import _max_errors
-    from ..groups import ParallelGroups
+    from ..runtime.groups import ParallelGroups
     from ..models import GPT, GPTConfig, expected_local, lm_loss, parallelize
     from ..tensor_parallel.layers import allreduce_sequence_parallel_grads
     from ..timeline import record

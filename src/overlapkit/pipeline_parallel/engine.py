@@ -27,10 +27,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .. import comm
-from ..agreement import RankMismatchError, agree
+from ..runtime import comm
+from ..runtime.agreement import RankMismatchError, agree
 from ..data_parallel import DataParallel
-from ..timeline import recorder as _rec
+from ..runtime import recorder as _rec
 from .actions import SlotActions, StepState
 from .p2p import TickComm, producer_key, record_bubbles, recording, restamp_receives
 from .schedules import SCHEDULES, SPLIT_SCHEDULES, check_costs, check_schedule, chunks_of, placement

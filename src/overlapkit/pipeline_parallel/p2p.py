@@ -16,8 +16,8 @@ import time
 
 import torch
 
-from .. import comm
-from ..timeline import recorder as _rec
+from ..runtime import comm
+from ..runtime import recorder as _rec
 from .schedules import Action
 from .timetable import Timetable, Transfer
 

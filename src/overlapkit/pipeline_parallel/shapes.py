@@ -14,8 +14,8 @@ import json
 import torch
 import torch.distributed as dist
 
-from ..agreement import RankMismatchError
-from ..groups import group_timeout_s
+from ..runtime.agreement import RankMismatchError
+from ..runtime.groups import group_timeout_s
 
 _SWEEPS: dict[str, int] = {}
 """Shape sweeps run so far on each pipeline group, by group name: the k-th sweep of a group has the

@@ -20,7 +20,7 @@ functions below compute on their local shards. The sequence-parallel dimension i
 `sequence_dim` of the activation: 0 for Megatron's [seq, batch, hidden] (the default), 1 for
 HF/torchtitan's [batch, seq, hidden]; the functions see it moved to dim 0.
 Every layer checks its configuration against the other ranks when built, and each new input
-shape the first time it sees it (overlapkit.agreement), before any collective.
+shape the first time it sees it (overlapkit.runtime.agreement), before any collective.
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import comm
-from ..agreement import Agreement, agree
+from ..runtime import comm
+from ..runtime.agreement import Agreement, agree
 from . import layout, ops
 from .mappings import check_divisible, gather_from_tp, scatter_to_tp
 from .params import LocalShardParams, make_param, tp_mesh_and_group

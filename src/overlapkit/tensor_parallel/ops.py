@@ -31,8 +31,8 @@ import contextvars
 import torch
 import torch.distributed as dist
 
-from .. import comm
-from ..agreement import agree
+from ..runtime import comm
+from ..runtime.agreement import agree
 from . import p2p, symm_mem
 from .collectives import gather_dim0, reduce_scatter_dim0
 from .params import grad_as_param, param_parts

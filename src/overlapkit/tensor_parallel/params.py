@@ -47,7 +47,7 @@ def tp_mesh_and_group(mesh_or_group):
     """
     from torch.distributed.device_mesh import DeviceMesh
 
-    from ..groups import ParallelGroups, resolve_group
+    from ..runtime.groups import ParallelGroups, resolve_group
 
     group = resolve_group(mesh_or_group, "tp")  # validates: a mesh without a "tp" dim is refused here
     if group is None:

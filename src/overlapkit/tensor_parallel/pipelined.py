@@ -33,8 +33,8 @@ from typing import Sequence
 
 import torch
 
-from .. import comm
-from ..timeline import recorder as _recorder
+from ..runtime import comm
+from ..runtime import recorder as _recorder
 from . import p2p, symm_mem
 from .p2p import accum_dtype
 from .precision import addmm_accumulate_, autocast_dtype, autocast_off, cast

@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch.distributed as dist
 from torch import nn
 
-from .. import comm
+from ..runtime import comm
 from .params import tp_mesh_and_group
 from .replicated import replicate_module, sums_gradients
 

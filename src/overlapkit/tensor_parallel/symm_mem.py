@@ -23,8 +23,8 @@ import socket
 import torch
 import torch.distributed as dist
 
-from .. import comm
-from ..timeline import recorder as _rec
+from ..runtime import comm
+from ..runtime import recorder as _rec
 from .p2p import Consume, Produce, accum_dtype, side_stream
 
 

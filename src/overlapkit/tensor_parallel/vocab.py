@@ -18,9 +18,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from .. import comm
-from ..agreement import Agreement
-from ..groups import resolve_group
+from ..runtime import comm
+from ..runtime.agreement import Agreement
+from ..runtime.groups import resolve_group
 from .collectives import all_reduce_copy
 from .mappings import check_divisible, reduce_from_tp
 from .params import LocalShardParams, is_dtensor, make_param, tp_mesh_and_group

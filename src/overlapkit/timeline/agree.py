@@ -15,7 +15,7 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass
 
-from .spans import COMM_KINDS, Span
+from ..runtime.spans import COMM_KINDS, Span
 
 
 @dataclass(frozen=True)

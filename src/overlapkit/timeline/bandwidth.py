@@ -32,7 +32,7 @@ import statistics
 from collections import defaultdict
 from dataclasses import dataclass
 
-from .spans import Span
+from ..runtime.spans import Span
 
 DEFAULT_ALPHA_US = 5.0
 """Latency per algorithm step assumed when only a peak is given (NCCL's per-step cost on NVLink/IB is 2–10 µs)."""

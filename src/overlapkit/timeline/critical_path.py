@@ -34,7 +34,7 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass, field
 
-from . import intervals as iv
+from ..runtime import intervals as iv
 from .collectives import Instance
 from .messages import size_text
 from .path_index import GAP_MS, LOOKBACK, RankIndex, TraceIndex

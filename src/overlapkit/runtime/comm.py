@@ -17,7 +17,7 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from .timeline import recorder as _rec
+from . import recorder as _rec
 
 # torch >= 2.13 renames the tensor forms of all-gather / reduce-scatter; 2.11 has only the old names.
 _all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

@@ -1,7 +1,7 @@
 """Engine-side recording of when communication and computation really ran.
 
 While `record()` is active, every overlapkit engine stamps its GEMMs (`compute_span`) and its
-collectives (`comm_issued` / `comm_done`, called by `overlapkit.comm`). On CUDA the stamps are
+collectives (`comm_issued` / `comm_done`, called by `overlapkit.runtime.comm`). On CUDA the stamps are
 events on the stream where the work runs, resolved after a synchronize; on CPU host clocks at issue
 and at completion (a `Work` future callback, or a watcher thread for gloo works that have no
 future). When nothing records, each hook is one attribute read: nothing measurable.
