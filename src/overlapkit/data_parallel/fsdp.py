@@ -220,7 +220,7 @@ def _dp_mesh(mesh_or_dim, dim: str):
     """The 1-D DeviceMesh FSDP2 shards over."""
     from torch.distributed.device_mesh import DeviceMesh
 
-    from ..runtime.groups import ParallelGroups, _device_type
+    from ..runtime.groups import ParallelGroups, default_device_type
 
     if isinstance(mesh_or_dim, ParallelGroups):
         if mesh_or_dim.mesh is None:
@@ -229,7 +229,7 @@ def _dp_mesh(mesh_or_dim, dim: str):
     if mesh_or_dim is None or isinstance(mesh_or_dim, dist.ProcessGroup):
         if not dist.is_initialized():
             raise RuntimeError("fully_shard needs torch.distributed initialized (overlapkit.init() or init_process_group)")
-        return DeviceMesh.from_group(mesh_or_dim or dist.group.WORLD, _device_type())
+        return DeviceMesh.from_group(mesh_or_dim or dist.group.WORLD, default_device_type())
     if isinstance(mesh_or_dim, DeviceMesh):
         names = tuple(mesh_or_dim.mesh_dim_names or ())
         if mesh_or_dim.ndim == 1:

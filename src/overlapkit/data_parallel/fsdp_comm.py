@@ -143,11 +143,11 @@ class RecordedAllGather(AllGather):
         works: list = []
 
         def issue():
-            works.append(comm._all_gather_tensor(output_tensor, input_tensor, group=group, async_op=True))
+            works.append(comm.dist_all_gather_tensor(output_tensor, input_tensor, group=group, async_op=True))
             return works
 
         nbytes = output_tensor.numel() * output_tensor.element_size()
-        handle = comm._launch(GATHER_KIND, f"{self.name} {phase}", nbytes, group, issue)
+        handle = comm.launch(GATHER_KIND, f"{self.name} {phase}", nbytes, group, issue)
         entry = None
         if start is not None:
             entry = [GATHER_KIND, phase, start, probe.done_stamp(works[0])]
@@ -171,11 +171,11 @@ class RecordedReduceScatter(ReduceScatter):
         works: list = []
 
         def issue():
-            works.append(comm._reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=True))
+            works.append(comm.dist_reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=True))
             return works
 
         nbytes = input_tensor.numel() * input_tensor.element_size()
-        handle = comm._launch(REDUCE_KIND, self.name, nbytes, group, issue)
+        handle = comm.launch(REDUCE_KIND, self.name, nbytes, group, issue)
         # On CUDA this waits on FSDP2's reduce-scatter stream, which stalls no compute.
         work = _HandleWork(handle, probe, None, "backward", stalls=not probe.cuda, group=group,
                            doing=f"the gradient reduce-scatter of {self.name}")

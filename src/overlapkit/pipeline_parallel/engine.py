@@ -269,7 +269,7 @@ class PipelineEngine(SlotActions):
         seen = [None] * self.pp
         dist.all_gather_object(seen, mine, group=self.group)
         bubbles = restamp_receives(tc.waits, {r: s[0] for r, s in enumerate(seen)})
-        t0 = _rec.active()._t0
+        t0 = _rec.active().host_origin
         last_end = t0 + max(a[4] for a in timing.actions) / 1e3 if timing.actions else mine[1]
         bubbles.append((last_end, max(s[1] for s in seen)))
         bubbles = [b for b in bubbles if b[1] > b[0]]
@@ -290,7 +290,7 @@ def _stage_mismatches(stages: list[dict]) -> list[str]:
 
 
 def _ms(pair: tuple[float, float]) -> tuple[float, float]:
-    t0 = _rec.active()._t0
+    t0 = _rec.active().host_origin
     return ((pair[0] - t0) * 1e3, (pair[1] - t0) * 1e3)
 
 

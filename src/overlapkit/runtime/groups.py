@@ -213,7 +213,7 @@ class ParallelGroups:
                     mine[name] = group
         from torch.distributed.device_mesh import DeviceMesh
 
-        device_type = device_type or _device_type()
+        device_type = device_type or default_device_type()
         mesh = DeviceMesh.from_group([mine[d] for d in DIMS], device_type, mesh=sizes.mesh_tensor(),
                                      mesh_dim_names=DIMS)
         return cls(sizes=sizes, rank=rank, mesh=mesh, timeout_s=timeout_s, **mine)
@@ -284,7 +284,7 @@ def _check_timeout(timeout_s) -> float:
     return float(timeout_s)
 
 
-def _device_type() -> str:
+def default_device_type() -> str:
     pg = dist.distributed_c10d._get_default_group()
     return "cuda" if torch.device("cuda") in getattr(pg, "_device_types", ()) and \
         dist.get_backend() == "nccl" else "cpu"
