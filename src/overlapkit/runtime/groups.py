@@ -22,11 +22,11 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
+from .agreement import agree
+from .timeouts import DEFAULT_TIMEOUT_S, check_timeout, group_timeout_s, world_timeout_s  # noqa: F401 (re-exported)
+
 DIMS = ("pp", "dp", "cp", "tp")
 """Mesh dimension names, outermost first (the order ranks are laid out in)."""
-
-DEFAULT_TIMEOUT_S = 300.0
-"""Timeout of the groups when neither the caller nor the world's group says otherwise."""
 
 
 class Coords(NamedTuple):
@@ -189,14 +189,12 @@ class ParallelGroups:
         world = dist.get_world_size()
         problem, sizes = None, None
         try:
-            timeout_s = world_timeout_s() if timeout_s is None else _check_timeout(timeout_s)
+            timeout_s = world_timeout_s() if timeout_s is None else check_timeout(timeout_s)
             sizes = _sizes_for(world, tp=tp, dp=dp, pp=pp, ep=ep, cp=cp)
         except ValueError as e:
             problem = str(e)
         # Ranks that lay the world out differently would each wait in new_group for groups the
         # others never create (a store timeout per group): compare the sizes first, on the store.
-        from .agreement import agree
-
         agree(dist.group.WORLD, "ParallelGroups.build", timeout_s=timeout_s if problem is None else None,
               problem=problem, tp=tp, dp=dp, pp=pp, ep=ep, cp=cp)
         if problem is not None:
@@ -236,8 +234,6 @@ class ParallelGroups:
         except ValueError as e:
             problem = str(e)
         if ep > 1:  # the expert groups are created below: every rank must carve the same ones
-            from .agreement import agree
-
             agree(dist.group.WORLD, "ParallelGroups.from_mesh", problem=problem, ep=ep, dims=names,
                   shape=tuple(mesh.shape))
         if problem is not None:
@@ -245,7 +241,7 @@ class ParallelGroups:
         mine = {n: mesh.get_group(n) for n in names}
         for n in DIMS:
             mine.setdefault(n, None)  # a dim the mesh lacks has size 1: no group to talk over
-        timeout_s = world_timeout_s() if timeout_s is None else _check_timeout(timeout_s)
+        timeout_s = world_timeout_s() if timeout_s is None else check_timeout(timeout_s)
         rank = dist.get_rank()
         mine["ep"] = mine["dp"] if ep == sizes.dp else None
         if mine["ep"] is None:
@@ -277,33 +273,10 @@ def _all_groups_along(mesh, dim: str, names: tuple[str, ...]) -> list[list[int]]
     return t.reshape(-1, t.shape[-1]).tolist()
 
 
-def _check_timeout(timeout_s) -> float:
-    if not isinstance(timeout_s, (int, float)) or isinstance(timeout_s, bool) or not timeout_s > 0 \
-            or timeout_s == float("inf"):
-        raise ValueError(f"timeout_s must be a finite number of seconds > 0, got {timeout_s!r}")
-    return float(timeout_s)
-
-
 def default_device_type() -> str:
     pg = dist.distributed_c10d._get_default_group()
     return "cuda" if torch.device("cuda") in getattr(pg, "_device_types", ()) and \
         dist.get_backend() == "nccl" else "cpu"
-
-
-def group_timeout_s(group: dist.ProcessGroup | None = None) -> float:
-    """The timeout a process group was created with (the world's when `group` is None)."""
-    group = group or dist.distributed_c10d._get_default_group()
-    for device in (torch.device("cuda"), torch.device("cpu")):
-        try:
-            return group._get_backend(device).options._timeout.total_seconds()
-        except Exception:  # no backend for that device type, or no options on this build
-            continue
-    return DEFAULT_TIMEOUT_S
-
-
-def world_timeout_s() -> float:
-    """The default group's timeout: what every overlapkit group gets unless told otherwise."""
-    return group_timeout_s(None)
 
 
 def resolve_group(mesh_or_group, dim: str | None = None) -> dist.ProcessGroup | None:
@@ -353,7 +326,7 @@ def init(tp: int = 1, dp: int | None = None, pp: int = 1, ep: int = 1, cp: int =
     (what `init_process_group(timeout=)` set), else DEFAULT_TIMEOUT_S for the world and every group.
     """
     if timeout_s is not None:
-        timeout_s = _check_timeout(timeout_s)
+        timeout_s = check_timeout(timeout_s)
     if not dist.is_initialized():
         backend = backend or default_backend()
         if backend == "nccl":
