@@ -36,7 +36,7 @@ from ..runtime.agreement import agree
 from . import p2p, symm_mem
 from .collectives import gather_dim0, reduce_scatter_dim0
 from .params import grad_as_param, param_parts
-from .pipelined import _ag_mm, _lane_stream, _mm_rs, _regather_wgrad, _rows, _single, span
+from .chunks import ag_mm, lane_stream, mm_rs, regather_wgrad, rows, single, span
 
 KINDS = ("column", "row", "column_pipelined", "row_pipelined")
 """The linears registered as ops: none/bulk column and row, and the pipelined pair."""
@@ -73,14 +73,14 @@ def _fwd(kind, x, w, b, group, sp, bulk, k, transport, save_gathered, name):
         y = y + b if b is not None else y
     elif kind == "column_pipelined":
         ws = comm.group_size(group)
-        extra, (y,) = _ag_mm(_rows(x), [w], k, group, _TRANSPORTS[transport], need_gathered=save_gathered,
+        extra, (y,) = ag_mm(rows(x), [w], k, group, _TRANSPORTS[transport], need_gathered=save_gathered,
                              name=name + ".fwd")
         if b is not None:
             y.add_(b)
         y = y.view(ws * x.shape[0], *x.shape[1:-1], w.shape[0])
     else:
         ws = comm.group_size(group)
-        y = _mm_rs(_rows(x), w.t(), k, group, _TRANSPORTS[transport], name=name + ".fwd")
+        y = mm_rs(rows(x), w.t(), k, group, _TRANSPORTS[transport], name=name + ".fwd")
         if b is not None:
             y.add_(b)
         y = y.view(x.shape[0] // ws, *x.shape[1:-1], w.shape[0])
@@ -174,7 +174,7 @@ def _row_bwd(dy, x, w, group, sp, need_dx, name):
 
 
 def _row_pipelined_bwd(dy2, x2, w, group, k, transport, need_dx, name):
-    if _single(k, group):  # one rank, one chunk: the gather is dy2 itself
+    if single(k, group):  # one rank, one chunk: the gather is dy2 itself
         dx2 = None
         if need_dx:
             with span(name + ".bwd.dgrad.gemm"):
@@ -184,7 +184,7 @@ def _row_pipelined_bwd(dy2, x2, w, group, k, transport, need_dx, name):
 
     def consume(rows: slice, data: torch.Tensor, lane: int) -> None:
         if need_dx:
-            with span(name + ".bwd.dgrad.gemm", stream=_lane_stream(lane)):
+            with span(name + ".bwd.dgrad.gemm", stream=lane_stream(lane)):
                 torch.mm(data, w, out=dx2[rows])
 
     gathered = _TRANSPORTS[transport].gather_and_consume(dy2, consume, k, group, name=name + ".bwd",
@@ -218,16 +218,16 @@ def _bwd(kind, dy, x, extra, w, has_bias, need_dx, group, sp, bulk, k, transport
     elif kind == "column_pipelined":
         # symm_mem: the transfers are copy-engine pulls that take no SMs from the GEMMs, so
         # both stay pipelined chunk by chunk on that transport.
-        flat = _rows(dy)
+        flat = rows(dy)
         dx = None
         if need_dx:
-            dx = _mm_rs(flat, w, k, group, _TRANSPORTS[transport], name=name + ".bwd.dgrad").view(x.shape)
+            dx = mm_rs(flat, w, k, group, _TRANSPORTS[transport], name=name + ".bwd.dgrad").view(x.shape)
         if save_gathered:
             dw = _wgrad(flat, extra, name + ".bwd.wgrad.gemm")
         else:
-            dw = _regather_wgrad(_rows(x), flat, k, group, _TRANSPORTS[transport], name=name + ".bwd.wgrad")
+            dw = regather_wgrad(rows(x), flat, k, group, _TRANSPORTS[transport], name=name + ".bwd.wgrad")
     else:
-        dx2, dw, flat = _row_pipelined_bwd(_rows(dy), _rows(x), w, group, k, transport, need_dx, name)
+        dx2, dw, flat = _row_pipelined_bwd(rows(dy), rows(x), w, group, k, transport, need_dx, name)
         dx = dx2.view(x.shape) if need_dx else None
     return (dx if need_dx else None), dw, (flat.sum(0) if has_bias else None)
 
