@@ -246,7 +246,7 @@ def test_no_private_names_across_folders():
     assert not found, "private names used across folders:\n" + "\n".join(found)
 
 
-@pytest.mark.xfail(strict=True, reason="tensor_parallel layers.py and ops.py")
+@pytest.mark.xfail(strict=True, reason="tensor_parallel layers.py")
 def test_modules_are_short():
     long = {}
     for name, path in MODULES.items():
