@@ -33,7 +33,7 @@ LONG_MODULES: dict[str, str] = {}
 # A module may import modules of its own layer or of lower layers only; inside the engines layer
 # the engines themselves are ordered (a later engine may use an earlier one, not the reverse).
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("vocabulary", ("overlapkit.vocabulary",)),
+    ("vocabulary", ("overlapkit.vocabulary",)),  # torch-free: sizes, overlap modes, validators
     ("runtime", ("overlapkit.runtime",)),
     ("analysis", ("overlapkit.timeline", "overlapkit.costmodel")),
     ("engines", (
@@ -126,6 +126,8 @@ class _Imports(ast.NodeVisitor):
         if not module.startswith(PACKAGE):
             return
         for alias in node.names:
+            if module == PACKAGE and alias.name.startswith("__"):
+                continue  # `from overlapkit import __version__`: a constant, not a climb
             sub = f"{module}.{alias.name}"
             if sub in MODULES:  # `from overlapkit import comm` imports a module
                 self._edge(sub, node.lineno)

@@ -36,6 +36,7 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor
 
 from ..runtime.agreement import agree
+from ..vocabulary import positive_int
 from .agree import copy_from_first_rank
 from .fsdp_check import ADVICE, StepCheck
 from .fsdp_prefetch import MIB, ZeroThree
@@ -76,9 +77,7 @@ class FullyShardConfig:
         if b is not None and (isinstance(b, bool) or not isinstance(b, (int, float)) or not 0 <= b < math.inf):
             raise ValueError(f"fully_shard memory_budget_mb must be None or a finite number of MiB >= 0, got {b!r}")
         for name, lo in (("max_depth", 1), ("probe_step", 0), ("trials", 0)):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-                raise ValueError(f"fully_shard {name} must be an integer >= {lo}, got {v!r}")
+            positive_int(getattr(self, name), f"fully_shard {name}", minimum=lo)
 
 
 @dataclass

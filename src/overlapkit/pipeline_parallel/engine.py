@@ -31,6 +31,7 @@ from ..runtime import comm
 from ..runtime.agreement import RankMismatchError, agree
 from ..data_parallel import DataParallel
 from ..runtime import recorder as _rec
+from ..vocabulary import positive_int
 from .actions import SlotActions, StepState
 from .p2p import TickComm, producer_key, record_bubbles, recording, restamp_receives
 from .schedules import SCHEDULES, SPLIT_SCHEDULES, check_costs, check_schedule, chunks_of, placement
@@ -72,9 +73,7 @@ class PipelineConfig:
         if self.schedule not in SCHEDULES:
             raise ValueError(f"PipelineConfig.schedule={self.schedule!r} is not one of {SCHEDULES}")
         for name in ("microbatches", "virtual_stages"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"PipelineConfig.{name} must be an integer >= 1, got {v!r}")
+            positive_int(getattr(self, name), f"PipelineConfig.{name}")
         for name in ("overlap_p2p", "broadcast_loss", "overlap_pairs"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"PipelineConfig.{name} must be True or False, got {getattr(self, name)!r}")

@@ -17,105 +17,14 @@ from __future__ import annotations
 import datetime
 import os
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from ..vocabulary import DIMS, Coords, ParallelSizes  # noqa: F401 (re-exported)
 from .agreement import agree
 from .timeouts import DEFAULT_TIMEOUT_S, check_timeout, group_timeout_s, world_timeout_s  # noqa: F401 (re-exported)
-
-DIMS = ("pp", "dp", "cp", "tp")
-"""Mesh dimension names, outermost first (the order ranks are laid out in)."""
-
-
-class Coords(NamedTuple):
-    """Where a rank sits on each mesh dim."""
-
-    tp: int
-    dp: int
-    pp: int
-    cp: int = 0
-
-
-@dataclass(frozen=True)
-class ParallelSizes:
-    """The sizes of each parallel dimension; pp * dp * cp * tp is the world size (ep is carved from dp)."""
-
-    tp: int = 1
-    """Tensor-parallel size: ranks that split every GEMM of a layer. Adjacent ranks."""
-    dp: int = 1
-    """Data-parallel size: ranks that hold the same parameters and split the batch."""
-    pp: int = 1
-    """Pipeline-parallel size: ranks that hold consecutive stages of layers."""
-    ep: int = 1
-    """Expert-parallel size: carved out of dp (must divide it), like Megatron's expert DP."""
-    cp: int = 1
-    """Context-parallel size: ranks that split the sequence inside attention (ring attention)."""
-
-    def __post_init__(self) -> None:
-        for name in ("tp", "dp", "pp", "ep", "cp"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"ParallelSizes.{name} must be an integer >= 1, got {value!r}")
-        if self.dp % self.ep != 0:
-            raise ValueError(
-                f"ParallelSizes.ep={self.ep} must divide dp={self.dp}: expert-parallel groups "
-                "are carved out of the data-parallel group"
-            )
-
-    @property
-    def world_size(self) -> int:
-        return self.tp * self.cp * self.dp * self.pp
-
-    @property
-    def shape(self) -> tuple[int, int, int, int]:
-        """Mesh shape in DIMS order (pp, dp, cp, tp)."""
-        return (self.pp, self.dp, self.cp, self.tp)
-
-    def check_world(self, world_size: int) -> None:
-        if self.world_size != world_size:
-            raise ValueError(
-                f"pp={self.pp} x dp={self.dp} x cp={self.cp} x tp={self.tp} = {self.world_size} "
-                f"does not equal the world size {world_size}"
-            )
-
-    def coords(self, rank: int) -> Coords:
-        """(tp, dp, pp, cp) coordinates of a global rank."""
-        tp, rest = rank % self.tp, rank // self.tp
-        cp, rest = rest % self.cp, rest // self.cp
-        return Coords(tp=tp, dp=rest % self.dp, pp=rest // self.dp, cp=cp)
-
-    def rank_of(self, tp: int, dp: int, pp: int, cp: int = 0) -> int:
-        return tp + self.tp * (cp + self.cp * (dp + self.dp * pp))
-
-    def mesh_tensor(self) -> torch.Tensor:
-        return torch.arange(self.world_size).reshape(self.shape)
-
-    def groups_of(self, dim: str) -> list[list[int]]:
-        """Every group of ranks along one mesh dim, in a fixed order (every rank creates them all)."""
-        axis = DIMS.index(dim)
-        mesh = self.mesh_tensor().movedim(axis, -1)
-        return mesh.reshape(-1, self.shape[axis]).tolist()
-
-    def tp_groups(self) -> list[list[int]]:
-        return self.groups_of("tp")
-
-    def dp_groups(self) -> list[list[int]]:
-        return self.groups_of("dp")
-
-    def pp_groups(self) -> list[list[int]]:
-        return self.groups_of("pp")
-
-    def cp_groups(self) -> list[list[int]]:
-        return self.groups_of("cp")
-
-    def ep_groups(self) -> list[list[int]]:
-        out = []
-        for ranks in self.dp_groups():
-            out += [ranks[i : i + self.ep] for i in range(0, len(ranks), self.ep)]
-        return out
-
 
 @dataclass(frozen=True)
 class ParallelGroups:
@@ -212,8 +121,8 @@ class ParallelGroups:
         from torch.distributed.device_mesh import DeviceMesh
 
         device_type = device_type or default_device_type()
-        mesh = DeviceMesh.from_group([mine[d] for d in DIMS], device_type, mesh=sizes.mesh_tensor(),
-                                     mesh_dim_names=DIMS)
+        layout = torch.arange(sizes.world_size).reshape(sizes.shape)
+        mesh = DeviceMesh.from_group([mine[d] for d in DIMS], device_type, mesh=layout, mesh_dim_names=DIMS)
         return cls(sizes=sizes, rank=rank, mesh=mesh, timeout_s=timeout_s, **mine)
 
     @classmethod

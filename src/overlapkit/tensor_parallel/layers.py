@@ -33,6 +33,7 @@ from torch import nn
 
 from ..runtime import comm
 from ..runtime.agreement import Agreement, agree
+from ..vocabulary import OVERLAP_MODES, check_bool, positive_int
 from . import layout, ops
 from .mappings import check_divisible, gather_from_tp, scatter_to_tp
 from .params import LocalShardParams, make_param, tp_mesh_and_group
@@ -41,8 +42,6 @@ from .precision import autocast_dtype, autocast_off, cast
 from .region import SequenceRegion
 from .sequence_parallel import allreduce_sequence_parallel_grads, mark_sequence_parallel  # noqa: F401 (re-export)
 
-OVERLAP_MODES = ("none", "bulk", "pipelined", "auto")
-"""Accepted values of the layers' `overlap`."""
 
 OPTIONS = ("overlap", "transport", "chunks", "save_gathered_input", "sequence_parallel", "sequence_dim")
 """The layers' options that may be changed after construction (each is validated when set)."""
@@ -78,16 +77,6 @@ def _choose_tp_overlap(m: int, k: int, n: int, tp: int, elem: int, hardware: str
     return choose_tp_overlap(m, k, n, tp, elem, hardware, comm=collective, transport=transport)
 
 
-def _check_positive_int(label: str, field: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{label}: {field}={value!r} must be a positive integer")
-
-
-def _check_bool(label: str, field: str, value) -> None:
-    if not isinstance(value, bool):
-        raise ValueError(f"{label}: {field}={value!r} must be True or False")
-
-
 class _ParallelLinear(LocalShardParams, nn.Module):
     """What the column and row layers share: sizes, mesh and group, overlap mode, parameters, checks."""
 
@@ -110,10 +99,10 @@ class _ParallelLinear(LocalShardParams, nn.Module):
               bias=bias, sequence_parallel=sequence_parallel, sequence_dim=sequence_dim, overlap=overlap,
               transport=transport, chunks=chunks, save_gathered_input=save_gathered_input, hardware=hardware,
               dtype=dtype, device_type=torch.device(device).type if device is not None else None, **flags)
-        _check_positive_int(label, "in_features", in_features)
-        _check_positive_int(label, "out_features", out_features)
+        positive_int(in_features, f"{label}: in_features")
+        positive_int(out_features, f"{label}: out_features")
         for field, value in dict(bias=bias, **flags).items():
-            _check_bool(label, field, value)
+            check_bool(value, f"{label}: {field}")
         self.in_features, self.out_features = in_features, out_features
         self.sequence_parallel, self.sequence_dim = sequence_parallel, sequence_dim
         self.overlap, self.transport, self.chunks, self.save_gathered_input = overlap, transport, chunks, \
@@ -133,7 +122,7 @@ class _ParallelLinear(LocalShardParams, nn.Module):
     def _validate_options(self) -> None:
         label = self.name or type(self).__name__
         for field in ("sequence_parallel", "save_gathered_input"):
-            _check_bool(label, field, getattr(self, field))
+            check_bool(getattr(self, field), f"{label}: {field}")
         if isinstance(self.sequence_dim, bool) or not isinstance(self.sequence_dim, int):
             raise ValueError(f"{label}: sequence_dim={self.sequence_dim!r} must be an integer (the activation's "
                              "sequence dim: 0 for [seq, batch, hidden], 1 for [batch, seq, hidden])")

@@ -33,13 +33,12 @@ from typing import Sequence
 import torch
 
 from ..runtime import comm
+from ..vocabulary import TRANSPORTS
 from . import ops, p2p, symm_mem
 from .chunks import ag_mm, mm_rs, rows
 from .precision import autocast_dtype, autocast_off, cast
 from .symm_mem import TransportUnavailable
 
-TRANSPORTS = ("p2p", "symm_mem")
-"""Accepted values of `transport`."""
 
 __all__ = ["TRANSPORTS", "TransportUnavailable", "all_gather_matmul", "matmul_reduce_scatter",
            "column_parallel_linear_pipelined", "row_parallel_linear_pipelined", "allowed_chunks",

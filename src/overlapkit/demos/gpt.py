@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from .launch import progress
 from .optim import optim_param_groups
+from .vocabulary import positive_int
 
 _STARTED = time.monotonic()
 """When the demo module was imported: `overlapkit demo` imports it first thing."""
@@ -74,8 +75,7 @@ class DemoConfig:
 
     def __post_init__(self) -> None:
         for name in ("tp", "dp", "steps", "cp", "pp"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"DemoConfig.{name} must be >= 1, got {getattr(self, name)}")
+            positive_int(getattr(self, name), f"DemoConfig.{name}")
         if self.ep != 1 and self.ep != self.dp:
             raise ValueError(f"DemoConfig.ep={self.ep} must be 1 or equal dp={self.dp} (the experts are carved out "
                              "of the whole data-parallel group)")
