@@ -32,7 +32,8 @@ from _common import add_common_args, device_label, line_up, write_results
 from overlapkit.runtime.groups import ParallelGroups
 from overlapkit.launch import spawn
 from overlapkit.models.gpt import GPT, GPTConfig, lm_loss
-from overlapkit.pipeline_parallel import PipelineConfig, PipelineEngine, bubble_fraction, gpt_chunks, pipeline_times
+from overlapkit.pipeline_parallel import PipelineConfig, PipelineEngine, bubble_fraction, pipeline_times
+from overlapkit.models import gpt_chunks
 from overlapkit.timeline import record
 
 OURS = [(s, v, ov) for s, v in (("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2)) for ov in (True, False)]

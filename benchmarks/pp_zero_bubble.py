@@ -36,8 +36,9 @@ from pp_overlap import pipeline_args
 from overlapkit.runtime.groups import ParallelGroups
 from overlapkit.launch import spawn
 from overlapkit.models.gpt import GPT, GPTConfig, lm_loss
-from overlapkit.pipeline_parallel import (PipelineConfig, PipelineEngine, chunks_of, gpt_chunks, pipeline_times,
+from overlapkit.pipeline_parallel import (PipelineConfig, PipelineEngine, chunks_of, pipeline_times,
                                           placement, rank_of)
+from overlapkit.models import gpt_chunks
 from overlapkit.runtime import intervals as iv
 from overlapkit.timeline import record
 

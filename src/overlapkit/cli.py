@@ -16,7 +16,7 @@ from .vocabulary import OVERLAP_MODES
 
 
 def _demo(args) -> int:
-    from .demo import DemoConfig, check_world, run
+    from .demos import DemoConfig, check_world, run
     try:
         cfg = DemoConfig(tp=args.tp, dp=args.dp, steps=args.steps, overlap=args.overlap,
                          device=args.device, seed=args.seed, trace_dir=args.trace, timeout_s=args.timeout, ep=args.ep,

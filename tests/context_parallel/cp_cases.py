@@ -111,7 +111,8 @@ def llama_errors(group, kernel: str = "math") -> float:
 
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from overlapkit.context_parallel.models import apply_to_hf_llama, shard_batch
+    from overlapkit.context_parallel import shard_batch
+    from overlapkit.models.ring_attention import apply_to_hf_llama
 
     size, rank = dist.get_world_size(group), dist.get_rank(group)
     torch.manual_seed(0)
@@ -144,7 +145,8 @@ def gpt_cp_dp_errors(steps: int = 2) -> list[float]:
     """Our GPT trained with CP=2 x DP=2 vs one process: per step, max rel error of loss, logits and grads."""
     import copy
 
-    from overlapkit.context_parallel.models import apply_to_gpt, replicas_group, shard_batch
+    from overlapkit.context_parallel import replicas_group, shard_batch
+    from overlapkit.models.ring_attention import apply_to_gpt
     from overlapkit.data_parallel import DataParallel
     from overlapkit.runtime.groups import ParallelGroups
     from overlapkit.models.gpt import GPT, GPTConfig, lm_loss

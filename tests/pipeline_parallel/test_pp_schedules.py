@@ -8,9 +8,10 @@ import torch
 from torch import nn
 
 from overlapkit.models import GPT, GPTConfig
-from overlapkit.pipeline_parallel import (SCHEDULES, SPLIT_SCHEDULES, bubble_fraction, check_schedule, chunks_of,
-                                          gpt_chunks, placement, price, rank_actions, rank_of, rank_slots,
+from overlapkit.pipeline_parallel import (SCHEDULES, SPLIT_SCHEDULES, bubble_fraction, check_schedule,
+                                          chunks_of, placement, price, rank_actions, rank_of, rank_slots,
                                           sequential_chunks, split_layers, timetable)
+from overlapkit.models import gpt_chunks
 from overlapkit.pipeline_parallel.p2p import producer_key
 
 
