@@ -9,7 +9,9 @@ needs no torch) and builds the import graph, function-level imports included. It
 - a module over ``MAX_LINES`` lines;
 - an import that climbs: a module of a lower layer importing one of an upper layer, or the two
   analysis parts (timeline analysis and cost model) importing each other;
-- text about how the package was made ("seed 004", "issue 25") anywhere in the package.
+- text about how the package was made ("seed 004", "issue 25") anywhere in the package;
+- a module-level empty dict, set or list (state that outlives a call belongs in runtime.state,
+  which a test can reset).
 
 docs/architecture.md draws the layers this test enforces.
 """
@@ -290,3 +292,20 @@ def test_no_text_about_how_it_was_made():
             for name, path in MODULES.items()
             for i, line in enumerate(path.read_text().splitlines(), 1) if FORBIDDEN_TEXT.search(line)]
     assert not hits, "text about how the package was made:\n" + "\n".join(hits)
+
+
+def test_no_module_level_state_outside_the_registry():
+    """An empty container bound at module level is state a test cannot reset: runtime.state holds it."""
+    found = []
+    for name, path in MODULES.items():
+        if name == "overlapkit.runtime.state":
+            continue
+        for node in ast.parse(path.read_text()).body:
+            value = node.value if isinstance(node, (ast.Assign, ast.AnnAssign)) else None
+            empty = isinstance(value, (ast.Dict, ast.Set, ast.List)) and not getattr(value, "keys", None) \
+                and not getattr(value, "elts", None)
+            empty = empty or (isinstance(value, ast.Call) and isinstance(value.func, ast.Name)
+                              and value.func.id in ("dict", "set", "list") and not value.args and not value.keywords)
+            if empty:
+                found.append(_where(name, node.lineno))
+    assert not found, "module-level mutable state outside runtime.state:\n" + "\n".join(found)

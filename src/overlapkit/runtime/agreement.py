@@ -23,9 +23,10 @@ from typing import Any
 
 import torch.distributed as dist
 
+from . import state
 from .timeouts import group_timeout_s
 
-_SEQ: dict[str, int] = {}
+_SEQ: dict[str, int] = state.cache_dict("agreement.checks_per_group")
 """Checks made so far on each group, by group name. Process state, not configuration: the k-th
 check of a group on one rank is compared with the k-th check of the same group on the others."""
 

@@ -17,7 +17,7 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from . import recorder as _rec
+from . import recorder as _rec, state
 
 # The torch collectives behind all_gather / reduce_scatter, unrecorded: for an engine's own `launch`
 # thunk. torch >= 2.13 renames the tensor forms; 2.11 has only the old names.
@@ -25,7 +25,7 @@ dist_all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_ga
 dist_reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-_sizes: dict = {}
+_sizes: dict = state.cache_dict("comm.size_rank")
 """group -> (size, rank): fixed for a group's life, and `dist.get_world_size` costs ~1 µs of
 checks a call, paid several times per TP linear (the cache holds the group, so its id is never reused)."""
 
@@ -159,7 +159,7 @@ def _stamp_done(rec, pending, works) -> None:
             rec.comm_watch(pending, w)
 
 
-_stamp_streams: dict[torch.device, torch.cuda.Stream] = {}
+_stamp_streams: dict[torch.device, torch.cuda.Stream] = state.cache_dict("comm.stamp_streams")
 
 
 def _stamp_stream(device: torch.device) -> torch.cuda.Stream:
@@ -265,7 +265,7 @@ def ring_exchange(sends: Sequence[tuple[torch.Tensor, int]], recvs: Sequence[tup
     return Handle(received, pending, rec, group=group, label=label), Handle(sent, group=group, label=label)
 
 
-_gloo: dict = {}
+_gloo: dict = state.cache_dict("comm.is_gloo")
 
 
 def _is_gloo(group) -> bool:

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from ..runtime import comm
+from ..runtime import state
 from ..runtime.agreement import Agreement
 
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
@@ -81,7 +82,7 @@ def split_dim0(x: torch.Tensor, group) -> torch.Tensor:
 # -- the ops torch.compile sees ---------------------------------------------------------------
 
 _LIB = torch.library.Library("overlapkit", "FRAGMENT")
-_AGREED: dict[str, Agreement] = {}
+_AGREED: dict[str, Agreement] = state.cache_dict("tp.compiled_collective_checks")
 """Per op name: the signatures already compared across the ranks."""
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ..runtime import state
 from ..runtime.agreement import agree
 from .linear_bodies import KINDS, backward, forward
 
@@ -25,7 +26,7 @@ def group_by_name(name: str):
     return dist.distributed_c10d._resolve_process_group(name)
 
 
-_seen: set = set()
+_seen: set = state.cache_set("tp.custom_op_checks")
 """Every (kind, name, shape, ...) signature already compared across ranks: a seen call is one
 set lookup, without building the label and fields the comparison needs."""
 

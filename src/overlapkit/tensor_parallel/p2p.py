@@ -27,14 +27,15 @@ from typing import Callable
 import torch
 
 from ..runtime import comm
+from ..runtime import state
 
 Consume = Callable[[slice, torch.Tensor, int], None]
 """consume(rows of the gathered matrix, those rows' data, lane index) — runs one chunk's GEMM."""
 Produce = Callable[[slice, "torch.Tensor | None"], torch.Tensor]
 """produce(rows of the full input, out buffer or None) -> that row chunk's partial product."""
 
-_side_streams: dict[torch.device, "torch.cuda.Stream"] = {}
-_events: dict[tuple, list] = {}
+_side_streams: dict[torch.device, "torch.cuda.Stream"] = state.cache_dict("tp_p2p.side_streams")
+_events: dict[tuple, list] = state.cache_dict("tp_p2p.events")
 """(device, thread) -> events reused by every call's transfers (creating one per transfer cost host time)."""
 
 

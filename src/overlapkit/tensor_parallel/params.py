@@ -23,7 +23,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-_meshes: dict[str, object] = {}
+from ..runtime import state
+
+_meshes: dict[str, object] = state.cache_dict("tp.meshes_of_groups")
 """1-D DeviceMeshes built from bare ProcessGroups, by group name: one per group, shared by layers."""
 
 
