@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from ..vocabulary import OVERLAP_MODES, TRANSPORTS
+from ..vocabulary import OVERLAP_MODES, TRANSPORTS, ParallelSizes
 from . import _validate as v
 
 if TYPE_CHECKING:
@@ -171,8 +171,13 @@ class ParallelConfig:
         v.divides(o, "dp", self.dp, "ep", self.ep)
 
     @property
+    def sizes(self) -> ParallelSizes:
+        """The parallel sizes as the mesh (runtime.groups) lays them out."""
+        return ParallelSizes(tp=self.tp, dp=self.dp, pp=self.pp, ep=self.ep, cp=self.cp)
+
+    @property
     def world(self) -> int:
-        return self.tp * self.cp * self.pp * self.dp
+        return self.sizes.world_size
 
     @property
     def micro_batches(self) -> int:

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from ..launch import progress
 from ..optim import optim_param_groups
-from ..vocabulary import positive_int
+from ..vocabulary import ParallelSizes, positive_int
 from .checks import max_errors
 
 _STARTED = time.monotonic()
@@ -73,6 +73,11 @@ class DemoConfig:
     """0: gradients averaged by DataParallel; 3: ZeRO-3, the blocks sharded over dp with
     data_parallel.fully_shard (FSDP2, prefetch="auto") on the TP layers (TP without SP; with pp > 1
     every pipeline chunk is sharded over its stage's dp ranks, TP with SP); not with ep or cp."""
+
+    @property
+    def sizes(self) -> ParallelSizes:
+        """The parallel sizes of the demo's world, as the mesh lays them out."""
+        return ParallelSizes(tp=self.tp, dp=self.dp, pp=self.pp, ep=self.ep, cp=self.cp)
 
     def __post_init__(self) -> None:
         for name in ("tp", "dp", "steps", "cp", "pp"):
@@ -261,7 +266,7 @@ def check_world(cfg: DemoConfig, oversubscribe: bool = False) -> None:
     or far more CPU ranks than cores (unless `oversubscribe`). Under torchrun the ranks exist already: nothing to refuse."""
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return
-    world = cfg.tp * cfg.dp * cfg.cp * cfg.pp
+    world = cfg.sizes.world_size
     if cfg.device == "cuda":
         if torch.cuda.device_count() < world:
             raise ValueError(f"--device cuda needs tp*dp*cp*pp={world} GPUs, this machine has "
@@ -278,7 +283,7 @@ def run(cfg: DemoConfig, plot_path: str | None = "timeline.png", oversubscribe: 
     """Run the demo (spawning ranks, or in-process under torchrun) and print the results."""
     from ..launch import spawn
 
-    world = cfg.tp * cfg.dp * cfg.cp * cfg.pp
+    world = cfg.sizes.world_size
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun: this process is a rank
         from ..runtime.groups import init
         init(tp=cfg.tp, dp=cfg.dp, cp=cfg.cp, pp=cfg.pp, backend="nccl" if cfg.device == "cuda" else "gloo", timeout_s=cfg.timeout_s)
