@@ -1,26 +1,11 @@
-"""ZeRO-3 with torch's FSDP2 underneath: each block's parameter all-gather is prefetched `depth`
-blocks ahead, so it overlaps the forward of the blocks before it; in backward the next block's
-gather overlaps the current block's backward and its gradient reduce-scatter.
+"""ZeRO-3 with torch's FSDP2 underneath: each block's parameter all-gather is prefetched `depth` blocks
+ahead, so it overlaps the forward of the blocks before it; in backward the next block's gather
+overlaps the current block's backward and its gradient reduce-scatter.
 
-`fully_shard` wraps the model's blocks and then the model with `torch.distributed.fsdp.fully_shard`
-(overlapkit writes no FSDP of its own) and sets FSDP2's explicit prefetch lists
-(`set_modules_to_forward_prefetch` / `set_modules_to_backward_prefetch`) to the depth asked.
-`prefetch="auto"` runs a warm-up step and a probe step at depth 0, where every gather is waited
-right after it is issued, so the probe measures each block's compute and each gather and
-reduce-scatter alone; the ranks take the slowest rank's times (one tiny all-reduce) and
-`costmodel.fsdp_prefetch_choice` prices each depth on its stream simulator within the memory
-budget. The model's pick and its neighbours that it prices within `fsdp_prefetch.TIE` are then
-timed for `trials` rounds of steps (the model cannot see, e.g., gloo running two collectives at
-once) and the fastest is kept (fsdp_prefetch.py). Every rank decides from the same all-reduced
-numbers, so the gathers stay paired across ranks.
-FSDP2's collectives go through `overlapkit.runtime.comm` (see fsdp_comm.py): the timeline recorder
-and profiler traces see them as `zero_all_gather` / `zero_reduce_scatter`, named by block.
-
-Depth d means: a block's pre-forward issues the gathers of the next d blocks (in registration
-order, which must be the order the blocks run in); depth 0 issues none (on CUDA, FSDP2 still
-issues a block's gather as soon as the host reaches it, which the host running ahead of the
-GPU can hide). In backward the same, in reverse; depth 0 turns FSDP2's default backward
-prefetch of one block off.
+`fully_shard` wraps the blocks with torch's `fully_shard` (no FSDP of our own) and sets FSDP2's
+explicit prefetch lists to the depth asked, or under `prefetch="auto"` to the depth the cost model
+picks from a probe step and a few timed trials (fsdp_prefetch.py). Its collectives go through
+`runtime.comm` (fsdp_comm.py), so the timeline sees them. docs/data_parallel.md has the details.
 """
 
 from __future__ import annotations

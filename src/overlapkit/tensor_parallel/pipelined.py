@@ -1,29 +1,11 @@
 """Pipelined tensor/sequence parallelism: the all-gather before a GEMM and the reduce-scatter after it, chunked and overlapped with that GEMM.
 
-`all_gather_matmul` computes gather(x) @ Wᵀ chunk by chunk: the GEMM of a chunk starts as soon
-as the chunk has arrived, and the local shard's GEMM runs first, under the first transfer.
-`matmul_reduce_scatter` computes reduce_scatter(x @ Wᵀ): each chunk's partial product is sent
-while the next chunk is computed; partial sums are added in fp32 for bf16/fp16 inputs.
-Under torch.autocast both cast their inputs to the autocast dtype first (as F.linear would) and
-run every GEMM and buffer in it (see precision.py).
-
-The layer functions use both for forward and backward of sequence-parallel linears:
-- column-parallel: forward all-gather+GEMM; backward over p2p in Megatron's order (the input
-  re-gathered under the whole dgrad GEMM, the dgrad reduce-scattered under the whole wgrad GEMM:
-  ops.py), over symm_mem dgrad as GEMM+reduce-scatter and wgrad summed chunk by chunk over the
-  input re-gathered under it; `save_gathered_input=True` keeps the gathered input from forward
-  for one wgrad GEMM instead (memory for time);
-- row-parallel: forward GEMM+reduce-scatter; backward all-gather of the output gradient
-  pipelined with the dgrad GEMM, wgrad from the gathered gradient.
-
-Transports: "p2p" (batched send/recv, see p2p.py; NCCL and gloo) and "symm_mem" (copy-engine
-pulls from symmetric memory, see symm_mem.py; one node, CUDA peer access). `chunks` is the
-number of chunks of the gathered (or scattered) dimension: one per rank by default, or a
-multiple of the world size that splits each rank's rows further. Every argument is checked
-before any communication, with the same message on every rank.
-
-Layout: weights are nn.Linear's [out, in]; the sequence-parallel dimension is dim 0 of the
-activation ([tokens, hidden] or [seq, batch, hidden]).
+`all_gather_matmul` computes gather(x) @ Wᵀ chunk by chunk, each chunk's GEMM as soon as it lands;
+`matmul_reduce_scatter` computes reduce_scatter(x @ Wᵀ), each chunk's partial sent while the next
+is computed. `column_parallel_linear_pipelined` / `row_parallel_linear_pipelined` are the
+differentiable linears built on them (bodies in linear_bodies.py, kernels in chunks.py).
+docs/tensor_parallel_pipelined.md has the forward and backward orders, the transports and the
+chunk counts.
 """
 
 from __future__ import annotations
