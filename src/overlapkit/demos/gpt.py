@@ -111,7 +111,8 @@ class DemoConfig:
 def run_rank(cfg: DemoConfig) -> dict:
     """The demo on one rank (the default group is initialized). Returns errors and spans."""
     from ..runtime.groups import ParallelGroups
-    from ..models import GPT, GPTConfig, expected_local, lm_loss, parallelize
+    from ..models import GPT, GPTConfig, expected_local, lm_loss
+    from ..models.parallelize_gpt import parallelize_gpt
     from ..timeline import record
 
     if cfg.pp > 1:
@@ -127,28 +128,14 @@ def run_rank(cfg: DemoConfig) -> dict:
         reference, model = moe_gpts(mcfg, groups, cfg.seed, device=device, overlap=cfg.overlap)
     else:
         reference = GPT(mcfg).to(device)
-        # Sequence parallel under ZeRO-3 too: the norms' TP gradient sums are hooks on the tensors
-        # each forward uses (mark_sequence_parallel), so FSDP2's replaced parameters keep them.
-        model = parallelize(copy.deepcopy(reference), groups.mesh, sequence_parallel=True,  # its 'tp' dim
-                            overlap=cfg.overlap)
-    replicas = groups.dp
-    if cfg.cp > 1:  # ring attention over the CP ranks; parameters are replicated over dp x cp
-        from ..context_parallel import replicas_group
-        from ..models.ring_attention import apply_to_gpt
-        model, replicas = apply_to_gpt(model, groups.cp), replicas_group(groups)
+        model = copy.deepcopy(reference)
     if cfg.zero == 3:
         import logging
 
-        from ..data_parallel import fully_shard
         # The check below gathers every 2-D (dp, tp) gradient whole; DTensor warns each time that
         # this takes two gathers. It is the check's cost, not the training's: keep the output readable.
         logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
-        model = fully_shard(model, groups, prefetch="auto")
-    elif (cfg.dp > 1 or cfg.cp > 1) and cfg.ep == 1:
-        from ..data_parallel import DataParallel
-        # Sequence-parallel grads (layer norms, row biases) are summed over TP in backward,
-        # bucket by bucket, before their data-parallel all-reduce.
-        model = DataParallel(model, replicas, sequence_parallel_group=groups.tp)
+    model, replicas = parallelize_gpt(model, groups, overlap=cfg.overlap, zero=cfg.zero, tensor_parallel=cfg.ep == 1)
     # One param group per kind (plain, DTensor on each mesh): torch's foreach kernels (CUDA's
     # default) refuse a list mixing DTensor (TP layers) and plain (norms, embeddings) parameters.
     # foreach=True on CPU too, so that the demo's tests run the kernels CUDA picks by default.
