@@ -40,7 +40,18 @@ OVERLAP_MEANING: dict[str, dict[str, str]] = {
            "pipelined": "the next key/value block travels the ring while this one is attended",
            "auto": "pipelined or not, measured on the first calls and kept"},
 }
-"""Per engine, what each overlap setting it accepts does (an engine accepts the keys listed)."""
+"""Per engine, what each overlap setting means for it (the cost model's `Overlap` accepts every mode
+for every engine; an engine's own switch, ENGINE_SWITCH, takes the settings listed here)."""
+
+ENGINE_SWITCH: dict[str, str] = {
+    "tp": "ColumnParallelLinear / RowParallelLinear / parallelize(overlap=...)",
+    "dp": "DataParallel(overlap=True | False | 'bulk' | 'none')",
+    "zero": "ShardedOptimizer(overlap_param_gather=...), fully_shard(prefetch=depth | 'auto')",
+    "pp": "PipelineConfig(overlap_p2p=...)",
+    "ep": "MoE(chunks=1 | n | 'ranks' | 'auto')",
+    "cp": "ContextParallelConfig(overlap=...)",
+}
+"""Where each engine takes its overlap setting."""
 
 
 def is_int_at_least(value, minimum: int = 1) -> bool:

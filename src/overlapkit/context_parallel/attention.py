@@ -18,11 +18,12 @@ from ..runtime.agreement import Agreement
 from ..runtime.comm import group_rank, group_size
 from ..runtime.groups import resolve_group
 from ..runtime.tuning import MeasuredChoice, timed
+from ..vocabulary import OVERLAP_MEANING
 from .kernels import KERNELS, check_kernel
 from .ring import Ring, ring_backward, ring_forward
 from .split import LAYOUTS, check_layout, chunks_per_rank
 
-OVERLAPS = ("none", "pipelined", "auto")
+OVERLAPS = tuple(OVERLAP_MEANING["cp"])
 """`none`: each K/V transfer after the block it could hide behind (the reference); `pipelined`: the next
 block in flight while this one computes; `auto`: `none` at cp = 1 (nothing travels), else both timed on
 the first calls of a configuration (forward and backward, the slowest rank's median) and the faster kept,
