@@ -195,15 +195,15 @@ def test_every_module_has_a_layer():
     assert not lost, f"modules in no layer (add them to LAYERS): {lost}"
 
 
-def test_no_import_circles():
-    graph = {name: sorted({t for t, _ in SCAN[name].edges}) for name in MODULES}
+def _circles(graph: dict[str, list[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan): every circle lies in one."""
     index, low, on_stack, stack, circles = {}, {}, set(), [], []
 
-    def strongconnect(node: str) -> None:  # Tarjan: every circle lies in one component
+    def strongconnect(node: str) -> None:
         index[node] = low[node] = len(index)
         stack.append(node)
         on_stack.add(node)
-        for nxt in graph[node]:
+        for nxt in graph.get(node, ()):
             if nxt not in index:
                 strongconnect(nxt)
                 low[node] = min(low[node], low[nxt])
@@ -220,11 +220,34 @@ def test_no_import_circles():
             if len(component) > 1:
                 circles.append(sorted(component))
 
-    for node in graph:
+    for node in list(graph):
         if node not in index:
             strongconnect(node)
+    return circles
+
+
+def test_no_import_circles():
+    graph = {name: sorted({t for t, _ in SCAN[name].edges}) for name in MODULES}
+    circles = _circles(graph)
     assert not circles, "modules importing each other, directly or around a circle:\n" + "\n".join(
         " <-> ".join(c) for c in circles)
+
+
+def test_the_checks_see_what_they_look_for():
+    """The scanner on made-up sources: a circle, a private import, a private read, a function-level import."""
+    assert _circles({"a": ["b"], "b": ["c"], "c": ["a"], "d": ["a"]}) == [["a", "b", "c"]]
+    scan = _Imports("overlapkit.tensor_parallel.layers")
+    scan.visit(ast.parse("from ..runtime.comm import _launch\n"
+                         "from ..runtime import recorder as rec\n"
+                         "def f(h):\n"
+                         "    from ..models import gpt\n"
+                         "    return rec._now(), h._pending\n"))
+    assert ("overlapkit.runtime.comm", "_launch", 1) in scan.private
+    assert ("overlapkit.runtime.recorder", "_now", 5) in scan.private
+    assert ("_pending", 5) in scan.reads
+    assert ("overlapkit.models.gpt", 4) in scan.edges
+    assert FORBIDDEN_TEXT.search("as seed 004 says") and FORBIDDEN_TEXT.search("fixed in issue 25")
+    assert not FORBIDDEN_TEXT.search("issue the all-gather before the GEMM")
 
 
 def test_no_private_names_across_folders():
