@@ -10,6 +10,7 @@ needs no torch) and builds the import graph, function-level imports included. It
 - an import that climbs: a module of a lower layer importing one of an upper layer, or the two
   analysis parts (timeline analysis and cost model) importing each other;
 - text about how the package was made ("seed 004", "issue 25") anywhere in the package;
+- an import of an overlapkit module that does not exist (a module moved, an import left behind);
 - a module-level empty dict, set or list (state that outlives a call belongs in runtime.state,
   which a test can reset).
 
@@ -110,6 +111,7 @@ class _Imports(ast.NodeVisitor):
         self.bound: dict[str, str] = {}  # local name -> overlapkit module that defines it
         self.defines: set[str] = set()  # private names this module defines (functions, attributes)
         self.reads: list[tuple[str, int]] = []  # private attributes read off objects, not self/cls
+        self.unknown: list[tuple[str, int]] = []  # overlapkit modules imported that do not exist
 
     def _edge(self, target: str, line: int) -> None:
         if target in MODULES and target != self.name:
@@ -118,6 +120,8 @@ class _Imports(ast.NodeVisitor):
     def visit_Import(self, node: ast.Import) -> None:
         for alias in node.names:
             if alias.name.startswith(PACKAGE):
+                if alias.name not in MODULES:
+                    self.unknown.append((alias.name, node.lineno))
                 self._edge(alias.name, node.lineno)
                 if alias.asname:
                     self.bound[alias.asname] = alias.name
@@ -126,6 +130,8 @@ class _Imports(ast.NodeVisitor):
         module = _resolve(self.name, node)
         if not module.startswith(PACKAGE):
             return
+        if module not in MODULES:  # a module moved away, an import left behind (a merge, say)
+            self.unknown.append((module, node.lineno))
         for alias in node.names:
             if module == PACKAGE and alias.name.startswith("__"):
                 continue  # `from overlapkit import __version__`: a constant, not a climb
@@ -226,6 +232,11 @@ def _circles(graph: dict[str, list[str]]) -> list[list[str]]:
     return circles
 
 
+def test_every_import_names_a_module_that_exists():
+    found = [f"{_where(name, line)} imports {target}" for name, scan in SCAN.items() for target, line in scan.unknown]
+    assert not found, "imports of overlapkit modules that do not exist:\n" + "\n".join(found)
+
+
 def test_no_import_circles():
     graph = {name: sorted({t for t, _ in SCAN[name].edges}) for name in MODULES}
     circles = _circles(graph)
@@ -246,6 +257,9 @@ def test_the_checks_see_what_they_look_for():
     assert ("overlapkit.runtime.recorder", "_now", 5) in scan.private
     assert ("_pending", 5) in scan.reads
     assert ("overlapkit.models.gpt", 4) in scan.edges
+    scan = _Imports("overlapkit.data_parallel.fsdp")
+    scan.visit(ast.parse("from ..tuning import MeasuredChoice\nimport overlapkit.comm\n"))
+    assert scan.unknown == [("overlapkit.tuning", 1), ("overlapkit.comm", 2)]
     assert FORBIDDEN_TEXT.search("as seed 004 says") and FORBIDDEN_TEXT.search("fixed in issue 25")
     assert not FORBIDDEN_TEXT.search("issue the all-gather before the GEMM")
 
