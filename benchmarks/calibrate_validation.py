@@ -85,7 +85,8 @@ def run_rank(sizes: dict, layout: tuple, steps: int, trace_dir: str, overlap: st
     if tp > 1:
         model = parallelize(model, groups, sequence_parallel=True, overlap=overlap)
     if pp > 1:
-        from overlapkit.pipeline_parallel import PipelineConfig, PipelineEngine, gpt_chunks
+        from overlapkit.models import gpt_chunks
+        from overlapkit.pipeline_parallel import PipelineConfig, PipelineEngine
 
         chunks, _ = gpt_chunks(model, pp, groups.pp_rank)
         engine = PipelineEngine(chunks, groups.pp, PipelineConfig("1f1b", m), lm_loss)

@@ -36,7 +36,8 @@ from _lib.presets import SMOKE_GPT
 from _lib.ratios import per_round, text, verdict
 from overlapkit import ParallelGroups
 from overlapkit.models import GPT, GPTConfig, lm_loss
-from overlapkit.pipeline_parallel import PipelineConfig, PipelineEngine, bubble_fraction, gpt_chunks, pipeline_times
+from overlapkit.models import gpt_chunks
+from overlapkit.pipeline_parallel import PipelineConfig, PipelineEngine, bubble_fraction, pipeline_times
 from overlapkit.timeline import record
 
 OURS = [(s, v, ov) for s, v in (("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2)) for ov in (True, False)]

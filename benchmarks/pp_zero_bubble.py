@@ -34,9 +34,8 @@ import torch.distributed as dist
 from _lib.common import device_label, line_up, out_dir, pipeline_args, run_ranks, time_variants, write_results
 from _lib.unexported import intervals as iv
 from overlapkit import ParallelGroups
-from overlapkit.models import GPT, GPTConfig, lm_loss
-from overlapkit.pipeline_parallel import (PipelineConfig, PipelineEngine, chunks_of, gpt_chunks, pipeline_times,
-                                          placement, rank_of)
+from overlapkit.models import GPT, GPTConfig, gpt_chunks, lm_loss
+from overlapkit.pipeline_parallel import PipelineConfig, PipelineEngine, chunks_of, pipeline_times, placement, rank_of
 from overlapkit.timeline import record
 
 _TORCH_V_BROKEN = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) < (2, 13)

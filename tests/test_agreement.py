@@ -6,7 +6,7 @@ import pytest
 import torch.distributed as dist
 from distributed import distributed
 
-from overlapkit.agreement import Agreement, RankMismatchError, agree
+from overlapkit.runtime.agreement import Agreement, RankMismatchError, agree
 
 
 @distributed(world_size=3, timeout_s=20)

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import torch
 
-from overlapkit.demo import DemoConfig, collectives_by_layer, run, run_rank
+from overlapkit.demos import DemoConfig, collectives_by_layer, run, run_rank
 from overlapkit.launch import spawn
 
 README = Path(__file__).resolve().parents[1] / "README.md"

@@ -3,7 +3,7 @@ import warnings
 import pytest
 import torch
 
-from overlapkit import comm
+from overlapkit.runtime import comm
 from overlapkit.cli import main
 from overlapkit.doctor import advice, facts
 

@@ -2,7 +2,7 @@ import pytest
 import torch.distributed as dist
 
 from distributed import distributed
-from overlapkit.groups import ParallelGroups, ParallelSizes
+from overlapkit.runtime.groups import ParallelGroups, ParallelSizes
 
 
 def test_layout_tp_adjacent():
@@ -73,7 +73,7 @@ def test_cp_sits_between_dp_and_tp():
 @distributed(world_size=4, timeout_s=30)
 def _mesh_view():
     import overlapkit
-    from overlapkit.groups import group_timeout_s, resolve_group
+    from overlapkit.runtime.groups import group_timeout_s, resolve_group
 
     g = overlapkit.init(tp=2, timeout_s=7)
     out = {
@@ -112,7 +112,7 @@ def test_mesh_is_the_source_and_groups_keep_the_timeout():
 
 @distributed(world_size=2, timeout_s=30)
 def _default_timeout():
-    from overlapkit.groups import ParallelGroups, group_timeout_s
+    from overlapkit.runtime.groups import ParallelGroups, group_timeout_s
     g = ParallelGroups.build(tp=2)
     return group_timeout_s(g.tp)
 
@@ -124,7 +124,7 @@ def test_groups_default_to_the_worlds_timeout():
 @distributed(world_size=2, timeout_s=9)
 def _init_after_the_world():
     import overlapkit
-    from overlapkit.groups import group_timeout_s
+    from overlapkit.runtime.groups import group_timeout_s
     g = overlapkit.init(tp=2)  # the world exists (9 s): no timeout_s given, so the world's it is
     return [group_timeout_s(x) for x in (g.tp, g.dp, g.pp, g.cp, g.ep)], g.timeout_s
 
@@ -139,7 +139,7 @@ def test_init_without_a_timeout_keeps_the_worlds():
 def _sizes_differ():
     import time
 
-    from overlapkit.agreement import RankMismatchError
+    from overlapkit.runtime.agreement import RankMismatchError
     out = {}
     t0 = time.monotonic()
     try:  # rank 0 asks for tp=2 (dp=1), rank 1 for tp=1 (dp=2): both fit the world of 2

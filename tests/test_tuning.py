@@ -2,8 +2,8 @@
 
 import pytest
 
-from overlapkit import tuning
-from overlapkit.tuning import MeasuredChoice
+from overlapkit.runtime import tuning
+from overlapkit.runtime.tuning import MeasuredChoice
 
 
 @pytest.fixture

@@ -141,7 +141,7 @@ def _tp(root, rank):
     """dp=2 x tp=2: TP states are DTensors on the TP mesh; reload there, at dp=4 without TP, at tp=4."""
     import torch.distributed.checkpoint as dcp
 
-    from overlapkit.groups import ParallelGroups
+    from overlapkit.runtime.groups import ParallelGroups
 
     groups, out = ParallelGroups.build(tp=2, dp=2), {}
     dp_rank = groups.dp_rank

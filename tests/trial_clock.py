@@ -1,9 +1,9 @@
-"""For the tests of an `auto` that measures once and keeps (overlapkit.tuning): steps recorded while any
+"""For the tests of an `auto` that measures once and keeps (overlapkit.runtime.tuning): steps recorded while any
 read of a trial clock fails, to show the decision left nothing timed behind."""
 
 from __future__ import annotations
 
-from overlapkit import tuning
+from overlapkit.runtime import tuning
 from overlapkit.timeline import record
 
 

@@ -20,14 +20,14 @@ WHERE = {
     "shutdown": "overlapkit.launch", "free_port": "overlapkit.launch",
     # The communication layer the engines use (its spans carry a kind): tp_overlap, tp_host_cost,
     # profile_step, cp_overlap (the hop alone, the sends-joined ring), teardown_repeat.
-    "comm": "overlapkit",
+    "comm": "overlapkit.runtime",
     # Cross-rank agreement timed by itself: agreement_cost, tp_agreement_cost.
-    "Agreement": "overlapkit.agreement", "agree": "overlapkit.agreement",
+    "Agreement": "overlapkit.runtime.agreement", "agree": "overlapkit.runtime.agreement",
     # The timeline's step measures and span arithmetic: dp_overlap, fsdp_overlap, ep_overlap, cp_overlap
     # (measure, load_imbalance), cp_waits and pp_zero_bubble (intervals), straggler_path (whatif),
     # profile_step (compare_spans).
     "measure": "overlapkit.timeline.report", "load_imbalance": "overlapkit.timeline.report",
-    "intervals": "overlapkit.timeline", "whatif": "overlapkit.timeline",
+    "intervals": "overlapkit.runtime", "whatif": "overlapkit.timeline",
     "compare_spans": "overlapkit.timeline.agree",
     # The pipelined TP kernels (tensor_parallel's docstring names them, its __init__ does not export
     # them): tp_overlap, profile_step.
@@ -39,7 +39,7 @@ WHERE = {
     "Groups": "overlapkit.expert_parallel.experts", "experts_forward": "overlapkit.expert_parallel.experts",
     "experts_backward": "overlapkit.expert_parallel.experts", "GROUPED_DEVICES": "overlapkit.expert_parallel.experts",
     # The demo's rank body: teardown_repeat.
-    "DemoConfig": "overlapkit.demo", "run_rank": "overlapkit.demo",
+    "DemoConfig": "overlapkit.demos.gpt", "run_rank": "overlapkit.demos.gpt",
     # The calibrated cost model (what `overlapkit plan --calibrate` runs): calibrate_validation.
     "fit": "overlapkit.costmodel.calibrate", "predict_calibrated": "overlapkit.costmodel.calibrate",
     "read_measured": "overlapkit.plan_tools",

@@ -11,11 +11,11 @@ import importlib
 __version__ = "0.1.0"
 
 _LAZY = {
-    "ParallelGroups": ("overlapkit.groups", "ParallelGroups"),
-    "ParallelSizes": ("overlapkit.groups", "ParallelSizes"),
-    "init": ("overlapkit.groups", "init"),
-    "resolve_group": ("overlapkit.groups", "resolve_group"),
-    "RankMismatchError": ("overlapkit.agreement", "RankMismatchError"),
+    "ParallelGroups": ("overlapkit.runtime.groups", "ParallelGroups"),
+    "ParallelSizes": ("overlapkit.runtime.groups", "ParallelSizes"),
+    "init": ("overlapkit.runtime.groups", "init"),
+    "resolve_group": ("overlapkit.runtime.groups", "resolve_group"),
+    "RankMismatchError": ("overlapkit.runtime.agreement", "RankMismatchError"),
     "timeline": ("overlapkit.timeline", None),
     "parallelize": ("overlapkit.models.parallelize", "parallelize"),
     "vocab_parallel_cross_entropy": ("overlapkit.tensor_parallel.vocab", "vocab_parallel_cross_entropy"),

@@ -9,13 +9,14 @@ import sys
 import tempfile
 
 from . import __version__
+from .vocabulary import OVERLAP_MODES
 
 # Subcommands live with their concern (analyze_tool.py: analyze, joining the trace analyzer and the
 # cost model; costmodel/cli.py: plan, bench); each module exposes register(subparsers).
 
 
 def _demo(args) -> int:
-    from .demo import DemoConfig, check_world, run
+    from .demos import DemoConfig, check_world, run
     try:
         cfg = DemoConfig(tp=args.tp, dp=args.dp, steps=args.steps, overlap=args.overlap,
                          device=args.device, seed=args.seed, trace_dir=args.trace, timeout_s=args.timeout, ep=args.ep,
@@ -122,7 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--zero", type=int, default=0, choices=(0, 3),
                       help="3: ZeRO-3, the blocks sharded over dp by FSDP2 with chosen prefetch (default 0: DataParallel)")
     demo.add_argument("--steps", type=int, default=3, help="training steps (default 3)")
-    demo.add_argument("--overlap", default="bulk", choices=("none", "bulk", "pipelined", "auto"),
+    demo.add_argument("--overlap", default="bulk", choices=OVERLAP_MODES,
                       help="overlap mode of the TP layers (default bulk)")
     demo.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="cpu: gloo ranks; cuda: NCCL, a GPU a rank")
     demo.add_argument("--seed", type=int, default=0)

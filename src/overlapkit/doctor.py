@@ -13,7 +13,7 @@ import platform
 import torch
 import torch.distributed as dist
 
-from .comm import max_connections_meaning
+from .runtime.comm import max_connections_meaning
 
 
 def facts() -> dict:

@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from overlapkit.comm import group_rank, group_size
+from overlapkit.runtime.comm import group_rank, group_size
 from overlapkit.context_parallel import ContextParallelConfig, ring_attention, shard
 
 TOL = 1e-5
@@ -56,7 +56,7 @@ def all_attention_cases(group) -> dict[str, float]:
 
 def rejections(group) -> dict[str, str]:
     """The messages every rank gets for a sequence that splits unevenly and for configurations that differ."""
-    from overlapkit.agreement import RankMismatchError
+    from overlapkit.runtime.agreement import RankMismatchError
 
     rank = dist.get_rank(group)
     out = {}
@@ -111,7 +111,8 @@ def llama_errors(group, kernel: str = "math") -> float:
 
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from overlapkit.context_parallel.models import apply_to_hf_llama, shard_batch
+    from overlapkit.context_parallel import shard_batch
+    from overlapkit.models.ring_attention import apply_to_hf_llama
 
     size, rank = dist.get_world_size(group), dist.get_rank(group)
     torch.manual_seed(0)
@@ -144,9 +145,10 @@ def gpt_cp_dp_errors(steps: int = 2) -> list[float]:
     """Our GPT trained with CP=2 x DP=2 vs one process: per step, max rel error of loss, logits and grads."""
     import copy
 
-    from overlapkit.context_parallel.models import apply_to_gpt, replicas_group, shard_batch
+    from overlapkit.context_parallel import replicas_group, shard_batch
+    from overlapkit.models.ring_attention import apply_to_gpt
     from overlapkit.data_parallel import DataParallel
-    from overlapkit.groups import ParallelGroups
+    from overlapkit.runtime.groups import ParallelGroups
     from overlapkit.models.gpt import GPT, GPTConfig, lm_loss
 
     groups = ParallelGroups.build(cp=2, dp=2)
@@ -183,7 +185,7 @@ def gpt_cp_dp_errors(steps: int = 2) -> list[float]:
 
 def tp_heads_errors() -> float:
     """CP=2 x TP=2: each TP rank rings its own heads over its CP group; equal to those heads of full attention."""
-    from overlapkit.groups import ParallelGroups
+    from overlapkit.runtime.groups import ParallelGroups
 
     groups = ParallelGroups.build(cp=2, tp=2)
     g = torch.Generator().manual_seed(4)

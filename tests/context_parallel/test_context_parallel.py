@@ -8,8 +8,8 @@ import torch.distributed as dist
 from cp_cases import (TOL, all_attention_cases, auto_overlap, gpt_cp_dp_errors, llama_errors, recorded_overlap,
                       rejections, tp_heads_errors)
 from distributed import distributed
-from overlapkit.demo import TOLERANCE, DemoConfig, run_rank
-from overlapkit.groups import ParallelGroups
+from overlapkit.demos import TOLERANCE, DemoConfig, run_rank
+from overlapkit.runtime.groups import ParallelGroups
 
 
 @distributed(world_size=4, timeout_s=120)

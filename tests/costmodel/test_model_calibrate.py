@@ -13,7 +13,7 @@ from overlapkit.costmodel.calibrate import (CalibratedCollectives, Measured, fit
 from overlapkit.plan_tools import read_measured
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "timeline"
-# overlapkit demo's GPT at tp = 2 (models/gpt.py via demo.py: hidden 16·tp, 2·tp heads, ffn 32·tp, vocab 16·tp,
+# overlapkit demo's GPT at tp = 2 (models/gpt.py via demos/gpt.py: hidden 16·tp, 2·tp heads, ffn 32·tp, vocab 16·tp,
 # seq 8·tp, 2 layers), 2 sequences per replica in one micro-batch
 DEMO = {"hidden": 32, "ffn_hidden": 64, "num_layers": 2, "num_heads": 4, "seq_len": 16, "vocab_size": 32,
         "gated_mlp": False, "tied_embeddings": False}

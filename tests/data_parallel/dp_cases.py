@@ -18,7 +18,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from distributed import distributed
-from overlapkit import comm
+from overlapkit.runtime import comm
 from overlapkit.data_parallel import DataParallel, ShardedOptimizer
 
 BUCKETS = {  # (first_bucket_mb, bucket_mb)

@@ -19,8 +19,8 @@ from torch.distributed.tensor import DTensor
 from torch.nn import functional as F
 
 from distributed import distributed
-from overlapkit import tuning
-from overlapkit.agreement import RankMismatchError
+from overlapkit.runtime import tuning
+from overlapkit.runtime.agreement import RankMismatchError
 from overlapkit.data_parallel import fully_shard, layer_report, prefetch_plan
 from overlapkit.data_parallel import fsdp_prefetch
 from overlapkit.data_parallel.fsdp_comm import Probe
@@ -131,7 +131,7 @@ def _overlap_case(world: int, mesh) -> dict:
         with record() as rec:
             rec.next_step()
             F.mse_loss(m(x[:PER_RANK]), y[:PER_RANK]).backward()
-        t0 = rec._t0
+        t0 = rec.host_origin
         slept = [(a - t0) * 1e3 for a in m.slept]
         gather = [s for s in rec.spans if s.kind == "zero_all_gather" and s.name == "blocks.2 forward"]
         out[f"depth {depth} gather"] = (gather[0].start_ms, gather[0].end_ms) if gather else None

@@ -17,7 +17,7 @@ from torch.nn import functional as F
 from distributed import distributed
 from overlapkit.data_parallel import DataParallel, ShardedOptimizer
 from overlapkit.timeline import record
-from overlapkit.timeline.recorder import compute_span
+from overlapkit.runtime.recorder import compute_span
 
 SLOW_S = 0.6
 

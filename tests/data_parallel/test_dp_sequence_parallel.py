@@ -11,7 +11,7 @@ import torch
 
 from distributed import distributed
 from overlapkit.data_parallel import DataParallel, ShardedOptimizer
-from overlapkit.groups import ParallelGroups
+from overlapkit.runtime.groups import ParallelGroups
 from overlapkit.models import GPT, GPTConfig, expected_local, lm_loss, parallelize
 from overlapkit.tensor_parallel.layers import allreduce_sequence_parallel_grads
 

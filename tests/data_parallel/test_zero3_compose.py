@@ -17,9 +17,10 @@ from torch.distributed.tensor import DTensor
 
 from distributed import distributed
 from overlapkit.data_parallel import fully_shard, prefetch_plan
-from overlapkit.groups import ParallelGroups
+from overlapkit.runtime.groups import ParallelGroups
 from overlapkit.models import GPT, GPTConfig, lm_loss, parallelize
-from overlapkit.pipeline_parallel import PipelineConfig, PipelineEngine, gpt_chunks
+from overlapkit.pipeline_parallel import PipelineConfig, PipelineEngine
+from overlapkit.models import gpt_chunks
 
 TOL = 1e-5
 STEPS, LR = 3, 0.5
@@ -121,7 +122,7 @@ def _world4():
     out[("pp2 dp2 interleaved-1f1b", "auto")] = _pp_case(pp_dp, "interleaved-1f1b", 2, 2, 4, "auto")
     dp_tp = ParallelGroups.build(dp=2, tp=2)
     out[("dp2 tp2 sp", "auto")] = _tp_sp_case(dp_tp, "auto")
-    from overlapkit.demo import DemoConfig, run_rank
+    from overlapkit.demos import DemoConfig, run_rank
     out["demo"] = run_rank(DemoConfig(tp=1, dp=2, pp=2, zero=3, steps=2))
     return out
 

@@ -7,7 +7,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from overlapkit.agreement import RankMismatchError
+from overlapkit.runtime.agreement import RankMismatchError
 from overlapkit.expert_parallel import MoE, dispatch
 from overlapkit.expert_parallel.config import CHUNK_CANDIDATES
 from trial_clock import recorded_without_trial_clock

@@ -3,7 +3,7 @@
 import torch
 import torch.distributed as dist
 
-from overlapkit.agreement import RankMismatchError
+from overlapkit.runtime.agreement import RankMismatchError
 from overlapkit.expert_parallel import MoE, MoEConfig
 from overlapkit.timeline import record
 from worlds import world

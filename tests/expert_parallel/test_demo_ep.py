@@ -2,7 +2,7 @@
 
 import pytest
 
-from overlapkit.demo import TOLERANCE, DemoConfig
+from overlapkit.demos import TOLERANCE, DemoConfig
 from worlds import world
 
 DEMO = DemoConfig(tp=1, dp=2, ep=2, steps=2, overlap="none")

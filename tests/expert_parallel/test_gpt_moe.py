@@ -4,10 +4,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from overlapkit.agreement import RankMismatchError
+from overlapkit.runtime.agreement import RankMismatchError
 from overlapkit.expert_parallel import MoE, average_data_parallel_grads, init_full_experts
-from overlapkit.expert_parallel.gpt import solo_group
-from overlapkit.groups import ParallelGroups
+from overlapkit.models.moe_gpt import solo_group
+from overlapkit.runtime.groups import ParallelGroups
 from overlapkit.models import GPT, GPTConfig, expected_local, lm_loss, parallelize
 from reference import reference_moe
 from test_moe import _rel

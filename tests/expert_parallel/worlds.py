@@ -13,7 +13,7 @@ def _run(size: int) -> dict:
     out = dict(cases=_all_cases())
     if size == 2:
         from test_bad_input_and_overlap import _bad_inputs, _overlap_from_spans
-        from overlapkit.demo import run_rank
+        from overlapkit.demos import run_rank
         from test_demo_ep import DEMO
         from test_auto_chunks import _auto_chunks, _padded_needs_equal_tokens
         out.update(bad=_bad_inputs(), overlap=_overlap_from_spans(), demo=run_rank(DEMO), auto=_auto_chunks(),

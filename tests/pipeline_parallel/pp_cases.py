@@ -10,9 +10,10 @@ import torch
 import torch.distributed as dist
 
 from overlapkit.data_parallel import DataParallel
-from overlapkit.groups import ParallelGroups
+from overlapkit.runtime.groups import ParallelGroups
 from overlapkit.models import GPT, GPTConfig, expected_local, lm_loss, parallelize
-from overlapkit.pipeline_parallel import PipelineConfig, PipelineEngine, gpt_chunks, placement
+from overlapkit.pipeline_parallel import PipelineConfig, PipelineEngine, placement
+from overlapkit.models import gpt_chunks
 from overlapkit.tensor_parallel.layers import allreduce_sequence_parallel_grads
 
 

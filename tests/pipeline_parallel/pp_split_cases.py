@@ -11,8 +11,9 @@ import torch.distributed as dist
 from torch import nn
 
 from overlapkit.data_parallel import DataParallel
-from overlapkit.pipeline_parallel import (PipelineConfig, PipelineEngine, gpt_chunks, placement, price,
+from overlapkit.pipeline_parallel import (PipelineConfig, PipelineEngine, placement, price,
                                           sequential_chunks, timetable)
+from overlapkit.models import gpt_chunks
 from overlapkit.timeline import record
 from pp_cases import data, loss_fn, reference_grads, rel, tiny_gpt
 
@@ -74,7 +75,7 @@ def moe_pair_case(groups, m: int = 4, chunks_per_moe: int = 1) -> dict:
     """DualPipeV over pp=2, every block a MoE whose experts are split over ep=2 (the stage's dp ranks):
     loss and gradients against one process, and the recorded spans of a step."""
     from overlapkit.expert_parallel import MoE, average_data_parallel_grads
-    from overlapkit.expert_parallel.gpt import expected_local_ep, solo_group
+    from overlapkit.models.moe_gpt import expected_local_ep, solo_group
     from overlapkit.models import GPT, GPTConfig
 
     cfg = GPTConfig(vocab_size=16, seq_len=8, hidden=8, num_heads=2, ffn_hidden=16, num_layers=4)

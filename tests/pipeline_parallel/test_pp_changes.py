@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 from distributed import distributed
-from overlapkit.agreement import RankMismatchError
+from overlapkit.runtime.agreement import RankMismatchError
 from overlapkit.pipeline_parallel import PipelineConfig, PipelineEngine, sequential_chunks
 from pp_cases import rel
 

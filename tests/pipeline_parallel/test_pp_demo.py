@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from overlapkit.demo import DEMO_SCHEDULES, DemoConfig
+from overlapkit.demos import DEMO_SCHEDULES, DemoConfig
 
 
 def test_demo_dualpipev_on_three_stages_matches_one_process():

@@ -17,10 +17,11 @@ import torch.distributed as dist
 from torch import nn
 
 from distributed import distributed
-from overlapkit.agreement import RankMismatchError
-from overlapkit.groups import ParallelGroups
+from overlapkit.runtime.agreement import RankMismatchError
+from overlapkit.runtime.groups import ParallelGroups
 from overlapkit.models import GPT
-from overlapkit.pipeline_parallel import PipelineConfig, PipelineEngine, gpt_chunks, sequential_chunks
+from overlapkit.pipeline_parallel import PipelineConfig, PipelineEngine, sequential_chunks
+from overlapkit.models import gpt_chunks
 from pp_cases import Layout, data, layout_of, loss_fn, pipeline_case, sharded_case, tiny_gpt
 
 TOL = 1e-5

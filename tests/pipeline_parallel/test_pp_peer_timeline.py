@@ -16,9 +16,10 @@ import torch.distributed as dist
 from torch import nn
 
 from distributed import distributed
-from overlapkit.groups import ParallelGroups
-from overlapkit.pipeline_parallel import (PipelineConfig, PipelineEngine, chunks_of, gpt_chunks, pipeline_times,
+from overlapkit.runtime.groups import ParallelGroups
+from overlapkit.pipeline_parallel import (PipelineConfig, PipelineEngine, chunks_of, pipeline_times,
                                           placement, rank_of, timetable)
+from overlapkit.models import gpt_chunks
 from overlapkit.timeline import record
 from overlapkit.timeline.report import measure
 from pp_cases import data, loss_fn, rel, tiny_gpt
@@ -136,8 +137,8 @@ def _world2():
                     (("1f1b", 1, 4), ("interleaved-1f1b", 2, 4), ("zb1p", 1, 4), ("zbv", 2, 4), ("dualpipev", 2, 4),
                      ("zb1p", 1, 6), ("dualpipev", 2, 5))}}
     out["timeline"] = {ov: _timeline(groups, ov) for ov in (True, False)}
-    from overlapkit.demo import DemoConfig
-    from overlapkit.pipeline_parallel.demo import run_rank
+    from overlapkit.demos import DemoConfig
+    from overlapkit.demos.pipeline import run_rank
     out["demo"] = run_rank(DemoConfig(tp=1, dp=1, pp=2, steps=2))["steps"]
     out["failure"] = _failure(groups)
     return out

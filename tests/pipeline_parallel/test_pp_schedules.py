@@ -8,9 +8,10 @@ import torch
 from torch import nn
 
 from overlapkit.models import GPT, GPTConfig
-from overlapkit.pipeline_parallel import (SCHEDULES, SPLIT_SCHEDULES, bubble_fraction, check_schedule, chunks_of,
-                                          gpt_chunks, placement, price, rank_actions, rank_of, rank_slots,
+from overlapkit.pipeline_parallel import (SCHEDULES, SPLIT_SCHEDULES, bubble_fraction, check_schedule,
+                                          chunks_of, placement, price, rank_actions, rank_of, rank_slots,
                                           sequential_chunks, split_layers, timetable)
+from overlapkit.models import gpt_chunks
 from overlapkit.pipeline_parallel.p2p import producer_key
 
 
@@ -203,7 +204,7 @@ def test_sequential_chunks_keep_the_sequential_names():
 def test_bubble_is_measured_apart_from_exposed_p2p():
     from overlapkit.pipeline_parallel import StepTiming, pipeline_times
     from overlapkit.timeline.report import measure
-    from overlapkit.timeline.spans import Span
+    from overlapkit.runtime.spans import Span
 
     spans = [Span("compute", "F0", "compute", 0, 10, step=1), Span("compute", "B0", "compute", 20, 40, step=1),
              Span("pp_bubble", "wait", "bubble", 10, 15, step=1), Span("pp_bubble", "wait", "bubble", 8, 12, step=1),

@@ -14,7 +14,7 @@ import functools
 import torch.distributed as dist
 
 from distributed import distributed
-from overlapkit.groups import ParallelGroups
+from overlapkit.runtime.groups import ParallelGroups
 from pp_cases import Layout, layout_of, pipeline_case, sharded_case
 from pp_split_cases import dp_drain_case, linears_case, moe_pair_case, tp_deferral_case
 

@@ -19,7 +19,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from distributed import distributed
-from overlapkit.agreement import RankMismatchError
+from overlapkit.runtime.agreement import RankMismatchError
 
 TIMEOUT_S = 4.0
 """Process-group timeout of every case's group: the cases that must wait for one wait this long."""

@@ -21,7 +21,7 @@ MARGIN_S = 6.0
 
 
 def _stuck_peer_on_our_group(timeout_s):
-    from overlapkit.groups import ParallelGroups
+    from overlapkit.runtime.groups import ParallelGroups
     g = ParallelGroups.build(tp=2, timeout_s=timeout_s)
     if dist.get_rank() == 1:
         time.sleep(timeout_s + 6)  # the peer that never joins the collective

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from distributed import distributed
-from overlapkit import comm
+from overlapkit.runtime import comm
 from overlapkit.tensor_parallel.layers import ColumnParallelLinear
 from overlapkit.timeline import record
 

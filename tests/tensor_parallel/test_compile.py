@@ -20,7 +20,7 @@ from distributed import distributed
 from overlapkit.models.gpt import Block, GPTConfig
 from overlapkit.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from overlapkit.tensor_parallel.sequence_parallel import mark_sequence_parallel
-from overlapkit.timeline.recorder import record
+from overlapkit.runtime.recorder import record
 
 MODES = ("none", "bulk", "pipelined", "auto")
 RTOL = 1e-5

@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch import nn
 
 from distributed import distributed
-from overlapkit.groups import ParallelGroups
+from overlapkit.runtime.groups import ParallelGroups
 from overlapkit.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
 

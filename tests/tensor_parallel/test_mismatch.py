@@ -59,7 +59,7 @@ def _cases(r: int):
 FIELD = {"chunks": "chunks differs", "sequence length": "shape differs", "hidden": "in_features differs",
          "batch": "shape differs", "sp on one rank": "sequence_parallel differs",
          "in_features=-8 on one rank": "in_features differs",
-         "in_features=-8 everywhere": "in_features=-8 must be a positive integer",
+         "in_features=-8 everywhere": "in_features=-8 must be an integer >= 1",
          "chunks mutated": "chunks differs", "grad on one rank": "grad_enabled differs",
          "sequence_dim": "sequence_dim differs"}
 

@@ -23,7 +23,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from distributed import distributed
-from overlapkit.agreement import RankMismatchError
+from overlapkit.runtime.agreement import RankMismatchError
 from overlapkit.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from overlapkit.tensor_parallel import p2p
 from overlapkit.tensor_parallel.random import check_rng_in_sync, sharded_rng

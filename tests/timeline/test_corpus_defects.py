@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from overlapkit.timeline import intervals as iv
+from overlapkit.runtime import intervals as iv
 from overlapkit.timeline import read_trace, report_traces
 from overlapkit.timeline.cli import main
 from overlapkit.timeline.kinds import copy_comm_kind, kernel_comm_kind

@@ -3,7 +3,7 @@
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from overlapkit.timeline import intervals as iv
+from overlapkit.runtime import intervals as iv
 
 
 def test_union_merges_nested_touching_and_overlapping():

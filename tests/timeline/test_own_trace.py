@@ -7,7 +7,7 @@ import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile, schedule
 
 from distributed import distributed
-from overlapkit import comm
+from overlapkit.runtime import comm
 from overlapkit.timeline import compute_span, read_trace, record, report_spans
 from overlapkit.timeline.agree import compare_spans
 

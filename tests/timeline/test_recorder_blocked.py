@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 
 from distributed import distributed
-from overlapkit import comm
+from overlapkit.runtime import comm
 from overlapkit.timeline import compute_span, record
 
 

@@ -4,7 +4,7 @@
 and returns softmax(q kᵀ·scale)·v over the *whole* sequence for its queries, equal to
 attention in one process; backward returns the exact gradients of the local q, k and v. The
 schedule and its overlap live in `ring.py`; this file checks the inputs (the same on every
-rank, via `overlapkit.agreement`) and wires the schedule into autograd.
+rank, via `overlapkit.runtime.agreement`) and wires the schedule into autograd.
 """
 
 from __future__ import annotations
@@ -14,15 +14,16 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..agreement import Agreement
-from ..comm import group_rank, group_size
-from ..groups import resolve_group
-from ..tuning import MeasuredChoice, timed
+from ..runtime.agreement import Agreement
+from ..runtime.comm import group_rank, group_size
+from ..runtime.groups import resolve_group
+from ..runtime.tuning import MeasuredChoice, timed
+from ..vocabulary import OVERLAP_MEANING
 from .kernels import KERNELS, check_kernel
 from .ring import Ring, ring_backward, ring_forward
 from .split import LAYOUTS, check_layout, chunks_per_rank
 
-OVERLAPS = ("none", "pipelined", "auto")
+OVERLAPS = tuple(OVERLAP_MEANING["cp"])
 """`none`: each K/V transfer after the block it could hide behind (the reference); `pipelined`: the next
 block in flight while this one computes; `auto`: `none` at cp = 1 (nothing travels), else both timed on
 the first calls of a configuration (forward and backward, the slowest rank's median) and the faster kept,
@@ -96,7 +97,7 @@ def _check_shapes(q, k, v) -> None:
 
 class OverlapChoices:
     """`overlap="auto"`'s choice per configuration (shapes, dtype, causal, layout, kernel, group), each
-    measured once and kept (`overlapkit.tuning.MeasuredChoice`); `reset()` forgets them (tests)."""
+    measured once and kept (`overlapkit.runtime.tuning.MeasuredChoice`); `reset()` forgets them (tests)."""
 
     def __init__(self, what: str) -> None:
         self.what = what

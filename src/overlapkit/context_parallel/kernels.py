@@ -19,12 +19,14 @@ from __future__ import annotations
 
 import torch
 
+from ..runtime import state
+
 KERNELS = ("math", "flash")
 """Block-attention implementations."""
 
 aten = torch.ops.aten
 
-_CUDNN_BROKEN: set = set()
+_CUDNN_BROKEN: set = state.capability_set("ring_attention.cudnn_refused")
 """(dtype, head dim) for which this build's cuDNN attention refused a block once: flash from then on."""
 
 

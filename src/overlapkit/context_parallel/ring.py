@@ -24,8 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import comm
-from ..timeline.recorder import compute_span
+from ..runtime import comm
+from ..runtime.recorder import compute_span
 from .kernels import block_backward, block_forward, merge
 from .split import chunks_of
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import math
 
+from ..vocabulary import is_int_at_least
+
 
 class ConfigError(ValueError):
     """A configuration value is out of range; the message names the field and the value."""
@@ -40,7 +42,7 @@ def boolean(owner: str, field: str, value) -> None:
 
 def positive_int(owner: str, field: str, value) -> None:
     """Fail unless `value` is an int >= 1."""
-    if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+    if is_int_at_least(value, 1):
         return
     raise ConfigError(f"{owner}.{field}={value!r}: must be an integer >= 1")
 

@@ -11,18 +11,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from ..vocabulary import OVERLAP_MODES, TRANSPORTS, ParallelSizes
 from . import _validate as v
 
 if TYPE_CHECKING:
     from .model import ModelConfig
 
-MODES = ("none", "bulk", "pipelined", "auto")
-"""Overlap settings, with the same meaning in every engine."""
+MODES = OVERLAP_MODES
+"""Overlap settings, with the same meaning in every engine (vocabulary.OVERLAP_MODES)."""
 RECOMPUTE = ("none", "selective", "op", "full")
 """none; selective: the attention core (Megatron); op: every other matmul and the memory-bound ops
 (torchtitan's per-op selective AC); full: the whole layer's forward."""
-TRANSPORTS = ("p2p", "symm_mem")
-"""Pipelined TP transports: NCCL send/recv (takes SMs) or copy-engine pulls (takes none)."""
 ATTENTION = ("flash", "flash2", "unfused")
 """flash: fused attention at the fitted rate (cuDNN / FlashAttention-3-class kernels on Hopper, as
 torch 2.11's SDPA on our H200); flash2: FlashAttention-2-class kernels (PyTorch SDPA's flash backend
@@ -172,8 +171,13 @@ class ParallelConfig:
         v.divides(o, "dp", self.dp, "ep", self.ep)
 
     @property
+    def sizes(self) -> ParallelSizes:
+        """The parallel sizes as the mesh (runtime.groups) lays them out."""
+        return ParallelSizes(tp=self.tp, dp=self.dp, pp=self.pp, ep=self.ep, cp=self.cp)
+
+    @property
     def world(self) -> int:
-        return self.tp * self.cp * self.pp * self.dp
+        return self.sizes.world_size
 
     @property
     def micro_batches(self) -> int:

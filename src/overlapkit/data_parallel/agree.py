@@ -3,7 +3,7 @@
 Nothing here overlaps: these run once at construction or on a checkpoint load, and exist so
 that a mistake on one rank (another model, another layout, a foreign checkpoint) fails on
 every rank with the same message instead of leaving the others inside a collective that
-never completes. They go through `overlapkit.comm`, so the timeline sees them too.
+never completes. They go through `overlapkit.runtime.comm`, so the timeline sees them too.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import zlib
 import torch
 import torch.distributed as dist
 
-from .. import comm
+from ..runtime import comm
 
 
 def check_same_on_ranks(values: dict[str, int], group, device: torch.device, what: str) -> None:

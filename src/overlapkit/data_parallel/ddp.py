@@ -15,11 +15,12 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from .. import comm
-from ..agreement import report_problem
-from ..timeline.recorder import compute_span
+from ..runtime import comm
+from ..runtime.agreement import report_problem
+from ..runtime.recorder import compute_span
 from ..tensor_parallel.params import localize_parameters
-from ..groups import resolve_group
+from ..runtime.groups import resolve_group
+from ..vocabulary import OVERLAP_MEANING
 from .agree import copy_from_first_rank
 from .buckets import local
 from .grad_sync import MAX_BUCKET_MB, SHARD_ALIGN, DataParallelConfig, GradSync
@@ -60,7 +61,7 @@ class DataParallel(nn.Module):
                  find_unused: bool = False, sequence_parallel_group=None) -> None:
         super().__init__()
         if isinstance(overlap, str):
-            if overlap not in ("none", "bulk"):
+            if overlap not in OVERLAP_MEANING["dp"]:
                 raise ValueError(f"DataParallel overlap={overlap!r}: expected True/False, 'none' or 'bulk'")
             overlap = overlap == "bulk"
         self.config = DataParallelConfig(bucket_mb=bucket_mb, first_bucket_mb=first_bucket_mb, overlap=overlap,

@@ -1,28 +1,11 @@
-"""ZeRO-3 with torch's FSDP2 underneath: each block's parameter all-gather is prefetched `depth`
-blocks ahead, so it overlaps the forward of the blocks before it; in backward the next block's
-gather overlaps the current block's backward and its gradient reduce-scatter.
+"""ZeRO-3 with torch's FSDP2 underneath: each block's parameter all-gather is prefetched `depth` blocks
+ahead, so it overlaps the forward of the blocks before it; in backward the next block's gather
+overlaps the current block's backward and its gradient reduce-scatter.
 
-`fully_shard` wraps the model's blocks and then the model with `torch.distributed.fsdp.fully_shard`
-(overlapkit writes no FSDP of its own) and sets FSDP2's explicit prefetch lists
-(`set_modules_to_forward_prefetch` / `set_modules_to_backward_prefetch`) to the depth asked.
-`prefetch="auto"` runs a warm-up step and a probe step at depth 0, where every gather is waited
-right after it is issued, so the probe measures each block's compute and each gather and
-reduce-scatter alone; the ranks take the slowest rank's times (one tiny all-reduce) and
-`costmodel.fsdp_prefetch_choice` prices each depth on its stream simulator within the memory
-budget. The model's pick and its neighbours that it prices within `fsdp_prefetch.TIE` are then
-timed for `trials` rounds of steps (the model cannot see, e.g., gloo running two collectives at
-once) and the fastest is kept (`overlapkit.tuning.MeasuredChoice`, as the other engines' `auto`:
-the slowest rank's median per depth, agreed once); from then on a step runs exactly what a model
-fixed at the kept depths runs (fsdp_prefetch.py). Every rank decides from the same all-reduced
-numbers, so the gathers stay paired across ranks.
-FSDP2's collectives go through `overlapkit.comm` (see fsdp_comm.py): the timeline recorder
-and profiler traces see them as `zero_all_gather` / `zero_reduce_scatter`, named by block.
-
-Depth d means: a block's pre-forward issues the gathers of the next d blocks (in registration
-order, which must be the order the blocks run in); depth 0 issues none (on CUDA, FSDP2 still
-issues a block's gather as soon as the host reaches it, which the host running ahead of the
-GPU can hide). In backward the same, in reverse; depth 0 turns FSDP2's default backward
-prefetch of one block off.
+`fully_shard` wraps the blocks with torch's `fully_shard` (no FSDP of our own) and sets FSDP2's
+explicit prefetch lists to the depth asked, or under `prefetch="auto"` to the depth the cost model
+picks from a probe step and a few timed trials (fsdp_prefetch.py). Its collectives go through
+`runtime.comm` (fsdp_comm.py), so the timeline sees them. docs/data_parallel.md has the details.
 """
 
 from __future__ import annotations
@@ -37,7 +20,8 @@ from torch import nn
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor
 
-from ..agreement import agree
+from ..runtime.agreement import agree
+from ..vocabulary import positive_int
 from .agree import copy_from_first_rank
 from .fsdp_check import ADVICE, StepCheck
 from .fsdp_prefetch import MIB, ZeroThree
@@ -78,9 +62,7 @@ class FullyShardConfig:
         if b is not None and (isinstance(b, bool) or not isinstance(b, (int, float)) or not 0 <= b < math.inf):
             raise ValueError(f"fully_shard memory_budget_mb must be None or a finite number of MiB >= 0, got {b!r}")
         for name, lo in (("max_depth", 1), ("probe_step", 0), ("trials", 0)):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-                raise ValueError(f"fully_shard {name} must be an integer >= {lo}, got {v!r}")
+            positive_int(getattr(self, name), f"fully_shard {name}", minimum=lo)
 
 
 @dataclass
@@ -193,7 +175,7 @@ def _rehome_dtensors(model: nn.Module, mesh_or_dim) -> None:
     "dp" dim it shards over; TP layers built from a ProcessGroup get a free-standing 1-D mesh.
     Same ranks, same local tensor, same placements: only the mesh object changes.
     """
-    from ..groups import ParallelGroups
+    from ..runtime.groups import ParallelGroups
 
     root = mesh_or_dim.mesh if isinstance(mesh_or_dim, ParallelGroups) else mesh_or_dim
     names = tuple(getattr(root, "mesh_dim_names", None) or ())
@@ -222,7 +204,7 @@ def _dp_mesh(mesh_or_dim, dim: str):
     """The 1-D DeviceMesh FSDP2 shards over."""
     from torch.distributed.device_mesh import DeviceMesh
 
-    from ..groups import ParallelGroups, _device_type
+    from ..runtime.groups import ParallelGroups, default_device_type
 
     if isinstance(mesh_or_dim, ParallelGroups):
         if mesh_or_dim.mesh is None:
@@ -231,7 +213,7 @@ def _dp_mesh(mesh_or_dim, dim: str):
     if mesh_or_dim is None or isinstance(mesh_or_dim, dist.ProcessGroup):
         if not dist.is_initialized():
             raise RuntimeError("fully_shard needs torch.distributed initialized (overlapkit.init() or init_process_group)")
-        return DeviceMesh.from_group(mesh_or_dim or dist.group.WORLD, _device_type())
+        return DeviceMesh.from_group(mesh_or_dim or dist.group.WORLD, default_device_type())
     if isinstance(mesh_or_dim, DeviceMesh):
         names = tuple(mesh_or_dim.mesh_dim_names or ())
         if mesh_or_dim.ndim == 1:

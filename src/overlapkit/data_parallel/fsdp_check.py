@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..agreement import RankMismatchError, exchange, report_problem
+from ..runtime.agreement import RankMismatchError, exchange, report_problem
 
 ADVICE = ("FSDP2 shards the parameters the model had when fully_shard ran and every rank must issue the same "
           "gathers and reduce-scatters: add, replace, move or cast parameters before fully_shard, and change "

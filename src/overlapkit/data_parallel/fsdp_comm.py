@@ -1,4 +1,4 @@
-"""FSDP2's own all-gathers and reduce-scatters, issued through `overlapkit.comm` so the timeline
+"""FSDP2's own all-gathers and reduce-scatters, issued through `overlapkit.runtime.comm` so the timeline
 sees them: each block's parameter gather (`zero_all_gather`) overlaps the compute of the blocks
 before it, its gradient reduce-scatter (`zero_reduce_scatter`) the backward of the blocks after.
 
@@ -27,8 +27,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 
-from .. import comm
-from ..agreement import raise_explained
+from ..runtime import comm
+from ..runtime.agreement import raise_explained
 from ..timeline.fsdp2 import GATHER_KIND, REDUCE_KIND, LayerComm, layer_report
 
 __all__ = ["GATHER_KIND", "REDUCE_KIND", "LayerComm", "Probe", "RecordedAllGather", "RecordedReduceScatter",
@@ -143,11 +143,11 @@ class RecordedAllGather(AllGather):
         works: list = []
 
         def issue():
-            works.append(comm._all_gather_tensor(output_tensor, input_tensor, group=group, async_op=True))
+            works.append(comm.dist_all_gather_tensor(output_tensor, input_tensor, group=group, async_op=True))
             return works
 
         nbytes = output_tensor.numel() * output_tensor.element_size()
-        handle = comm._launch(GATHER_KIND, f"{self.name} {phase}", nbytes, group, issue)
+        handle = comm.launch(GATHER_KIND, f"{self.name} {phase}", nbytes, group, issue)
         entry = None
         if start is not None:
             entry = [GATHER_KIND, phase, start, probe.done_stamp(works[0])]
@@ -171,11 +171,11 @@ class RecordedReduceScatter(ReduceScatter):
         works: list = []
 
         def issue():
-            works.append(comm._reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=True))
+            works.append(comm.dist_reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=True))
             return works
 
         nbytes = input_tensor.numel() * input_tensor.element_size()
-        handle = comm._launch(REDUCE_KIND, self.name, nbytes, group, issue)
+        handle = comm.launch(REDUCE_KIND, self.name, nbytes, group, issue)
         # On CUDA this waits on FSDP2's reduce-scatter stream, which stalls no compute.
         work = _HandleWork(handle, probe, None, "backward", stalls=not probe.cuda, group=group,
                            doing=f"the gradient reduce-scatter of {self.name}")

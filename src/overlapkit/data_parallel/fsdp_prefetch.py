@@ -24,10 +24,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .. import comm
+from ..runtime import comm
 from ..timeline.fsdp2 import ROOT
-from ..timeline.recorder import compute_span
-from ..tuning import MeasuredChoice
+from ..runtime.recorder import compute_span
+from ..runtime.tuning import MeasuredChoice
 from .fsdp_comm import Probe, RecordedAllGather, RecordedReduceScatter
 
 MIB = 1024 * 1024

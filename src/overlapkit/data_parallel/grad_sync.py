@@ -30,9 +30,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .. import comm
-from ..agreement import RankMismatchError, exchange, raise_explained
-from ..timeline.recorder import compute_span
+from ..runtime import comm
+from ..runtime.agreement import RankMismatchError, exchange, raise_explained
+from ..runtime.recorder import compute_span
 from .agree import check_same_on_ranks, check_same_per_item, raise_if_any
 from .buckets import GradBuffer
 

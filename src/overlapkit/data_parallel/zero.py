@@ -1,25 +1,12 @@
 """A sharded (ZeRO-1/2) optimizer: gradient reduce-scatter overlaps backward, and the parameter
 all-gather after the step overlaps the next forward.
 
-Backward reduce-scatters each bucket as soon as it is full (the data-parallel engine in shard
-mode), so every rank receives only its shard of each bucket, already averaged. A rank keeps
-fp32 master values (fp32 parameters are their own) and optimizer state for its shards only, and
-steps them. The updated shards are all-gathered back into the parameters bucket by bucket,
-launched right after `step()` in forward order (the first layers' bucket first); each module's forward pre-hook
-waits only for the buckets that hold its own parameters, so the later layers' parameters
-arrive while the earlier layers compute (Megatron's overlap_param_gather). Any other read of a
-parameter whose gather is still in flight (an EMA copy, a module borrowing another's weight,
-state_dict) waits for its bucket first (zero_guard.py). With `overlap_param_gather=False`,
-`step()` waits for every gather itself: the sequential reference.
-
-The parameters become views into one buffer laid out like the gradient buffer, so a gather
-lands in them with no copy. The optimizer steps one flat tensor per bucket shard: it must be
-elementwise (SGD, Adam, AdamW, ...); optimizers that look at whole tensors (LAMB, Adafactor)
-would see shards, not parameters.
-
-After backward a parameter's `.grad` is the true averaged gradient only on this rank's shard of
-its bucket (elsewhere it is this rank's own contribution): clip with `clip_grad_norm_` here,
-which takes the norm over all ranks, not torch's over `.grad`.
+Each rank steps fp32 masters and optimizer state for its shards only (the optimizer must be
+elementwise); the updated shards are gathered back bucket by bucket right after `step()`, and
+each module's forward pre-hook waits only for the buckets holding its own parameters (Megatron's
+overlap_param_gather; any other read waits too, zero_guard.py). `overlap_param_gather=False` is
+the sequential reference. Clip with `ShardedOptimizer.clip_grad_norm_`: `.grad` is complete only on
+this rank's shard. docs/data_parallel.md has the layout and the rules.
 """
 
 from __future__ import annotations
@@ -31,9 +18,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .. import comm
-from ..groups import resolve_group
-from ..agreement import raise_explained
+from ..runtime import comm
+from ..runtime.groups import resolve_group
+from ..runtime.agreement import raise_explained
 from .agree import raise_if_any
 from .ddp import DataParallel, DataParallelConfig, GradSync
 from .zero_checkpoint import PerParameterCheckpoint

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .. import comm
+from ..runtime import comm
 from .agree import raise_if_any
 
 

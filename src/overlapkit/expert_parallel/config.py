@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from ..vocabulary import is_int_at_least, positive_int
+
 
 CHUNK_CANDIDATES = (1, "ranks", 2, 4, 8)
 """What `chunks="auto"` times on more than one EP rank, in order of preference on a tie (less machinery first)."""
@@ -46,13 +48,10 @@ class MoEConfig:
     softmax probability, so that the router gets a gradient from the output."""
 
     def __post_init__(self) -> None:
-        if self.chunks not in ("auto", "ranks") and (not isinstance(self.chunks, int) or isinstance(self.chunks, bool)
-                                                      or self.chunks < 1):
+        if self.chunks not in ("auto", "ranks") and not is_int_at_least(self.chunks, 1):
             raise ValueError(f"MoEConfig.chunks must be an integer >= 1, 'ranks' or 'auto', got {self.chunks!r}")
         for name in ("hidden", "ffn_hidden", "num_experts", "top_k"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"MoEConfig.{name} must be an integer >= 1, got {value!r}")
+            positive_int(getattr(self, name), f"MoEConfig.{name}")
         if self.top_k > self.num_experts:
             raise ValueError(f"MoEConfig.top_k={self.top_k} exceeds num_experts={self.num_experts} "
                              f"(allowed: 1 .. {self.num_experts})")

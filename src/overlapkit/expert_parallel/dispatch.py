@@ -1,25 +1,10 @@
 """Chunked dispatch -> expert GEMMs -> combine at exact split sizes: the all-to-alls of chunks i+1 and i-1 in flight while chunk i computes.
 
-`plan_dispatch` sorts a rank's (token, expert) assignments by chunk and destination expert,
-drops what a capacity factor does not admit (counted), and exchanges the per-chunk, per-expert
-row counts with one small all-to-all, so that every later all-to-all knows its split sizes on
-both sides: the forward's one host sync. Everything a chunk needs (its split sizes, where its
-received rows go when grouped by expert, the grouped GEMMs' offsets, each row's expert) is
-derived there once per layer, for all chunks together; a chunk only slices it. One receive
-buffer and one return buffer serve all chunks (each all-to-all fills its slice), so no chunk
-allocates or concatenates.
-
-`ExpertsA2A` is the autograd Function that runs the pipeline: forward gathers the rows, sends
-them to their experts' ranks, computes, returns the outputs, and places each in its (token,
-choice) slot; backward runs the same pipeline on the slots' gradients (dispatch dy, expert
-backward, combine dx) and sums each token's slots, in a fixed order (no atomics).
-
-Issue order, identical on every rank (the all-to-alls of one group must match):
-    d0, d1, [experts 0], c0, d2, [experts 1], c1, d3, ...
-so while the experts compute chunk i the dispatch of i+1 and the combine of i-1 are in flight.
-chunks=1 degenerates to dispatch, compute, combine: the sequential reference. On one EP rank
-nothing is transferred, and without a capacity factor nothing waits for the device either (the
-split sizes are only needed for transfers; the grouped GEMMs take their offsets on the device).
+`plan_dispatch` sorts a rank's (token, expert) assignments by chunk and expert, applies the
+capacity factor, and exchanges the row counts once (the forward's one host sync); `ExpertsA2A`
+is the autograd Function that runs the pipeline in the same issue order on every rank,
+d0, d1, [experts 0], c0, d2, [experts 1], c1, ..., forward and backward. chunks=1 is the
+sequential reference. docs/expert_parallel.md has the buffers, the order and the exact path.
 """
 
 from __future__ import annotations
@@ -28,9 +13,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import comm
-from ..timeline.recorder import compute_span
-from ..tuning import timed
+from ..runtime import comm
+from ..runtime.recorder import compute_span
+from ..runtime.tuning import timed
 from . import pairwise
 from .experts import Groups, count, device_ints, experts_backward, experts_forward, fill_grads, grouped_on
 

@@ -18,6 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..runtime import state
+
 
 class Experts(nn.Module):
     """`num_local` expert MLPs stacked: w1 [E, F, H], b1 [E, F], w2 [E, H, F], b2 [E, H].
@@ -71,7 +73,7 @@ def init_full_experts(num_experts: int, hidden: int, ffn_hidden: int, generator=
 # back to the loop for good. The loop is kept for autocast (whose casts the grouped op does not take
 # part in), for chunks that receive no rows, and as the tests' reference.
 GROUPED_DEVICES = {"cuda"}
-_GROUPED_BROKEN: set = set()
+_GROUPED_BROKEN: set = state.capability_set("experts.grouped_mm_refused")
 
 
 def _key(x: torch.Tensor, w1: torch.Tensor) -> tuple:

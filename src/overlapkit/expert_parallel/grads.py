@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from .. import comm
+from ..runtime import comm
 
 
 def average_data_parallel_grads(model: nn.Module, dp_group, ep_group) -> None:

@@ -5,7 +5,7 @@ split over the expert-parallel group (num_experts / ep whole experts a rank), an
 expert's MLP over a tensor-parallel group (`tp_group`, ranks that hold the same tokens). The
 schedule lives in dispatch.py (exact split sizes) and padded.py (padded to a capacity: no host
 sync), the expert arithmetic in experts.py. `chunks="auto"` (the default) times the chunk counts
-on the layer's first calls and keeps the fastest (overlapkit.tuning); after that the layer runs
+on the layer's first calls and keeps the fastest (overlapkit.runtime.tuning); after that the layer runs
 exactly as with that count fixed.
 """
 
@@ -17,10 +17,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .. import comm
-from ..agreement import Agreement, RankMismatchError, agree
-from ..groups import resolve_group
-from ..tuning import MeasuredChoice, timed
+from ..runtime import comm
+from ..runtime.agreement import Agreement, RankMismatchError, agree
+from ..runtime.groups import resolve_group
+from ..runtime.tuning import MeasuredChoice, timed
 from .config import CHUNK_CANDIDATES, MoEConfig
 from .dispatch import ExpertsA2A, plan_dispatch
 from .experts import Experts, init_full_experts

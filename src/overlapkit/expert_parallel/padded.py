@@ -24,9 +24,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import comm
-from ..timeline.recorder import compute_span
-from ..tuning import timed
+from ..runtime import comm
+from ..runtime.recorder import compute_span
+from ..runtime.tuning import timed
 from . import pairwise
 from .dispatch import DONE, RANKS, chunk_bounds, chunk_of, positions, schedule
 from .experts import batched_backward, batched_forward, fill_grads

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import comm
+from ..runtime import comm
 
 
 def run(me: int, ep: int, group, send: list[torch.Tensor], recv: list[torch.Tensor], result: list[torch.Tensor],

@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..vocabulary import positive_int
+
 
 @dataclass(frozen=True)
 class GPTConfig:
@@ -34,8 +36,7 @@ class GPTConfig:
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "seq_len", "hidden", "num_heads", "ffn_hidden", "num_layers"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"GPTConfig.{name} must be >= 1, got {getattr(self, name)}")
+            positive_int(getattr(self, name), f"GPTConfig.{name}")
         if self.hidden % self.num_heads:
             raise ValueError(f"GPTConfig.hidden={self.hidden} is not divisible by num_heads={self.num_heads}")
 
@@ -91,8 +92,7 @@ class GPT(nn.Module):
         overlapkit.expert_parallel.MoE) that replaces that block's MLP, in every `moe_every`-th
         block (blocks moe_every-1, 2*moe_every-1, ...; 2 alternates dense and MoE as Switch does)."""
         super().__init__()
-        if not isinstance(moe_every, int) or isinstance(moe_every, bool) or moe_every < 1:
-            raise ValueError(f"GPT moe_every must be an integer >= 1, got {moe_every!r}")
+        positive_int(moe_every, "GPT moe_every")
         self.cfg = cfg
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.hidden)
         self.pos_emb = nn.Embedding(cfg.seq_len, cfg.hidden)

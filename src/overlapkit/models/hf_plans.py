@@ -1,28 +1,9 @@
 """A plan of overlapkit's styles from a transformers model's own tensor-parallel plan (`model.tp_plan`).
 
-Nothing here overlaps anything: it decides which style each module gets, and the styles'
-layers overlap as `overlap` says. transformers writes its plan as module path -> style name
-in the config (`base_model_tp_plan`) and on the CausalLM class (`_tp_plan`, the output head);
-`model.tp_plan` is the merged, prefixed dict on every version we support. What the names mean
-(transformers/distributed/tensor_parallel.py, or integrations/tensor_parallel.py before 5.x):
-
-| HF style | what transformers does | what it becomes here |
-|---|---|---|
-| colwise, local_colwise | weight rows split, input replicated, output this rank's columns | `ColwiseParallel` |
-| colwise_rep, colwise_gather_output | the same, output columns all-gathered | `ColwiseParallel(gather_output=True)`; on the output head a vocabulary-split head and loss instead |
-| rowwise, local_rowwise | weight columns split, partial outputs all-reduced | `RowwiseParallel` |
-| rowwise_rep, rowwise_split_input | the same on a replicated input (each rank slices its part) | `RowwiseParallel(input_is_parallel=False)` |
-| embedding_rowwise | embedding rows (vocabulary) split, output all-reduced | `VocabParallel` |
-| replicated_with_grad_allreduce | replicated parameters whose gradient is partial (a norm over heads) | `SequenceParallel` (gradient summed over TP) |
-| sequence_parallel | a norm on this rank's slice of the sequence | `SequenceParallel` under SP, nothing without |
-| replicate, local | every rank keeps the whole parameter | nothing (a replicated DTensor) |
-
-Anything else (packed/fused projections, MoE experts and routers, MLA, a plan entry naming a
-parameter) is refused with the module and style named. With `sequence_parallel` the sequence
-is split as it enters the first decoder layer and stays split through the norms and residual
-adds, as in the built-in Llama plan: a module that needs the whole sequence (attention) gets a
-`GatherSequence` and its column layers compute on the gathered input; the MLP's column layers
-gather for themselves, behind their GEMMs.
+Nothing here overlaps anything: it decides which style each module gets (colwise ->
+ColwiseParallel, rowwise -> RowwiseParallel, embedding_rowwise -> VocabParallel, ...), and refuses
+with the module and style named what it cannot translate. docs/plans.md has the whole table and
+how sequence parallelism enters and leaves the decoder layers.
 """
 
 from __future__ import annotations

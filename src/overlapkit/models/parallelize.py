@@ -27,8 +27,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
-from ..agreement import agree
-from ..groups import ParallelGroups, resolve_group
+from ..runtime.agreement import agree
+from ..runtime.groups import ParallelGroups, resolve_group
 from ..tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from ..tensor_parallel.region import attach_region
 from ..tensor_parallel.replicated import replicate_parameters

@@ -6,12 +6,12 @@ communication (DualPipeV), with data-parallel reduction inside the drain."""
 from .engine import PipelineConfig, PipelineEngine, StepTiming
 from .schedules import (SCHEDULES, SPLIT_SCHEDULES, V_SCHEDULES, Action, check_schedule, chunks_of, placement,
                         rank_actions, rank_of, rank_slots)
-from .stages import GPTChunk, SequentialChunk, StageLayout, gpt_chunks, sequential_chunks, split_layers
+from .stages import SequentialChunk, StageLayout, sequential_chunks, split_layers
 from .timetable import ScheduleCost, Timetable, bubble_fraction, price, timetable
 from .timing import PipelineTimes, pipeline_times
 from .wgrad import WeightGradStore
 
 __all__ = ["PipelineConfig", "PipelineEngine", "StepTiming", "SCHEDULES", "SPLIT_SCHEDULES", "V_SCHEDULES", "Action",
-           "check_schedule", "chunks_of", "placement", "rank_actions", "rank_of", "rank_slots", "GPTChunk",
-           "SequentialChunk", "StageLayout", "gpt_chunks", "sequential_chunks", "split_layers", "ScheduleCost",
+           "check_schedule", "chunks_of", "placement", "rank_actions", "rank_of", "rank_slots",
+           "SequentialChunk", "StageLayout", "sequential_chunks", "split_layers", "ScheduleCost",
            "Timetable", "bubble_fraction", "price", "timetable", "PipelineTimes", "pipeline_times", "WeightGradStore"]

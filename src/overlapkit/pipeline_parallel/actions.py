@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..data_parallel import DataParallel
-from ..timeline.recorder import compute_span
+from ..runtime.recorder import compute_span
 from .p2p import TickComm
 from .schedules import Action, Slot
 from .wgrad import WeightGradStore, emit, split_linears

@@ -27,10 +27,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .. import comm
-from ..agreement import RankMismatchError, agree
+from ..runtime import comm
+from ..runtime.agreement import RankMismatchError, agree
 from ..data_parallel import DataParallel
-from ..timeline import recorder as _rec
+from ..runtime import recorder as _rec
+from ..vocabulary import positive_int
 from .actions import SlotActions, StepState
 from .p2p import TickComm, producer_key, record_bubbles, recording, restamp_receives
 from .schedules import SCHEDULES, SPLIT_SCHEDULES, check_costs, check_schedule, chunks_of, placement
@@ -72,9 +73,7 @@ class PipelineConfig:
         if self.schedule not in SCHEDULES:
             raise ValueError(f"PipelineConfig.schedule={self.schedule!r} is not one of {SCHEDULES}")
         for name in ("microbatches", "virtual_stages"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"PipelineConfig.{name} must be an integer >= 1, got {v!r}")
+            positive_int(getattr(self, name), f"PipelineConfig.{name}")
         for name in ("overlap_p2p", "broadcast_loss", "overlap_pairs"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"PipelineConfig.{name} must be True or False, got {getattr(self, name)!r}")
@@ -269,7 +268,7 @@ class PipelineEngine(SlotActions):
         seen = [None] * self.pp
         dist.all_gather_object(seen, mine, group=self.group)
         bubbles = restamp_receives(tc.waits, {r: s[0] for r, s in enumerate(seen)})
-        t0 = _rec.active()._t0
+        t0 = _rec.active().host_origin
         last_end = t0 + max(a[4] for a in timing.actions) / 1e3 if timing.actions else mine[1]
         bubbles.append((last_end, max(s[1] for s in seen)))
         bubbles = [b for b in bubbles if b[1] > b[0]]
@@ -290,7 +289,7 @@ def _stage_mismatches(stages: list[dict]) -> list[str]:
 
 
 def _ms(pair: tuple[float, float]) -> tuple[float, float]:
-    t0 = _rec.active()._t0
+    t0 = _rec.active().host_origin
     return ((pair[0] - t0) * 1e3, (pair[1] - t0) * 1e3)
 
 

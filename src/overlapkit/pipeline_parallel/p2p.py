@@ -16,8 +16,8 @@ import time
 
 import torch
 
-from .. import comm
-from ..timeline import recorder as _rec
+from ..runtime import comm
+from ..runtime import recorder as _rec
 from .schedules import Action
 from .timetable import Timetable, Transfer
 
@@ -129,7 +129,7 @@ def restamp_receives(waits, peer_send_times: dict[int, dict[int, float]]) -> lis
             continue
         if sent > t0:
             bubbles.append((t0, min(sent, t1)))
-        pending = getattr(h, "_pending", None)
+        pending = getattr(h, "pending", None)
         if pending is not None and isinstance(pending.start, float):
             pending.start = max(pending.start, min(sent, pending.end if pending.end is not None else sent))
     return bubbles
@@ -143,10 +143,7 @@ def record_bubbles(intervals: list[tuple[float, float]], step: int) -> None:
     """
     rec = _rec.active()
     for start, end in intervals:
-        p = _rec._Pending("pp_bubble", "wait for neighbour", "bubble", start, 0, 1, step)
-        p.end = end
-        with rec._lock:
-            rec._pending.append(p)
+        rec.record_span("pp_bubble", "wait for neighbour", "bubble", start, end, step)
 
 
 def recording() -> bool:

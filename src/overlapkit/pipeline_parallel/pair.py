@@ -19,7 +19,7 @@ from typing import Callable
 
 import torch
 
-from .. import comm
+from ..runtime import comm
 
 
 class PairRunner:

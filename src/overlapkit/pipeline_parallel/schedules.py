@@ -20,6 +20,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..vocabulary import positive_int
+
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb1p", "zbv", "dualpipev")
 """Schedules the engine runs."""
 
@@ -75,8 +77,7 @@ def check_schedule(schedule: str, pp: int, v: int, m: int) -> None:
     if schedule not in SCHEDULES:
         raise ValueError(f"pipeline schedule={schedule!r} is not one of {SCHEDULES}")
     for name, value in (("pp", pp), ("virtual_stages", v), ("microbatches", m)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"pipeline {name}={value!r} must be an integer >= 1")
+        positive_int(value, f"pipeline {name}")
     if schedule in ("1f1b", "zb1p"):
         if v != 1:
             raise ValueError(f"schedule {schedule!r} runs one chunk per rank: virtual_stages={v} needs "

@@ -14,10 +14,11 @@ import json
 import torch
 import torch.distributed as dist
 
-from ..agreement import RankMismatchError
-from ..groups import group_timeout_s
+from ..runtime import state
+from ..runtime.agreement import RankMismatchError
+from ..runtime.groups import group_timeout_s
 
-_SWEEPS: dict[str, int] = {}
+_SWEEPS: dict[str, int] = state.cache_dict("pipeline.shape_sweeps")
 """Shape sweeps run so far on each pipeline group, by group name: the k-th sweep of a group has the
 same store keys on every rank, and no sweep reads an earlier one's (stale) shapes."""
 

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..timeline import intervals as iv
-from ..timeline.spans import Span
+from ..runtime import intervals as iv
+from ..runtime.spans import Span
 from .engine import StepTiming
 
 P2P = ("pp_send", "pp_recv")

@@ -26,7 +26,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from ..tensor_parallel.ops import defer_weight_grads
-from ..timeline.recorder import compute_span
+from ..runtime.recorder import compute_span
 
 
 class WeightGradStore:

@@ -2,7 +2,7 @@
 
 Nothing here overlaps anything: these are the blocking all-gather, reduce-scatter and all-reduce
 that the conjugate operators (mappings.py), the vocabulary-parallel embedding and loss, and the
-none/bulk linears' bodies run. In eager code they go through `overlapkit.comm` (so the timeline
+none/bulk linears' bodies run. In eager code they go through `overlapkit.runtime.comm` (so the timeline
 sees them). Dynamo cannot trace an asynchronous collective and breaks the graph at each; under
 torch.compile each is instead one opaque custom op (`overlapkit::tp_*`) with a fake kernel for its
 shape, whose body is the same eager code, run when the graph runs. Each op compares its
@@ -16,8 +16,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .. import comm
-from ..agreement import Agreement
+from ..runtime import comm
+from ..runtime import state
+from ..runtime.agreement import Agreement
 
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
 
@@ -81,7 +82,7 @@ def split_dim0(x: torch.Tensor, group) -> torch.Tensor:
 # -- the ops torch.compile sees ---------------------------------------------------------------
 
 _LIB = torch.library.Library("overlapkit", "FRAGMENT")
-_AGREED: dict[str, Agreement] = {}
+_AGREED: dict[str, Agreement] = state.cache_dict("tp.compiled_collective_checks")
 """Per op name: the signatures already compared across the ranks."""
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .. import comm
+from ..runtime import comm
 from .collectives import all_reduce_copy, check_divisible, gather_dim0, reduce_scatter_dim0, split_dim0
 
 def _gather_last(x: torch.Tensor, group, name: str) -> torch.Tensor:

@@ -10,7 +10,7 @@ the rows that rank (r + t) owns and sends it there, while it computes the next s
 its own rows come last, under the last transfer. The partials travel in the input precision
 and are summed once, in fp32 for bf16/fp16 (one rounding instead of one per ring hop).
 
-Transfers go through `overlapkit.comm.exchange`, so the timeline recorder sees every one.
+Transfers go through `overlapkit.runtime.comm.exchange`, so the timeline recorder sees every one.
 On CUDA they are issued on a side stream: NCCL's stream waits for the stream a transfer is
 issued from, and issuing from the compute stream would make each transfer wait for every GEMM
 queued before it. Events carry the two real dependencies: a chunk's GEMM waits for its
@@ -26,15 +26,16 @@ from typing import Callable
 
 import torch
 
-from .. import comm
+from ..runtime import comm
+from ..runtime import state
 
 Consume = Callable[[slice, torch.Tensor, int], None]
 """consume(rows of the gathered matrix, those rows' data, lane index) — runs one chunk's GEMM."""
 Produce = Callable[[slice, "torch.Tensor | None"], torch.Tensor]
 """produce(rows of the full input, out buffer or None) -> that row chunk's partial product."""
 
-_side_streams: dict[torch.device, "torch.cuda.Stream"] = {}
-_events: dict[tuple, list] = {}
+_side_streams: dict[torch.device, "torch.cuda.Stream"] = state.cache_dict("tp_p2p.side_streams")
+_events: dict[tuple, list] = state.cache_dict("tp_p2p.events")
 """(device, thread) -> events reused by every call's transfers (creating one per transfer cost host time)."""
 
 

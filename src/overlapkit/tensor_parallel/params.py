@@ -23,7 +23,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-_meshes: dict[str, object] = {}
+from ..runtime import state
+
+_meshes: dict[str, object] = state.cache_dict("tp.meshes_of_groups")
 """1-D DeviceMeshes built from bare ProcessGroups, by group name: one per group, shared by layers."""
 
 
@@ -47,7 +49,7 @@ def tp_mesh_and_group(mesh_or_group):
     """
     from torch.distributed.device_mesh import DeviceMesh
 
-    from ..groups import ParallelGroups, resolve_group
+    from ..runtime.groups import ParallelGroups, resolve_group
 
     group = resolve_group(mesh_or_group, "tp")  # validates: a mesh without a "tp" dim is refused here
     if group is None:

@@ -1,47 +1,26 @@
 """Pipelined tensor/sequence parallelism: the all-gather before a GEMM and the reduce-scatter after it, chunked and overlapped with that GEMM.
 
-`all_gather_matmul` computes gather(x) @ Wᵀ chunk by chunk: the GEMM of a chunk starts as soon
-as the chunk has arrived, and the local shard's GEMM runs first, under the first transfer.
-`matmul_reduce_scatter` computes reduce_scatter(x @ Wᵀ): each chunk's partial product is sent
-while the next chunk is computed; partial sums are added in fp32 for bf16/fp16 inputs.
-Under torch.autocast both cast their inputs to the autocast dtype first (as F.linear would) and
-run every GEMM and buffer in it (see precision.py).
-
-The layer functions use both for forward and backward of sequence-parallel linears:
-- column-parallel: forward all-gather+GEMM; backward over p2p in Megatron's order (the input
-  re-gathered under the whole dgrad GEMM, the dgrad reduce-scattered under the whole wgrad GEMM:
-  ops.py), over symm_mem dgrad as GEMM+reduce-scatter and wgrad summed chunk by chunk over the
-  input re-gathered under it; `save_gathered_input=True` keeps the gathered input from forward
-  for one wgrad GEMM instead (memory for time);
-- row-parallel: forward GEMM+reduce-scatter; backward all-gather of the output gradient
-  pipelined with the dgrad GEMM, wgrad from the gathered gradient.
-
-Transports: "p2p" (batched send/recv, see p2p.py; NCCL and gloo) and "symm_mem" (copy-engine
-pulls from symmetric memory, see symm_mem.py; one node, CUDA peer access). `chunks` is the
-number of chunks of the gathered (or scattered) dimension: one per rank by default, or a
-multiple of the world size that splits each rank's rows further. Every argument is checked
-before any communication, with the same message on every rank.
-
-Layout: weights are nn.Linear's [out, in]; the sequence-parallel dimension is dim 0 of the
-activation ([tokens, hidden] or [seq, batch, hidden]).
+`all_gather_matmul` computes gather(x) @ Wᵀ chunk by chunk, each chunk's GEMM as soon as it lands;
+`matmul_reduce_scatter` computes reduce_scatter(x @ Wᵀ), each chunk's partial sent while the next
+is computed. `column_parallel_linear_pipelined` / `row_parallel_linear_pipelined` are the
+differentiable linears built on them (bodies in linear_bodies.py, kernels in chunks.py).
+docs/tensor_parallel_pipelined.md has the forward and backward orders, the transports and the
+chunk counts.
 """
 
 from __future__ import annotations
 
-import contextlib
 from typing import Sequence
 
 import torch
 
-from .. import comm
-from ..timeline import recorder as _recorder
-from . import p2p, symm_mem
-from .p2p import accum_dtype
-from .precision import addmm_accumulate_, autocast_dtype, autocast_off, cast
+from ..runtime import comm
+from ..vocabulary import TRANSPORTS
+from . import ops, p2p, symm_mem
+from .chunks import ag_mm, mm_rs, rows
+from .precision import autocast_dtype, autocast_off, cast
 from .symm_mem import TransportUnavailable
 
-TRANSPORTS = ("p2p", "symm_mem")
-"""Accepted values of `transport`."""
 
 __all__ = ["TRANSPORTS", "TransportUnavailable", "all_gather_matmul", "matmul_reduce_scatter",
            "column_parallel_linear_pipelined", "row_parallel_linear_pipelined", "allowed_chunks",
@@ -133,87 +112,6 @@ def _check_no_grad(*tensors: torch.Tensor) -> None:
 
 # -- the two pipelines on 2-D row matrices ------------------------------------------------
 
-_NO_SPAN = contextlib.nullcontext()
-
-
-def span(name: str, stream: str = "compute"):
-    """recorder.compute_span, or one shared no-op context when neither a recorder nor a profiler
-    runs: entering the generator context costs ~2 µs, paid by every GEMM of every linear."""
-    if _recorder.active() is None and not _recorder._profiling():
-        return _NO_SPAN
-    return _recorder.compute_span(name, stream)
-
-
-def _single(k: int, group) -> bool:
-    """One rank, one chunk: nothing to move and nothing to pipeline, so the pipelines are one GEMM
-    (no receive buffer, no chunk loop); the same products, and the same spans."""
-    return k == 1 and comm.group_size(group) == 1
-
-
-def _ag_mm(x2: torch.Tensor, weights: Sequence[torch.Tensor], k: int, group, transport, *,
-           need_gathered: bool, name: str):
-    """(gathered or None, [gather(x2) @ wᵀ for w in weights]) with the GEMMs pipelined per chunk."""
-    if _single(k, group):
-        with span(f"{name}.gemm"):
-            return (x2 if need_gathered else None), [torch.mm(x2, w.t()) for w in weights]
-    ws = comm.group_size(group)
-    outs = [x2.new_empty((ws * x2.shape[0], w.shape[0])) for w in weights]
-    pairs = [(w.t(), out) for w, out in zip(weights, outs)]  # views made once, not once per chunk
-    label = f"{name}.gemm"
-
-    def consume(rows: slice, data: torch.Tensor, lane: int) -> None:
-        with span(label, stream=_lane_stream(lane)):
-            for w_t, out in pairs:
-                torch.mm(data, w_t, out=out[rows])
-
-    gathered = transport.gather_and_consume(x2, consume, k, group, name=name, need_gathered=need_gathered)
-    return gathered, outs
-
-
-def _mm_rs(x2: torch.Tensor, w_t: torch.Tensor, k: int, group, transport, *, name: str) -> torch.Tensor:
-    """reduce_scatter(x2 @ w_t) over row blocks, the GEMM chunk by chunk under the transfers."""
-    if _single(k, group):
-        with span(f"{name}.gemm"):
-            return torch.mm(x2, w_t)
-
-    label = f"{name}.gemm"
-
-    def produce(rows: slice, out):
-        with span(label):
-            return torch.mm(x2[rows], w_t, out=out)
-
-    return transport.produce_and_reduce_scatter(produce, x2.shape[0], w_t.shape[1], k, group,
-                                                dtype=x2.dtype, device=x2.device, name=name)
-
-
-def _regather_wgrad(x2: torch.Tensor, dy2: torch.Tensor, k: int, group, transport, *, name: str) -> torch.Tensor:
-    """Σ_i dY_iᵀ·X_i over the chunks X_i of gather(x2), each GEMM under the next chunk's transfer."""
-    if _single(k, group):
-        with span(f"{name}.gemm"):
-            return dy2.t() @ x2  # one product: nothing to accumulate over
-    # One accumulator per stream lane: symm_mem consumes on two streams at once.
-    lanes = 2 if transport is symm_mem else 1
-    acc = [dy2.new_zeros((dy2.shape[1], x2.shape[1]), dtype=accum_dtype(dy2.dtype)) for _ in range(lanes)]
-
-    def consume(rows: slice, data: torch.Tensor, lane: int) -> None:
-        with span(f"{name}.gemm", stream=_lane_stream(lane)):
-            addmm_accumulate_(acc[lane], dy2[rows].t(), data)
-
-    transport.gather_and_consume(x2, consume, k, group, name=name, need_gathered=False)
-    total = acc[0] if lanes == 1 else acc[0] + acc[1]
-    return total.to(dy2.dtype)
-
-
-def _lane_stream(lane: int) -> str:
-    """Timeline lane of a chunk's GEMM: symm_mem runs every other one on its side stream."""
-    return "compute" if lane == 0 else "compute.side"
-
-
-def _rows(x: torch.Tensor) -> torch.Tensor:
-    """A [*lead, features] activation as a contiguous [rows, features] matrix (dim 0 outermost)."""
-    return x.reshape(-1, x.shape[-1]).contiguous()
-
-
 # -- public forward-only functions --------------------------------------------------------
 
 def all_gather_matmul(x_shard: torch.Tensor, weights: Sequence[torch.Tensor], group, *, gather_dim: int = 0,
@@ -238,7 +136,7 @@ def all_gather_matmul(x_shard: torch.Tensor, weights: Sequence[torch.Tensor], gr
     xm = x_shard.movedim(d, 0)
     full = (ws * xm.shape[0],) + tuple(xm.shape[1:-1])
     with autocast_off(xm, cdt):
-        gathered, outs = _ag_mm(_rows(xm), weights, k, group, transport_, need_gathered=return_gathered, name=name)
+        gathered, outs = ag_mm(rows(xm), weights, k, group, transport_, need_gathered=return_gathered, name=name)
     outs = [o.view(*full, o.shape[-1]).movedim(0, d) for o in outs]
     if return_gathered:
         return gathered.view(*full, xm.shape[-1]).movedim(0, d), outs
@@ -264,7 +162,7 @@ def matmul_reduce_scatter(x: torch.Tensor, weight: torch.Tensor, group, *, scatt
     transport_ = _check_transport(transport, group, x.device)
     xm = x.movedim(d, 0)
     with autocast_off(xm, cdt):
-        out = _mm_rs(_rows(xm), weight.t(), k, group, transport_, name=name)
+        out = mm_rs(rows(xm), weight.t(), k, group, transport_, name=name)
     return out.view(xm.shape[0] // ws, *xm.shape[1:-1], weight.shape[0]).movedim(0, d)
 
 
@@ -289,7 +187,6 @@ def column_parallel_linear_pipelined(x_shard: torch.Tensor, weight: torch.Tensor
     ws = comm.group_size(group)
     k = _chunks_per_rank(chunks, ws, x_shard.shape[0], 0)
     _check_transport(transport, group, x_shard.device)
-    from . import ops  # ops builds on this module's pipelines
     return ops.linear("column_pipelined", x_shard, weight, bias, group, k=k, transport=transport,
                       save_gathered=bool(save_gathered_input), name=name)
 
@@ -308,5 +205,4 @@ def row_parallel_linear_pipelined(x: torch.Tensor, weight: torch.Tensor, bias, g
         raise ValueError(f"row-parallel: sequence length (dim 0) {x.shape[0]} is not divisible by the world size {ws}")
     k = _chunks_per_rank(chunks, ws, x.shape[0] // ws, 0)
     _check_transport(transport, group, x.device)
-    from . import ops
     return ops.linear("row_pipelined", x, weight, bias, group, k=k, transport=transport, name=name)

@@ -14,6 +14,8 @@ import contextlib
 
 import torch
 
+from ..runtime import state
+
 _CASTABLE = (torch.float32, torch.float16, torch.bfloat16)
 """Dtypes autocast lowers; float64 stays float64, as under autocast."""
 
@@ -38,7 +40,7 @@ def autocast_off(x: torch.Tensor, dtype: torch.dtype | None):
     return torch.autocast(x.device.type, enabled=False) if dtype is not None else contextlib.nullcontext()
 
 
-_FUSED_ACCUMULATE: dict = {}
+_FUSED_ACCUMULATE: dict = state.capability_dict("fused_addmm_accumulate")
 """device -> whether torch.addmm(..., out_dtype=, out=acc) accumulates there in one GEMM (probed once)."""
 
 

@@ -24,9 +24,9 @@ from typing import Iterator
 
 import torch
 
-from .. import comm
-from ..agreement import agree
-from ..groups import resolve_group
+from ..runtime import comm
+from ..runtime.agreement import agree
+from ..runtime.groups import resolve_group
 
 
 @contextlib.contextmanager

@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .. import comm
+from ..runtime import comm
 from .mappings import copy_to_tp
 from .params import LocalShardParams, grad_as_param, is_dtensor, param_parts
 

@@ -1,24 +1,12 @@
 """Gradients of parameters inside the sequence-parallel region, summed over TP during backward.
 
-Nothing here overlaps anything (each sum is a small synchronous all-reduce in backward).
-Under sequence parallelism a layer norm sees only its rank's tokens, so its weight gradient
-is a partial sum. `mark_sequence_parallel(norm, mesh)` makes the norm's parameters DTensors
-`Replicate()` on the TP mesh (replicated.py) whose gradients are complete inside autograd: the
-local view the norm computes on sums its gradient over the TP group in backward. Whatever
-consumes `.grad` afterwards — an optimizer, `clip_grad_norm_`, our DataParallel, FSDP2's
-reduce-scatter over dp — sees the full gradient, and nobody has to remember a call after
-backward.
-
-Why hooks on the module, not on the Parameter: FSDP2 (`fully_shard`), `to_empty` and
-`load_state_dict(assign=True)` replace Parameter objects (and drop Python attributes); the
-module object stays, and before each forward its pre-hook wraps whatever tensors it holds
-then — under FSDP2 the unsharded parameters.
-
-The row-parallel bias needs none of this: the layer computes its gradient from the
-all-gathered output gradient, complete on every rank.
-
-`allreduce_sequence_parallel_grads` is the older, manual path for parameters marked
-`param.sequence_parallel = True` by hand (Megatron's convention); it is kept for them.
+Nothing here overlaps anything (each sum is a small synchronous all-reduce in backward). Under
+sequence parallelism a norm sees only its rank's tokens, so its weight gradient is partial:
+`mark_sequence_parallel(norm, mesh)` makes its parameters `Replicate()` DTensors whose gradients
+are complete inside autograd, through hooks on the module (FSDP2 and `load_state_dict(assign=True)`
+replace Parameter objects, the module stays). `allreduce_sequence_parallel_grads` is the manual
+path for parameters marked `param.sequence_parallel = True` (Megatron's convention).
+docs/tensor_parallel.md has the details.
 """
 
 from __future__ import annotations
@@ -26,7 +14,7 @@ from __future__ import annotations
 import torch.distributed as dist
 from torch import nn
 
-from .. import comm
+from ..runtime import comm
 from .params import tp_mesh_and_group
 from .replicated import replicate_module, sums_gradients
 

@@ -24,8 +24,8 @@ from torch import nn
 from torch.nn.modules.module import _WrappedHook
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from .. import comm
-from ..groups import resolve_group
+from ..runtime import comm
+from ..runtime.groups import resolve_group
 from . import layout, mappings
 from .region import region_of, split_here
 from .layers import ColumnParallelLinear, RowParallelLinear, check_overlap

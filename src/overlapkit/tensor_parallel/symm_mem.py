@@ -23,8 +23,9 @@ import socket
 import torch
 import torch.distributed as dist
 
-from .. import comm
-from ..timeline import recorder as _rec
+from ..runtime import comm
+from ..runtime import recorder as _rec
+from ..runtime import state
 from .p2p import Consume, Produce, accum_dtype, side_stream
 
 
@@ -44,7 +45,7 @@ def _api():
     return sm, ""
 
 
-_verdicts: dict[str, str] = {}
+_verdicts: dict[str, str] = state.capability_dict("symm_mem.usable_per_group")
 """Group name -> '' (usable) or why not, agreed by every rank of the group on first use."""
 
 
@@ -95,7 +96,7 @@ def _agree_on_peer_access(group, device: torch.device) -> str:
     return "; ".join(sorted({x for x in reasons if x}))
 
 
-_workspaces: dict[str, tuple[torch.Tensor, object]] = {}
+_workspaces: dict[str, tuple[torch.Tensor, object]] = state.cache_dict("symm_mem.workspaces")
 
 
 def _workspace(group, nbytes: int, device: torch.device):

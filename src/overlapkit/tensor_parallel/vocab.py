@@ -1,6 +1,6 @@
 """Vocabulary-parallel embedding and cross-entropy: the [tokens, vocab] logits are never gathered.
 
-Nothing here overlaps anything; it removes communication instead. Seed 000's decision table:
+Nothing here overlaps anything; it removes communication instead:
 the output head is split over the vocabulary, and the loss is computed from the local shards
 with three [tokens]-sized reductions (max, sum of exponentials, the target's logit: one MAX
 all-reduce and one SUM all-reduce of two rows) instead of an all-gather of [tokens, vocab].
@@ -18,9 +18,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from .. import comm
-from ..agreement import Agreement
-from ..groups import resolve_group
+from ..runtime import comm
+from ..runtime.agreement import Agreement
+from ..runtime.groups import resolve_group
 from .collectives import all_reduce_copy
 from .mappings import check_divisible, reduce_from_tp
 from .params import LocalShardParams, is_dtensor, make_param, tp_mesh_and_group

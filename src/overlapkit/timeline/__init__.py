@@ -8,9 +8,9 @@ from __future__ import annotations
 import importlib
 
 _WHERE = {
-    "Recorder": "recorder", "active": "recorder", "comm_range": "recorder", "compute_span": "recorder",
-    "record": "recorder",
-    "Span": "spans", "COMM_KINDS": "spans", "COMPUTE": "spans",
+    "Recorder": "..runtime.recorder", "active": "..runtime.recorder", "comm_range": "..runtime.recorder",
+    "compute_span": "..runtime.recorder", "record": "..runtime.recorder",
+    "Span": "..runtime.spans", "COMM_KINDS": "..runtime.spans", "COMPUTE": "..runtime.spans",
     "plot_spans": "plot", "write_chrome_trace": "plot",
     "Report": "report", "report_spans": "report", "report_traces": "report",
     "print_report": "table",
@@ -26,4 +26,7 @@ __all__ = list(_WHERE)
 def __getattr__(name: str):
     if name not in _WHERE:
         raise AttributeError(f"module 'overlapkit.timeline' has no attribute {name!r}")
-    return getattr(importlib.import_module(f"{__name__}.{_WHERE[name]}"), name)
+    where = _WHERE[name]
+    module = importlib.import_module(where, __name__) if where.startswith(".") else \
+        importlib.import_module(f"{__name__}.{where}")
+    return getattr(module, name)

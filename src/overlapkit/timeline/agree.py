@@ -15,11 +15,11 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass
 
-from .spans import COMM_KINDS, Span
+from ..runtime.spans import COMM_KINDS, Span
 
 
 @dataclass(frozen=True)
-class Agreement:
+class SpanAgreement:
     """How a recorder's spans and a trace's spans of one rank correspond."""
 
     matched: int
@@ -75,7 +75,7 @@ def estimate_offset(recorded: list[Span], traced: list[Span]) -> float:
 
 
 def compare_spans(recorded: list[Span], traced: list[Span], offset_ms: float | None = None,
-                  tol_ms: float = 0.5) -> Agreement:
+                  tol_ms: float = 0.5) -> SpanAgreement:
     """Pair each traced overlapkit span with the recorded span of its kind it ran under.
 
     Traced spans are taken in start order; each goes to the earliest recorded span of its kind
@@ -112,5 +112,5 @@ def compare_spans(recorded: list[Span], traced: list[Span], offset_ms: float | N
                 late_compute = max(late_compute, t.end_ms - r.end_ms)
             else:
                 late_comm = max(late_comm, t.end_ms - r.end_ms)
-    return Agreement(matched=len(held), missing=missing, unmatched=unmatched, early_ms=early,
+    return SpanAgreement(matched=len(held), missing=missing, unmatched=unmatched, early_ms=early,
                      late_compute_ms=late_compute, late_comm_ms=late_comm, offset_ms=offset_ms)

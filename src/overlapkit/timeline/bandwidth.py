@@ -1,29 +1,9 @@
 """How fast each collective moved its bytes, against the link's peak, and what bounds it.
 
-Hiding a collective behind compute is one fix; making it faster is another, and which one
-applies depends on whether it is bandwidth-bound (big messages: bus bandwidth near the
-link's peak, or far below it on a badly mapped group) or latency-bound (small messages: a
-fixed cost per algorithm step, fixed by fewer, larger transfers — bigger buckets).
-
-Per collective kind, message size and group size, with the nccl-tests definitions
-(github.com/NVIDIA/nccl-tests, doc/PERFORMANCE.md), S the message size and t the median
-duration of one transfer:
-
-- algorithm bandwidth algbw = S / t;
-- bus bandwidth busbw = algbw · factor(n): all_reduce 2(n−1)/n; all_gather, reduce_scatter,
-  all_to_all (n−1)/n; broadcast, reduce, send/recv 1 — comparable with the link's peak
-  whatever the collective.
-
-S is the full buffer (all_gather: the gathered output, reduce_scatter: the input), as the
-trace's `In/Out msg nelems` and overlapkit's own spans give it. A transfer's duration
-includes any time it waited for a late rank, so busbw is a lower bound on what the link did.
-
-Bound, by message size, from the alpha-beta model of the link (latency α per algorithm step,
-bandwidth B): latency-bound when steps(n)·α > S·factor(n)/B, i.e. the fixed cost outweighs
-the bytes (steps: all_reduce 2(n−1), all_gather/reduce_scatter/all_to_all n−1, others 1).
-The link comes from `Links` (intra-node when the group fits in one node, else the network),
-which the caller fills — `overlapkit analyze` from the cost model's hardware preset for the
-trace's GPU; `--peak-gbps` overrides B; with neither, peak and bound are unknown.
+Per collective kind, message size and group size: algorithm and bus bandwidth with the
+nccl-tests definitions, and latency- or bandwidth-bound from the alpha-beta model of the link
+(`Links`, which the caller fills from the cost model's hardware). docs/timeline.md defines
+every number.
 """
 
 from __future__ import annotations
@@ -32,7 +12,7 @@ import statistics
 from collections import defaultdict
 from dataclasses import dataclass
 
-from .spans import Span
+from ..runtime.spans import Span
 
 DEFAULT_ALPHA_US = 5.0
 """Latency per algorithm step assumed when only a peak is given (NCCL's per-step cost on NVLink/IB is 2–10 µs)."""

@@ -16,12 +16,12 @@ no computation to compare with: its overlap is unknown, not 0 %.
 
 from __future__ import annotations
 
-from . import intervals as iv
+from ..runtime import intervals as iv
 from .fsdp2 import blocked_in_hooks, fsdp2_comm
 from .kinds import collective_kind, range_label
 from .messages import input_bytes
 from .ranges import Ranges
-from .spans import COMPUTE, Span
+from ..runtime.spans import COMPUTE, Span
 
 UNKNOWN_BELOW = 0.001
 """CPU ops (of a trace without overlapkit ranges) below this share of the communication time: no compute to judge by."""

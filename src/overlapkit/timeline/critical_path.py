@@ -1,32 +1,9 @@
 """The cross-rank critical path of a step: the chain of work that set its length, and why each piece.
 
-Walked backward from the step's last end (all ranks on one clock, `timeline/collectives.py`):
-each piece of work started when the latest of its causes let it —
-
-- the previous work on its lane (a CUDA stream, a CPU thread, gloo's worker thread);
-- its launch (a kernel) or issue (a gloo transfer): when it came later, the lane waited for
-  the host, and the path moves to the launching thread, which ran (its outermost op names the
-  piece) back to the last time it blocked on the GPU (cudaStreamSynchronize, ...), where the
-  path moves to the GPU work that sync waited for;
-- work on another lane of the same rank that ended just before it (an event wait between
-  streams; on a CPU thread, the transfer its `wait()` was blocked on);
-- for a collective: the last member to be ready (ready = the later of its issue and its lane's
-  previous work). The others sat in the collective until then; the path continues on that member.
-
-Kernels a CUDA graph replays share its launch, so a graph runs as one stretch of the path.
-Each piece is a segment {rank, op, ms, why} with why one of
-
-| why | the path was on |
-|---|---|
-| compute | a computation (kernel or CPU op) |
-| exposed comm | a transfer after its last member was ready, or a copy-engine/SM transfer on its lane |
-| waiting for rank k | rank k's own work (or idleness) while the other members of the next collective waited for it |
-| host launch gap | a GPU rank's host thread: the GPU waited for its launches |
-| copy | a memcpy or memset that is not communication |
-| idle | nothing traced ran (an untraced stall, a sleep, Python between ops) |
-
-The segments tile the window from its start to its end, so `path_ms` is the step as this chain
-explains it; the share marked idle is what the trace does not explain.
+Walked backward from the step's last end, all ranks on one clock: each piece of work started when
+the latest of its causes let it (its lane's previous work, its launch or issue, another lane's
+work it waited on, a collective's last member to be ready). The segments tile the step, each
+{rank, op, ms, why}; docs/timeline.md has the rules and the table of `why`.
 """
 
 from __future__ import annotations
@@ -34,7 +11,7 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass, field
 
-from . import intervals as iv
+from ..runtime import intervals as iv
 from .collectives import Instance
 from .messages import size_text
 from .path_index import GAP_MS, LOOKBACK, RankIndex, TraceIndex

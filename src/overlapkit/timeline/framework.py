@@ -23,6 +23,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..runtime import state
+
 _PREFIXES = (
     ("torch::distributed::reducer::", "ddp"), ("torch.distributed.ddp.reducer::", "ddp"),
     ("DistributedDataParallel.forward", "ddp"),
@@ -38,7 +40,7 @@ _PREFIXES = (
 )
 _INSIDE = (("_SingleProcessDataLoaderIter", "loader_single"), ("_MultiProcessingDataLoaderIter", "loader_workers"),
            ("deepspeed", "deepspeed"), ("megatron", "megatron"))
-_cache: dict[str, str | None] = {}
+_cache: dict[str, str | None] = state.cache_dict("trace.framework_of_name")
 _CACHE_MAX = 1 << 16
 HOST_SYNCS = frozenset(n for n, t in _PREFIXES if t == "host_sync")
 """Runtime calls in which the host waits for the GPU."""

@@ -21,7 +21,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from . import intervals as iv
+from ..runtime import intervals as iv
 
 GATHER_KIND = "zero_all_gather"
 REDUCE_KIND = "zero_reduce_scatter"

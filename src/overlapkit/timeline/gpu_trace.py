@@ -15,7 +15,7 @@ from __future__ import annotations
 from .fsdp2 import fsdp2_comm
 from .kinds import collective_kind, copy_comm_kind, is_nccl, kernel_comm_kind, nccl_kind_from_name, range_label
 from .messages import message
-from .spans import COMPUTE, Span
+from ..runtime.spans import COMPUTE, Span
 
 
 def gpu_spans(gpu, launches, ranges, param_comms, param_by_ext, markers, fsdp) -> list[tuple]:

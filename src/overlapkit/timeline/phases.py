@@ -58,7 +58,7 @@ def exposed_by_phase(rank: int, spans, compute_known: bool = True, top: int = 3)
     """
     from collections import defaultdict
 
-    from . import intervals as iv
+    from ..runtime import intervals as iv
 
     if not compute_known:
         return []

@@ -12,8 +12,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from . import intervals as iv
-from .spans import COMPUTE, Span
+from ..runtime import intervals as iv
+from ..runtime.spans import COMPUTE, Span
 
 COMPUTE_COLOR = "#4c72b0"
 EXPOSED_COLOR = "#d62728"

@@ -22,8 +22,8 @@ import json
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 
-from . import intervals as iv
-from .spans import Span
+from ..runtime import intervals as iv
+from ..runtime.spans import Span
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,7 @@ from .kinds import collective_kind
 from .messages import dtype_bytes, keep
 from .phases import marker_phase, span_phase
 from .ranges import Ranges
-from .spans import COMM_RANGE_PREFIX, COMPUTE_RANGE_PREFIX, WAIT_RANGE, Span
+from ..runtime.spans import COMM_RANGE_PREFIX, COMPUTE_RANGE_PREFIX, WAIT_RANGE, Span
 
 __all__ = ["Trace", "TraceError", "collective_kind", "dtype_bytes", "read_trace", "read_traces", "trace_files"]
 

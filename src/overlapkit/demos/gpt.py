@@ -20,8 +20,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .launch import progress
-from .optim import optim_param_groups
+from ..launch import progress
+from ..optim import optim_param_groups
+from ..vocabulary import ParallelSizes, positive_int
+from .checks import max_errors
 
 _STARTED = time.monotonic()
 """When the demo module was imported: `overlapkit demo` imports it first thing."""
@@ -63,7 +65,7 @@ class DemoConfig:
     gradients then average over dp x cp ranks."""
     pp: int = 1
     """Pipeline-parallel size: > 1 cuts the GPT into pp stages run with `schedule` and overlap_p2p (CPU
-    only; with tp and dp inside every stage; not combined with ep or cp). See overlapkit.pipeline_parallel.demo."""
+    only; with tp and dp inside every stage; not combined with ep or cp). See overlapkit.demos.pipeline."""
     schedule: str = "1f1b"
     """The pipeline schedule with pp > 1: 1f1b, interleaved (two chunks a rank), zb1p (ZB-H1), zbv (ZB-V)
     or dualpipev (DeepSeek's DualPipeV); the last two cut the GPT into two chunks a rank in a V."""
@@ -72,10 +74,14 @@ class DemoConfig:
     data_parallel.fully_shard (FSDP2, prefetch="auto") on the TP layers (TP without SP; with pp > 1
     every pipeline chunk is sharded over its stage's dp ranks, TP with SP); not with ep or cp."""
 
+    @property
+    def sizes(self) -> ParallelSizes:
+        """The parallel sizes of the demo's world, as the mesh lays them out."""
+        return ParallelSizes(tp=self.tp, dp=self.dp, pp=self.pp, ep=self.ep, cp=self.cp)
+
     def __post_init__(self) -> None:
         for name in ("tp", "dp", "steps", "cp", "pp"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"DemoConfig.{name} must be >= 1, got {getattr(self, name)}")
+            positive_int(getattr(self, name), f"DemoConfig.{name}")
         if self.ep != 1 and self.ep != self.dp:
             raise ValueError(f"DemoConfig.ep={self.ep} must be 1 or equal dp={self.dp} (the experts are carved out "
                              "of the whole data-parallel group)")
@@ -102,23 +108,15 @@ class DemoConfig:
             raise ValueError(f"DemoConfig.device={self.device!r} is not one of ('cpu', 'cuda')")
 
 
-def _max_errors(pairs) -> tuple[float, float]:
-    abs_err = rel_err = 0.0
-    for local, ref in pairs:
-        diff = (local.detach().float() - ref.detach().float()).abs().max().item()
-        abs_err = max(abs_err, diff)
-        rel_err = max(rel_err, diff / max(ref.detach().float().abs().max().item(), 1e-12))
-    return abs_err, rel_err
-
-
 def run_rank(cfg: DemoConfig) -> dict:
     """The demo on one rank (the default group is initialized). Returns errors and spans."""
-    from .groups import ParallelGroups
-    from .models import GPT, GPTConfig, expected_local, lm_loss, parallelize
-    from .timeline import record
+    from ..runtime.groups import ParallelGroups
+    from ..models import GPT, GPTConfig, expected_local, lm_loss
+    from ..models.parallelize_gpt import parallelize_gpt
+    from ..timeline import record
 
     if cfg.pp > 1:
-        from .pipeline_parallel.demo import run_rank as run_pipeline_rank
+        from .pipeline import run_rank as run_pipeline_rank
         return run_pipeline_rank(cfg)
     groups = ParallelGroups.build(tp=cfg.tp, dp=cfg.dp, ep=cfg.ep, cp=cfg.cp)
     device = torch.device(f"cuda:{torch.cuda.current_device()}" if cfg.device == "cuda" else "cpu")
@@ -126,31 +124,18 @@ def run_rank(cfg: DemoConfig) -> dict:
                      ffn_hidden=32 * cfg.tp, num_layers=2)
     torch.manual_seed(cfg.seed)
     if cfg.ep > 1:  # the experts are sharded: DataParallel would average different experts together
-        from .expert_parallel.gpt import expected_local_ep as expected_local, moe_gpts
+        from ..models.moe_gpt import expected_local_ep as expected_local, moe_gpts
         reference, model = moe_gpts(mcfg, groups, cfg.seed, device=device, overlap=cfg.overlap)
     else:
         reference = GPT(mcfg).to(device)
-        # Sequence parallel under ZeRO-3 too: the norms' TP gradient sums are hooks on the tensors
-        # each forward uses (mark_sequence_parallel), so FSDP2's replaced parameters keep them.
-        model = parallelize(copy.deepcopy(reference), groups.mesh, sequence_parallel=True,  # its 'tp' dim
-                            overlap=cfg.overlap)
-    replicas = groups.dp
-    if cfg.cp > 1:  # ring attention over the CP ranks; parameters are replicated over dp x cp
-        from .context_parallel.models import apply_to_gpt, replicas_group
-        model, replicas = apply_to_gpt(model, groups.cp), replicas_group(groups)
+        model = copy.deepcopy(reference)
     if cfg.zero == 3:
         import logging
 
-        from .data_parallel import fully_shard
         # The check below gathers every 2-D (dp, tp) gradient whole; DTensor warns each time that
         # this takes two gathers. It is the check's cost, not the training's: keep the output readable.
         logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
-        model = fully_shard(model, groups, prefetch="auto")
-    elif (cfg.dp > 1 or cfg.cp > 1) and cfg.ep == 1:
-        from .data_parallel import DataParallel
-        # Sequence-parallel grads (layer norms, row biases) are summed over TP in backward,
-        # bucket by bucket, before their data-parallel all-reduce.
-        model = DataParallel(model, replicas, sequence_parallel_group=groups.tp)
+    model, replicas = parallelize_gpt(model, groups, overlap=cfg.overlap, zero=cfg.zero, tensor_parallel=cfg.ep == 1)
     # One param group per kind (plain, DTensor on each mesh): torch's foreach kernels (CUDA's
     # default) refuse a list mixing DTensor (TP layers) and plain (norms, embeddings) parameters.
     # foreach=True on CPU too, so that the demo's tests run the kernels CUDA picks by default.
@@ -172,13 +157,13 @@ def run_rank(cfg: DemoConfig) -> dict:
             model.zero_grad(set_to_none=False)
             mine, my_tgt = idx[rows], tgt[rows]
             if cfg.cp > 1:  # this CP rank's slice of every sequence (its positions follow inside the model)
-                from .context_parallel.models import shard_batch
+                from ..context_parallel import shard_batch
                 mine, my_tgt = shard_batch(mine, groups.cp)[0], shard_batch(my_tgt, groups.cp)[0]
             logits = model(mine)
             loss = lm_loss(logits, my_tgt)
             loss.backward()
             if cfg.ep > 1:
-                from .expert_parallel import average_data_parallel_grads
+                from ..expert_parallel import average_data_parallel_grads
                 average_data_parallel_grads(model, groups.dp, groups.ep)
 
             ref_opt.zero_grad()
@@ -194,7 +179,7 @@ def run_rank(cfg: DemoConfig) -> dict:
                 logits = logits.full_tensor()
             ref_mine = ref_logits[:, rows]
             if cfg.cp > 1:
-                from .context_parallel import shard
+                from ..context_parallel import shard
                 ref_mine = shard(ref_mine, 0, groups.cp_rank, cfg.cp, "zigzag")
             pairs = [(full_loss, ref_loss), (logits, ref_mine)]
             if cfg.zero == 3:  # sharded over dp (and tp): compare the whole gradient
@@ -202,7 +187,7 @@ def run_rank(cfg: DemoConfig) -> dict:
                 pairs += [(p.grad.full_tensor(), ref_params[n].grad) for n, p in model.named_parameters()]
             else:
                 pairs += [(local, ref) for _, local, ref in expected_local(model, reference, "grad")]
-            errs = torch.tensor(_max_errors(pairs), device=device)
+            errs = torch.tensor(max_errors(pairs), device=device)
             dist.all_reduce(errs, op=dist.ReduceOp.MAX)
             steps.append(dict(step=step, loss=ref_loss.item(), abs_err=errs[0].item(), rel_err=errs[1].item()))
             opt.step()
@@ -215,7 +200,7 @@ def run_rank(cfg: DemoConfig) -> dict:
                          f"max rel err vs one process {errs[1].item():.1e}")
     out = dict(rank=groups.rank, steps=steps, spans=rec.spans, origin_unix_ms=rec.origin_unix_ms)
     if cfg.ep > 1:
-        from .expert_parallel.gpt import moe_loads
+        from ..models.moe_gpt import moe_loads
         out["moe_loads"] = moe_loads(model)
     return out
 
@@ -268,14 +253,14 @@ def check_world(cfg: DemoConfig, oversubscribe: bool = False) -> None:
     or far more CPU ranks than cores (unless `oversubscribe`). Under torchrun the ranks exist already: nothing to refuse."""
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return
-    world = cfg.tp * cfg.dp * cfg.cp * cfg.pp
+    world = cfg.sizes.world_size
     if cfg.device == "cuda":
         if torch.cuda.device_count() < world:
             raise ValueError(f"--device cuda needs tp*dp*cp*pp={world} GPUs, this machine has "
                              f"{torch.cuda.device_count()} (NCCL refuses two ranks on one GPU)")
         return
     if not oversubscribe:
-        from .launch import check_world_fits
+        from ..launch import check_world_fits
         sizes = " ".join(f"--{k} {v}" for k, v in (("tp", cfg.tp), ("dp", cfg.dp), ("cp", cfg.cp), ("pp", cfg.pp))
                          if v > 1)
         check_world_fits(world, "gloo", sizes or "1 rank", force="--oversubscribe")
@@ -283,13 +268,13 @@ def check_world(cfg: DemoConfig, oversubscribe: bool = False) -> None:
 
 def run(cfg: DemoConfig, plot_path: str | None = "timeline.png", oversubscribe: bool = False) -> int:
     """Run the demo (spawning ranks, or in-process under torchrun) and print the results."""
-    from .launch import spawn
+    from ..launch import spawn
 
-    world = cfg.tp * cfg.dp * cfg.cp * cfg.pp
+    world = cfg.sizes.world_size
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun: this process is a rank
-        from .groups import init
+        from ..runtime.groups import init
         init(tp=cfg.tp, dp=cfg.dp, cp=cfg.cp, pp=cfg.pp, backend="nccl" if cfg.device == "cuda" else "gloo", timeout_s=cfg.timeout_s)
-        from .launch import shutdown
+        from ..launch import shutdown
         rank, ok = dist.get_rank(), False
         try:
             results = [run_rank(cfg)]
@@ -335,7 +320,7 @@ def print_results(cfg: DemoConfig, results: list[dict], plot_path: str | None) -
         layers.add_row(layer, ", ".join(phases["fwd"]) or "-", ", ".join(phases["bwd"]) or "-")
     console.print(layers)
     if "moe_loads" in results[0]:  # EP: what the routers did in the last step, over the EP ranks of DP row 0
-        from .timeline.report import load_imbalance
+        from ..timeline.report import load_imbalance
         ep_ranks = [r for r in results if r["rank"] % cfg.tp == 0]
         for i, (layer, _, _) in enumerate(results[0]["moe_loads"]):
             load = load_imbalance([r["moe_loads"][i][1] for r in ep_ranks], sum(r["moe_loads"][i][2] for r in ep_ranks))
@@ -344,11 +329,11 @@ def print_results(cfg: DemoConfig, results: list[dict], plot_path: str | None) -
     # Every rank's spans on one clock (the ranks' recorders started at different moments).
     origin = min(r["origin_unix_ms"] for r in results)
     spans = [s.shifted(origin - r["origin_unix_ms"]) for r in results for s in r["spans"]]
-    from .timeline import print_report, report_spans
+    from ..timeline import print_report, report_spans
     report = report_spans(spans)
     print_report(report, console=console)
     if plot_path:
-        from .timeline.plot import plot_spans, write_chrome_trace
+        from ..timeline.plot import plot_spans, write_chrome_trace
         # Step 0 pays for start-up (ranks joining their first collective at different times):
         # the picture shows the steps after it, the report above covers every step.
         shown = [s for s in spans if s.step != 0] if cfg.steps > 1 else spans

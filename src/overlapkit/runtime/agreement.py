@@ -23,7 +23,10 @@ from typing import Any
 
 import torch.distributed as dist
 
-_SEQ: dict[str, int] = {}
+from . import state
+from .timeouts import group_timeout_s
+
+_SEQ: dict[str, int] = state.cache_dict("agreement.checks_per_group")
 """Checks made so far on each group, by group name. Process state, not configuration: the k-th
 check of a group on one rank is compared with the k-th check of the same group on the others."""
 
@@ -72,8 +75,6 @@ def exchange(group, what: str, mine: dict, *, timeout_s: float | None = None) ->
     Raises RankMismatchError naming the ranks that did not answer within the timeout (the
     group's own unless `timeout_s` says otherwise).
     """
-    from .groups import group_timeout_s
-
     ranks = dist.get_process_group_ranks(group)
     me = dist.get_rank(group)
     name = group.group_name

@@ -3,7 +3,7 @@ ZB-H1, ZB-V or DualPipeV, overlap_p2p), with TP+SP and DP inside every stage, ch
 process every step; each stage's bubble (next to what the timetable prices) and exposed p2p printed
 from the timeline.
 
-Called by overlapkit.demo.run_rank when pp > 1; returns what it returns (errors and spans).
+Called by demos.gpt.run_rank when pp > 1; returns what it returns (errors and spans).
 """
 
 from __future__ import annotations
@@ -14,21 +14,17 @@ import torch
 import torch.distributed as dist
 
 from ..launch import progress
+from .checks import max_errors
 
 
 def run_rank(cfg) -> dict:
     """One rank of the pipeline demo (the default group is initialized)."""
     from ..data_parallel import DataParallel
-    from ..demo import _max_errors
-    from ..groups import ParallelGroups
-    from ..models import GPT, GPTConfig, expected_local, lm_loss, parallelize
+    from ..runtime.groups import ParallelGroups
+    from ..models import GPT, GPTConfig, expected_local, gpt_chunks, lm_loss, parallelize
+    from ..pipeline_parallel import PipelineConfig, PipelineEngine, pipeline_times, placement, price, timetable
     from ..tensor_parallel.layers import allreduce_sequence_parallel_grads
     from ..timeline import record
-    from .engine import PipelineConfig, PipelineEngine
-    from .schedules import placement
-    from .stages import gpt_chunks
-    from .timetable import price, timetable
-    from .timing import pipeline_times
 
     groups = ParallelGroups.build(tp=cfg.tp, dp=cfg.dp, pp=cfg.pp)
     if cfg.device != "cpu":
@@ -84,7 +80,7 @@ def run_rank(cfg) -> dict:
                 pairs += [(p.grad.full_tensor(), ref_params[n].grad) for c in chunks for n, p in c.named_parameters()]
             else:
                 pairs += [(local, ref) for c in chunks for _, local, ref in expected_local(c, reference, "grad")]
-            errs = torch.tensor(_max_errors(pairs))
+            errs = torch.tensor(max_errors(pairs))
             dist.all_reduce(errs, op=dist.ReduceOp.MAX)
             steps.append(dict(step=step, loss=ref_loss.item(), abs_err=errs[0].item(), rel_err=errs[1].item()))
             opt.step()

@@ -17,105 +17,14 @@ from __future__ import annotations
 import datetime
 import os
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-DIMS = ("pp", "dp", "cp", "tp")
-"""Mesh dimension names, outermost first (the order ranks are laid out in)."""
-
-DEFAULT_TIMEOUT_S = 300.0
-"""Timeout of the groups when neither the caller nor the world's group says otherwise."""
-
-
-class Coords(NamedTuple):
-    """Where a rank sits on each mesh dim."""
-
-    tp: int
-    dp: int
-    pp: int
-    cp: int = 0
-
-
-@dataclass(frozen=True)
-class ParallelSizes:
-    """The sizes of each parallel dimension; pp * dp * cp * tp is the world size (ep is carved from dp)."""
-
-    tp: int = 1
-    """Tensor-parallel size: ranks that split every GEMM of a layer. Adjacent ranks."""
-    dp: int = 1
-    """Data-parallel size: ranks that hold the same parameters and split the batch."""
-    pp: int = 1
-    """Pipeline-parallel size: ranks that hold consecutive stages of layers."""
-    ep: int = 1
-    """Expert-parallel size: carved out of dp (must divide it), like Megatron's expert DP."""
-    cp: int = 1
-    """Context-parallel size: ranks that split the sequence inside attention (ring attention)."""
-
-    def __post_init__(self) -> None:
-        for name in ("tp", "dp", "pp", "ep", "cp"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"ParallelSizes.{name} must be an integer >= 1, got {value!r}")
-        if self.dp % self.ep != 0:
-            raise ValueError(
-                f"ParallelSizes.ep={self.ep} must divide dp={self.dp}: expert-parallel groups "
-                "are carved out of the data-parallel group"
-            )
-
-    @property
-    def world_size(self) -> int:
-        return self.tp * self.cp * self.dp * self.pp
-
-    @property
-    def shape(self) -> tuple[int, int, int, int]:
-        """Mesh shape in DIMS order (pp, dp, cp, tp)."""
-        return (self.pp, self.dp, self.cp, self.tp)
-
-    def check_world(self, world_size: int) -> None:
-        if self.world_size != world_size:
-            raise ValueError(
-                f"pp={self.pp} x dp={self.dp} x cp={self.cp} x tp={self.tp} = {self.world_size} "
-                f"does not equal the world size {world_size}"
-            )
-
-    def coords(self, rank: int) -> Coords:
-        """(tp, dp, pp, cp) coordinates of a global rank."""
-        tp, rest = rank % self.tp, rank // self.tp
-        cp, rest = rest % self.cp, rest // self.cp
-        return Coords(tp=tp, dp=rest % self.dp, pp=rest // self.dp, cp=cp)
-
-    def rank_of(self, tp: int, dp: int, pp: int, cp: int = 0) -> int:
-        return tp + self.tp * (cp + self.cp * (dp + self.dp * pp))
-
-    def mesh_tensor(self) -> torch.Tensor:
-        return torch.arange(self.world_size).reshape(self.shape)
-
-    def groups_of(self, dim: str) -> list[list[int]]:
-        """Every group of ranks along one mesh dim, in a fixed order (every rank creates them all)."""
-        axis = DIMS.index(dim)
-        mesh = self.mesh_tensor().movedim(axis, -1)
-        return mesh.reshape(-1, self.shape[axis]).tolist()
-
-    def tp_groups(self) -> list[list[int]]:
-        return self.groups_of("tp")
-
-    def dp_groups(self) -> list[list[int]]:
-        return self.groups_of("dp")
-
-    def pp_groups(self) -> list[list[int]]:
-        return self.groups_of("pp")
-
-    def cp_groups(self) -> list[list[int]]:
-        return self.groups_of("cp")
-
-    def ep_groups(self) -> list[list[int]]:
-        out = []
-        for ranks in self.dp_groups():
-            out += [ranks[i : i + self.ep] for i in range(0, len(ranks), self.ep)]
-        return out
-
+from ..vocabulary import DIMS, Coords, ParallelSizes  # noqa: F401 (re-exported)
+from .agreement import agree
+from .timeouts import DEFAULT_TIMEOUT_S, check_timeout, group_timeout_s, world_timeout_s  # noqa: F401 (re-exported)
 
 @dataclass(frozen=True)
 class ParallelGroups:
@@ -189,14 +98,12 @@ class ParallelGroups:
         world = dist.get_world_size()
         problem, sizes = None, None
         try:
-            timeout_s = world_timeout_s() if timeout_s is None else _check_timeout(timeout_s)
+            timeout_s = world_timeout_s() if timeout_s is None else check_timeout(timeout_s)
             sizes = _sizes_for(world, tp=tp, dp=dp, pp=pp, ep=ep, cp=cp)
         except ValueError as e:
             problem = str(e)
         # Ranks that lay the world out differently would each wait in new_group for groups the
         # others never create (a store timeout per group): compare the sizes first, on the store.
-        from .agreement import agree
-
         agree(dist.group.WORLD, "ParallelGroups.build", timeout_s=timeout_s if problem is None else None,
               problem=problem, tp=tp, dp=dp, pp=pp, ep=ep, cp=cp)
         if problem is not None:
@@ -213,9 +120,9 @@ class ParallelGroups:
                     mine[name] = group
         from torch.distributed.device_mesh import DeviceMesh
 
-        device_type = device_type or _device_type()
-        mesh = DeviceMesh.from_group([mine[d] for d in DIMS], device_type, mesh=sizes.mesh_tensor(),
-                                     mesh_dim_names=DIMS)
+        device_type = device_type or default_device_type()
+        layout = torch.arange(sizes.world_size).reshape(sizes.shape)
+        mesh = DeviceMesh.from_group([mine[d] for d in DIMS], device_type, mesh=layout, mesh_dim_names=DIMS)
         return cls(sizes=sizes, rank=rank, mesh=mesh, timeout_s=timeout_s, **mine)
 
     @classmethod
@@ -236,8 +143,6 @@ class ParallelGroups:
         except ValueError as e:
             problem = str(e)
         if ep > 1:  # the expert groups are created below: every rank must carve the same ones
-            from .agreement import agree
-
             agree(dist.group.WORLD, "ParallelGroups.from_mesh", problem=problem, ep=ep, dims=names,
                   shape=tuple(mesh.shape))
         if problem is not None:
@@ -245,7 +150,7 @@ class ParallelGroups:
         mine = {n: mesh.get_group(n) for n in names}
         for n in DIMS:
             mine.setdefault(n, None)  # a dim the mesh lacks has size 1: no group to talk over
-        timeout_s = world_timeout_s() if timeout_s is None else _check_timeout(timeout_s)
+        timeout_s = world_timeout_s() if timeout_s is None else check_timeout(timeout_s)
         rank = dist.get_rank()
         mine["ep"] = mine["dp"] if ep == sizes.dp else None
         if mine["ep"] is None:
@@ -277,33 +182,10 @@ def _all_groups_along(mesh, dim: str, names: tuple[str, ...]) -> list[list[int]]
     return t.reshape(-1, t.shape[-1]).tolist()
 
 
-def _check_timeout(timeout_s) -> float:
-    if not isinstance(timeout_s, (int, float)) or isinstance(timeout_s, bool) or not timeout_s > 0 \
-            or timeout_s == float("inf"):
-        raise ValueError(f"timeout_s must be a finite number of seconds > 0, got {timeout_s!r}")
-    return float(timeout_s)
-
-
-def _device_type() -> str:
+def default_device_type() -> str:
     pg = dist.distributed_c10d._get_default_group()
     return "cuda" if torch.device("cuda") in getattr(pg, "_device_types", ()) and \
         dist.get_backend() == "nccl" else "cpu"
-
-
-def group_timeout_s(group: dist.ProcessGroup | None = None) -> float:
-    """The timeout a process group was created with (the world's when `group` is None)."""
-    group = group or dist.distributed_c10d._get_default_group()
-    for device in (torch.device("cuda"), torch.device("cpu")):
-        try:
-            return group._get_backend(device).options._timeout.total_seconds()
-        except Exception:  # no backend for that device type, or no options on this build
-            continue
-    return DEFAULT_TIMEOUT_S
-
-
-def world_timeout_s() -> float:
-    """The default group's timeout: what every overlapkit group gets unless told otherwise."""
-    return group_timeout_s(None)
 
 
 def resolve_group(mesh_or_group, dim: str | None = None) -> dist.ProcessGroup | None:
@@ -353,7 +235,7 @@ def init(tp: int = 1, dp: int | None = None, pp: int = 1, ep: int = 1, cp: int =
     (what `init_process_group(timeout=)` set), else DEFAULT_TIMEOUT_S for the world and every group.
     """
     if timeout_s is not None:
-        timeout_s = _check_timeout(timeout_s)
+        timeout_s = check_timeout(timeout_s)
     if not dist.is_initialized():
         backend = backend or default_backend()
         if backend == "nccl":

@@ -1,7 +1,7 @@
 """Engine-side recording of when communication and computation really ran.
 
 While `record()` is active, every overlapkit engine stamps its GEMMs (`compute_span`) and its
-collectives (`comm_issued` / `comm_done`, called by `overlapkit.comm`). On CUDA the stamps are
+collectives (`comm_issued` / `comm_done`, called by `overlapkit.runtime.comm`). On CUDA the stamps are
 events on the stream where the work runs, resolved after a synchronize; on CPU host clocks at issue
 and at completion (a `Work` future callback, or a watcher thread for gloo works that have no
 future). When nothing records, each hook is one attribute read: nothing measurable.
@@ -32,7 +32,7 @@ from .spans import COMM_KINDS, COMM_RANGE_PREFIX, COMPUTE, COMPUTE_RANGE_PREFIX,
 _autograd_profiler = torch.autograd.profiler
 
 
-def _profiling() -> bool:
+def profiling() -> bool:
     """Whether a torch.profiler is collecting right now (an attribute read; a C call on old torch)."""
     flag = getattr(_autograd_profiler, "_is_profiler_enabled", None)
     return flag if flag is not None else torch._C._autograd._profiler_enabled()
@@ -44,7 +44,7 @@ def comm_range(kind: str, name: str = ""):
     Only the issue goes inside (not the wait): the reader assigns every kernel or copy launched
     inside the range to this transfer, so compute launched later must stay outside it.
     """
-    if not _profiling():
+    if not profiling():
         return contextlib.nullcontext()
     return torch.profiler.record_function(COMM_RANGE_PREFIX + kind + (f":{name}" if name else ""))
 
@@ -55,7 +55,7 @@ def wait_range():
     A trace reader carves it out of any compute range around it, as the recorder does with
     `Recorder.blocked`: a forward that waits for a gather inside it did not compute meanwhile.
     """
-    if not _profiling():
+    if not profiling():
         return contextlib.nullcontext()
     return torch.profiler.record_function(WAIT_RANGE)
 
@@ -73,8 +73,10 @@ def _wall_clock_at(t: float) -> float:
     return best[1] * 1e3
 
 
-class _Pending:
-    """A span whose end is not known yet."""
+class PendingSpan:
+    """A span whose end is not known yet: stamps (`start`, `end`) in the recorder's clock, resolved to
+    milliseconds when the recorder closes. An engine that learns more about a transfer than its issue
+    and completion (a pipeline receive whose peer sent late) may move `start` before then."""
 
     __slots__ = ("kind", "name", "stream", "start", "end", "nbytes", "group_size", "step", "lane")
 
@@ -96,26 +98,27 @@ class Recorder:
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.cuda = self.device.type == "cuda"
         self.step = 0
-        self._pending: list[_Pending] = []
+        self._pending: list[PendingSpan] = []
         self._blocked: dict[object, list[tuple[object, object]]] = {}
         self._spans: list[Span] | None = None
         self._lock = threading.Lock()
         self._poll_s = poll_s
-        self._unwatched: list[tuple[_Pending, object]] = []
+        self._unwatched: list[tuple[PendingSpan, object]] = []
         self._watch_cv = threading.Condition()
         self._watcher: threading.Thread | None = None
         self._closed = False
-        self._t0 = time.perf_counter()
+        self.host_origin = time.perf_counter()
+        """time.perf_counter() at the recorder's 0 ms: host stamps minus this, times 1e3, are span times."""
         # Wall-clock time (ms since the Unix epoch) of the host clock's 0: lines CPU spans up
         # with a profiler trace, whose timestamps are wall-clock microseconds.
-        self.origin_unix_ms = _wall_clock_at(self._t0)
+        self.origin_unix_ms = _wall_clock_at(self.host_origin)
         self._base_event = None
         if self.cuda:
             self._base_event = torch.cuda.Event(enable_timing=True)
             self._base_event.record()
 
     # -- clocks ------------------------------------------------------------------------
-    def _now(self):
+    def now(self):
         """A time stamp on the current stream (CUDA) or the host clock (CPU)."""
         if self.cuda:
             ev = torch.cuda.Event(enable_timing=True)
@@ -123,9 +126,10 @@ class Recorder:
             return ev
         return time.perf_counter()
 
-    def _to_ms(self, stamp) -> float:
+    def to_ms(self, stamp) -> float:
+        """A stamp of `now()` in ms since the recorder started."""
         if isinstance(stamp, float):
-            return (stamp - self._t0) * 1e3
+            return (stamp - self.host_origin) * 1e3
         return self._base_event.elapsed_time(stamp)
 
     # -- engine hooks --------------------------------------------------------------------
@@ -135,24 +139,32 @@ class Recorder:
 
     @contextlib.contextmanager
     def compute(self, name: str, stream: str = "compute") -> Iterator[None]:
-        p = _Pending(COMPUTE, name, stream, self._now(), 0, 1, self.step)
+        p = PendingSpan(COMPUTE, name, stream, self.now(), 0, 1, self.step)
         p.lane = self._lane()
         try:
             yield
         finally:
-            p.end = self._now()
+            p.end = self.now()
             with self._lock:
                 self._pending.append(p)
 
     def comm_issued(self, kind: str, name: str, nbytes: int, group_size: int,
-                    stream: str = "comm") -> _Pending:
+                    stream: str = "comm") -> PendingSpan:
         """Stamp the issue of a collective; finish it with `comm_done` or `comm_watch`."""
         if kind not in COMM_KINDS:
             raise ValueError(f"unknown communication kind {kind!r}; expected one of {COMM_KINDS}")
-        p = _Pending(kind, name, stream, self._now(), nbytes, group_size, self.step)
+        p = PendingSpan(kind, name, stream, self.now(), nbytes, group_size, self.step)
         with self._lock:
             self._pending.append(p)
         return p
+
+    def record_span(self, kind: str, name: str, stream: str, start, end, step: int | None = None) -> None:
+        """Add a finished span from two stamps of this recorder's clock (a pipeline bubble, which is
+        neither a computation nor a transfer); it is resolved like every other span at close."""
+        p = PendingSpan(kind, name, stream, start, 0, 1, self.step if step is None else step)
+        p.end = end
+        with self._lock:
+            self._pending.append(p)
 
     def _lane(self):
         """What a wait stalls: the current CUDA stream, or (on CPU) the host."""
@@ -164,11 +176,11 @@ class Recorder:
         a compute span that encloses it. A side stream's wait takes nothing from compute."""
         self._blocked.setdefault(self._lane(), []).append((t0, t1))
 
-    def comm_done(self, p: _Pending, stamp=None) -> None:
+    def comm_done(self, p: PendingSpan, stamp=None) -> None:
         if p.end is None:
-            p.end = stamp if stamp is not None else self._now()
+            p.end = stamp if stamp is not None else self.now()
 
-    def comm_watch(self, p: _Pending, work) -> None:
+    def comm_watch(self, p: PendingSpan, work) -> None:
         """Stamp the completion of a CPU `Work` when it happens, not when somebody waits."""
         try:
             work.get_future().then(lambda _f: self.comm_done(p, time.perf_counter()))
@@ -209,13 +221,13 @@ class Recorder:
             self._watch_cv.notify()
         if self._watcher is not None:
             self._watcher.join(timeout=5.0)
-        blocked = {lane: union((self._to_ms(a), self._to_ms(b)) for a, b in pairs)
+        blocked = {lane: union((self.to_ms(a), self.to_ms(b)) for a, b in pairs)
                    for lane, pairs in self._blocked.items()}
         spans = []
         for p in self._pending:
             if p.end is None:
                 continue  # a collective nobody waited for: no honest end time exists
-            start, end = self._to_ms(p.start), self._to_ms(p.end)
+            start, end = self.to_ms(p.start), self.to_ms(p.end)
             pieces = [(start, max(start, end))]
             if p.kind == COMPUTE and blocked.get(p.lane):
                 # A compute span that encloses communication (a whole forward, say) computed
@@ -263,11 +275,11 @@ def record(rank: int | None = None, device: str | torch.device | None = None) ->
 @contextlib.contextmanager
 def compute_span(name: str, stream: str = "compute") -> Iterator[None]:
     """Mark a computation (a GEMM) for the active recorder and any running profiler; free when neither is."""
-    rec, profiling = _active, _profiling()
-    if rec is None and not profiling:
+    rec, traced = _active, profiling()
+    if rec is None and not traced:
         yield
         return
     # The recorder's stamps enclose the profiler range: a reader span never outgrows its record.
     with rec.compute(name, stream) if rec is not None else contextlib.nullcontext():
-        with torch.profiler.record_function(COMPUTE_RANGE_PREFIX + name) if profiling else contextlib.nullcontext():
+        with torch.profiler.record_function(COMPUTE_RANGE_PREFIX + name) if traced else contextlib.nullcontext():
             yield

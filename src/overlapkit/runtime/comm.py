@@ -17,14 +17,15 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from .timeline import recorder as _rec
+from . import recorder as _rec, state
 
-# torch >= 2.13 renames the tensor forms of all-gather / reduce-scatter; 2.11 has only the old names.
-_all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+# The torch collectives behind all_gather / reduce_scatter, unrecorded: for an engine's own `launch`
+# thunk. torch >= 2.13 renames the tensor forms; 2.11 has only the old names.
+dist_all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+dist_reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-_sizes: dict = {}
+_sizes: dict = state.cache_dict("comm.size_rank")
 """group -> (size, rank): fixed for a group's life, and `dist.get_world_size` costs ~1 µs of
 checks a call, paid several times per TP linear (the cache holds the group, so its id is never reused)."""
 
@@ -85,6 +86,11 @@ class Handle:
         self._done = False
         self._group, self._label = group, label
 
+    @property
+    def pending(self):
+        """The recorder's `PendingSpan` of this transfer, or None when nothing records it."""
+        return self._pending
+
     def wait(self) -> None:
         if self._done:
             return
@@ -94,7 +100,7 @@ class Handle:
         rec = self._rec
         # The stretch the caller spends waiting (the host on CPU, the current stream on
         # CUDA) is not compute, even inside a compute span that encloses it.
-        t0 = rec._now() if rec is not None else None
+        t0 = rec.now() if rec is not None else None
         with _rec.wait_range():  # the same stretch, marked for a profiler trace's reader
             try:
                 for w in self._works:
@@ -106,7 +112,7 @@ class Handle:
         if rec is not None:
             if not rec.cuda:
                 rec.comm_done(self._pending)
-            rec.blocked(t0, rec._now())
+            rec.blocked(t0, rec.now())
         self._done = True
 
     def is_completed(self) -> bool:
@@ -117,7 +123,7 @@ _ENGINES = {"tp": "tensor parallel", "dp": "data parallel", "zero": "ZeRO", "ep"
             "cp": "context parallel", "pp": "pipeline"}
 
 
-def _launch(kind: str, name: str, nbytes: int, group, issue, watch: bool = True) -> Handle:
+def launch(kind: str, name: str, nbytes: int, group, issue, watch: bool = True) -> Handle:
     """Issue a collective (the `issue` thunk returns its works) and stamp it if recording.
 
     `watch=False`: works that tell their completion only when waited (gloo's send/recv, whose
@@ -147,13 +153,13 @@ def _stamp_done(rec, pending, works) -> None:
         with torch.cuda.stream(side):
             for w in works:
                 w.wait()
-            rec.comm_done(pending, rec._now())
+            rec.comm_done(pending, rec.now())
     else:
         for w in works:
             rec.comm_watch(pending, w)
 
 
-_stamp_streams: dict[torch.device, torch.cuda.Stream] = {}
+_stamp_streams: dict[torch.device, torch.cuda.Stream] = state.cache_dict("comm.stamp_streams")
 
 
 def _stamp_stream(device: torch.device) -> torch.cuda.Stream:
@@ -172,7 +178,7 @@ def all_gather(out: torch.Tensor, inp: torch.Tensor, group, *, kind: str = "tp_a
                name: str = "", async_op: bool = True) -> Handle:
     """Gather `inp` from every rank into `out` along dim 0 (rank order)."""
     nbytes = out.numel() * out.element_size()
-    h = _launch(kind, name, nbytes, group, lambda: [_all_gather_tensor(out, inp, group=group, async_op=True)])
+    h = launch(kind, name, nbytes, group, lambda: [dist_all_gather_tensor(out, inp, group=group, async_op=True)])
     return _finish(h, async_op)
 
 
@@ -180,8 +186,8 @@ def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group, *, kind: str = "
                    name: str = "", async_op: bool = True, op=dist.ReduceOp.SUM) -> Handle:
     """Sum `inp` over ranks and keep this rank's slice of dim 0 in `out`."""
     nbytes = inp.numel() * inp.element_size()
-    h = _launch(kind, name, nbytes, group,
-                lambda: [_reduce_scatter_tensor(out, inp, op=op, group=group, async_op=True)])
+    h = launch(kind, name, nbytes, group,
+               lambda: [dist_reduce_scatter_tensor(out, inp, op=op, group=group, async_op=True)])
     return _finish(h, async_op)
 
 
@@ -189,7 +195,7 @@ def all_reduce(t: torch.Tensor, group, *, kind: str = "tp_all_reduce", name: str
                async_op: bool = True, op=dist.ReduceOp.SUM) -> Handle:
     """Reduce `t` in place over the group."""
     nbytes = t.numel() * t.element_size()
-    h = _launch(kind, name, nbytes, group, lambda: [dist.all_reduce(t, op=op, group=group, async_op=True)])
+    h = launch(kind, name, nbytes, group, lambda: [dist.all_reduce(t, op=op, group=group, async_op=True)])
     return _finish(h, async_op)
 
 
@@ -226,7 +232,7 @@ def exchange(sends: Sequence[tuple[torch.Tensor, int]], recvs: Sequence[tuple[to
     if not sends and not recvs:
         return Handle([])
     nbytes = sum(t.numel() * t.element_size() for t, _ in sends)
-    return _finish(_launch(kind, name, nbytes, group, _p2p(sends, recvs, group), watch=not _is_gloo(group)),
+    return _finish(launch(kind, name, nbytes, group, _p2p(sends, recvs, group), watch=not _is_gloo(group)),
                    async_op)
 
 
@@ -259,7 +265,7 @@ def ring_exchange(sends: Sequence[tuple[torch.Tensor, int]], recvs: Sequence[tup
     return Handle(received, pending, rec, group=group, label=label), Handle(sent, group=group, label=label)
 
 
-_gloo: dict = {}
+_gloo: dict = state.cache_dict("comm.is_gloo")
 
 
 def _is_gloo(group) -> bool:
@@ -280,8 +286,8 @@ def all_to_all_single(out: torch.Tensor, inp: torch.Tensor, group, *, out_splits
     nbytes = inp.numel() * inp.element_size()
     outs = list(out_splits) if out_splits is not None else None
     ins = list(in_splits) if in_splits is not None else None
-    h = _launch(kind, name, nbytes, group,
-                lambda: [dist.all_to_all_single(out, inp, outs, ins, group=group, async_op=True)])
+    h = launch(kind, name, nbytes, group,
+               lambda: [dist.all_to_all_single(out, inp, outs, ins, group=group, async_op=True)])
     return _finish(h, async_op)
 
 

@@ -10,9 +10,10 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from ..groups import ParallelGroups
-from ..models import GPT, GPTConfig, expected_local, parallelize
-from .moe import MoE
+from ..expert_parallel import MoE
+from ..runtime.groups import ParallelGroups
+from .gpt import GPT, GPTConfig
+from .parallelize import expected_local, parallelize
 
 
 def solo_group():
