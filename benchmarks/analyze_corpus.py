@@ -1,15 +1,16 @@
 """`overlapkit analyze` on every job of the third-party trace corpus, against HolisticTraceAnalysis.
 
-For each folder of benchmarks/data/traces/corpus (a copy of the project's third-party trace corpus; sources
-and licences in its SOURCES.tsv): our overlap % per rank (read + report + the
+For each folder of the third-party trace corpus (`--corpus DIR`: about 50 jobs, 22 MB, kept outside the
+repository; sources and licences in its SOURCES.tsv): our overlap % per rank (read + report + the
 diagnosis's analysis with the cross-rank critical path and its what-ifs, timed, best of --repeat),
 the critical path's length against the step's (the shortest ratio over the steps) and its untraced share, HTA 0.5.0's figure from the corpus's
 hta_reference.json, the difference, and — when HTA is importable (`--hta-path` to where it is
 installed) — HTA's own time for `TraceAnalysis(trace_dir=...).get_comm_comp_overlap()`.
 
-    python benchmarks/analyze_corpus.py --out benchmarks/results
+    python benchmarks/analyze_corpus.py --corpus DIR --out benchmarks/results
+    python benchmarks/analyze_corpus.py --smoke      # two small jobs kept in benchmarks/data/traces/corpus_smoke
     pip install --target /tmp/hta HolisticTraceAnalysis==0.5.0 'pandas<3'
-    python benchmarks/analyze_corpus.py --hta-path /tmp/hta --out benchmarks/results
+    python benchmarks/analyze_corpus.py --corpus DIR --hta-path /tmp/hta --out benchmarks/results
 
 Writes benchmarks/results/analyze_corpus.json and .md.
 """
@@ -26,9 +27,8 @@ from pathlib import Path
 from _lib.common import DATA, ROOT, add_out_arg, add_smoke_arg, out_dir, write_results
 from overlapkit.timeline import TraceError, analyze, read_traces
 
-CORPUS = Path(DATA) / "traces" / "corpus"
-SMOKE_JOBS = ("hta_cpu_only", "gen_gloo_ddp_2ranks")
-"""--smoke: a one-rank CPU trace and a two-rank gloo job, analyzed once each."""
+SMOKE_CORPUS = Path(DATA) / "traces" / "corpus_smoke"
+"""--smoke: a one-rank CPU trace and a two-rank gloo job of the corpus, with its reference file, analyzed once each."""
 
 
 def _ours(folder: Path, repeat: int):
@@ -75,7 +75,7 @@ def _hta(folder: Path, repeat: int):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--corpus", default=str(CORPUS))
+    ap.add_argument("--corpus", help="the trace corpus's folder (one folder per job, and its hta_reference.json)")
     ap.add_argument("--repeat", type=int, default=3, help="time each analysis this many times, keep the best")
     ap.add_argument("--hta-path", help="a directory holding an installed HolisticTraceAnalysis (pip --target)")
     add_out_arg(ap)
@@ -84,9 +84,11 @@ def main() -> None:
     args = ap.parse_args()
     if args.smoke:
         args.repeat = 1
-    wanted = args.jobs or (SMOKE_JOBS if args.smoke else None)
+    if args.corpus is None and not args.smoke:
+        ap.error("--corpus DIR is needed: the folder of the third-party trace corpus (it is not in the repository)")
+    wanted = args.jobs
     out = out_dir(args)
-    corpus = Path(args.corpus)
+    corpus = Path(args.corpus or SMOKE_CORPUS)
     reference = json.loads((corpus / "hta_reference.json").read_text())["cases"]
     hta_ok = False
     if args.hta_path:
