@@ -21,6 +21,8 @@ from ..runtime import comm
 from ..runtime.agreement import Agreement, RankMismatchError, agree
 from ..runtime.groups import resolve_group
 from ..runtime.tuning import MeasuredChoice, timed
+from ..tensor_parallel.mappings import copy_to_tp, reduce_from_tp
+from ..tensor_parallel.precision import autocast_dtype, autocast_off, cast
 from .config import CHUNK_CANDIDATES, MoEConfig
 from .dispatch import ExpertsA2A, plan_dispatch
 from .experts import Experts, init_full_experts
@@ -143,9 +145,9 @@ class MoE(nn.Module):
         # Checked across ranks before any transfer: a wrong width or dtype on one rank fails on all. The
         # padded path also needs the same number of tokens everywhere (its split sizes come from it).
         # Autocast on one rank only would send rows of another dtype (gloo aborts on the size mismatch).
-        from ..tensor_parallel.precision import autocast_dtype
-        self._agreement.check(self.group, width=x.shape[-1] if x.dim() else None, dtype=x.dtype,
-                              autocast=autocast_dtype(x), weights=self.experts.w1.dtype,
+        cdt = autocast_dtype(x)
+        self._agreement.check(self.group, width=x.shape[-1] if x.dim() else None, dtype=x.dtype, autocast=cdt,
+                              weights=self.experts.w1.dtype,
                               device=x.device.type, tokens=x.numel() // max(x.shape[-1], 1) if padded else None)
         if x.dim() < 1 or x.shape[-1] != cfg.hidden:
             raise ValueError(f"MoE {self.name}: input's last dim must be hidden={cfg.hidden}, got shape {tuple(x.shape)}")
@@ -157,15 +159,14 @@ class MoE(nn.Module):
             trial = self.chunk_choice.trial(x.device)
             chunks = self.chunk_choice.decided if trial is None else trial.choice
         with timed(trial, "forward"):
-            out = self._route_and_compute(x2, chunks, padded, trial)
+            out = self._route_and_compute(x2, chunks, padded, trial, cdt)
         return out.view(x.shape)
 
-    def _route_and_compute(self, x2: torch.Tensor, chunks, padded: bool, trial) -> torch.Tensor:
+    def _route_and_compute(self, x2: torch.Tensor, chunks, padded: bool, trial, cdt) -> torch.Tensor:
         cfg = self.config
         routing = self.router(x2)
         xin = x2
         if self.tp_group is not None:
-            from ..tensor_parallel.mappings import copy_to_tp
             xin = copy_to_tp(x2, self.tp_group, f"{self.name}.experts_in")  # partial dx summed over TP
         e = self.experts
         weights, precision = (e.w1, e.b1, e.w2, e.b2), contextlib.nullcontext()
@@ -173,8 +174,6 @@ class MoE(nn.Module):
             # What autocast would do for a linear, done once outside the expert functions (as the tensor-parallel
             # ones do): inputs and weights in its dtype, differentiably, and the functions run with autocast off,
             # every tensor in one dtype (and the grouped GEMMs, which take no part in autocast, usable).
-            from ..tensor_parallel.precision import autocast_dtype, autocast_off, cast
-            cdt = autocast_dtype(x2)
             xin, weights, precision = cast(xin, cdt), [cast(w, cdt) for w in weights], autocast_off(x2, cdt)
         if padded:
             plan = plan_padded(routing.experts, cfg.num_experts, chunks, cfg.capacity(x2.shape[0]), self.group,
@@ -189,7 +188,6 @@ class MoE(nn.Module):
                 slots = ExpertsA2A.apply(xin, *weights, plan, self.group, e.add_output_bias, self.name, trial)
             received = plan.received_per_expert
         if self.tp_group is not None:
-            from ..tensor_parallel.mappings import reduce_from_tp
             slots = reduce_from_tp(slots, self.tp_group, f"{self.name}.experts_out")  # partial sums over TP
         # Combine: every token's top_k slots (a dropped one holds 0) weighted and summed, in a fixed order
         # (the sum accumulates in fp32). An index_add into the tokens would add with atomics: run-to-run
