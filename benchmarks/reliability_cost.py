@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-from _lib.common import add_out_arg, add_smoke_arg, out_dir, write_results  # noqa: E402
+from _lib.common import add_out_arg, add_smoke_arg, init_one_rank, out_dir, write_results  # noqa: E402
 
 
 def _median_us(fn, reps: int) -> float:
@@ -108,11 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         args.params, args.reps = [8, 32], 5
     import torch.distributed as dist
 
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    from _lib.unexported import free_port
-
-    os.environ.setdefault("MASTER_PORT", str(free_port()))
-    dist.init_process_group("gloo", rank=0, world_size=1)
+    init_one_rank()
     try:
         torch.set_num_threads(1)
         rows = [_measure(n, args.width, args.reps) for n in args.params]
