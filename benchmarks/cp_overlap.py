@@ -1,8 +1,8 @@
-"""Ring attention (context parallelism), side by side in one run: the default overlap="auto" (decided on
-its first calls), "pipelined" (the next K/V block in flight while this one's attention runs), the same with
-each step also waiting for its sends (the schedule before sends were joined at the end of a pass), "none"
-(every transfer after its block: no overlap), and PyTorch's context_parallel where it runs; forward and
-forward+backward; per-round ratios; exposed cp_kv from the timeline recorder, and why it waits.
+"""Context-parallel attention, side by side in one run: the default overlap="auto" (decided on its first
+calls), "pipelined" (the ring: the next K/V block in flight while this one's attention runs), "bulk" (the
+all-gather schedule: every block sent to every rank at the start of the pass, each attended as it lands),
+"none" (every transfer after its block: no overlap), and PyTorch's context_parallel where it runs; forward
+and forward+backward; per-round ratios; exposed cp_kv from the timeline recorder, and why it waits.
 
 Variants take turns round by round (each round in the next order of a balanced design), so load that
 comes and goes hits them alike; a call's time is the slowest rank's. Ratios are per round (median and
@@ -10,8 +10,9 @@ middle half). Exposed cp_kv comes from recorded calls after the timed ones: the 
 a block's attention, as a share of the transfer (a hop timed alone — ranks lined up, the ring's exchange
 and nothing else — times the hops of the phase). Target: <= 20 % exposed where a block's attention is
 longer than its hop. The waits are attributed from every rank's spans (_lib/cp_waits.py): the sending rank
-posted late, a hop is longer than the block even alone, or the transfer ran slower than alone; beside
-it the blocks' time overlapped vs sequential (contention), the merge's share and the ranks' compute spread.
+posted late, a hop is longer than the block even alone, or the transfer ran slower than alone (under
+"bulk" several blocks share the link at once, which counts there too); beside it the blocks' time
+overlapped vs sequential (contention), the merge's share and the ranks' compute spread.
 
 At world size 1 on CUDA there is no ring to overlap: auto keeps "none" without trials, and the run
 measures the ring's fixed cost (one block of the fused kernel, the log-sum-exp bookkeeping) against
@@ -19,7 +20,7 @@ measures the ring's fixed cost (one block of the fused kernel, the log-sum-exp b
 mesh of one. (PyTorch's context_parallel does not run on CPU: it has no ring for
 `_scaled_dot_product_flash_attention_for_cpu`; the CPU run records its error.)
 
-    python benchmarks/cp_overlap.py --world 4 --threads 2          # CPU, gloo (the GPU machine's 16 cores)
+    python benchmarks/cp_overlap.py --world 4 --threads 3          # CPU, gloo (the GPU machine's 16 cores)
     python benchmarks/cp_overlap.py --device cuda --world 1        # one GPU: fixed cost vs SDPA
     python benchmarks/cp_overlap.py --device cuda --world 8        # 8 GPUs, NCCL: the ring and torch's, side by side
 
@@ -29,7 +30,6 @@ Writes benchmarks/results/cp_overlap_<device>_ws<N>[_s<tokens a rank>].json and 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import statistics
 import sys
@@ -55,43 +55,11 @@ PRESETS = {
 }
 CUDA_WS1_SEQS = (4096, 16384, 32768)
 """Whole-sequence lengths of the world-size-1 fixed-cost table."""
-JOINED = "pipelined, sends joined"
-"""The pipelined ring with every step also waiting for its sends (the schedule before): what joining the
-sends at the end of the pass changed."""
-VARIANTS = ("auto", "pipelined", JOINED, "none")
+FIXED = ("pipelined", "bulk", "none")
+"""The fixed overlap settings auto chooses among (context_parallel.AUTO_CANDIDATES)."""
+VARIANTS = ("auto", *FIXED)
 TARGET = 20.0
 """Exposed cp_kv, % of the transfer, where a block's attention is longer than its hop."""
-
-
-@contextlib.contextmanager
-def _sends_joined():
-    """Make the ring wait for its sends with its receives, as it did before (in this process, for the block).
-
-    The ring's exchange is replaced where the ring looks it up (`comm.ring_exchange`); a block in which
-    the ring never called it would time plain "pipelined" under this variant's name, so it raises."""
-    real, calls = comm.ring_exchange, [0]
-
-    class Both:
-        def __init__(self, received, sent):
-            self.received, self.sent = received, sent
-
-        def wait(self):
-            self.sent.wait()
-            self.received.wait()
-
-    def joined(sends, recvs, group, *, kind, name=""):
-        calls[0] += 1
-        received, sent = real(sends, recvs, group, kind=kind, name=name)
-        return Both(received, sent), comm.Handle([])
-
-    comm.ring_exchange = joined
-    try:
-        yield
-    finally:
-        comm.ring_exchange = real
-    if dist.get_world_size() > 1 and not calls[0]:
-        raise RuntimeError(f"{JOINED!r}: the ring no longer exchanges through comm.ring_exchange, so this variant "
-                           "would time plain 'pipelined'")
 
 
 def _median(xs):
@@ -125,18 +93,16 @@ def _ring_body(device_type: str, p: dict, rounds: int, warmup: int, recorded: in
     q, k, v = (shard(t, 2, rank, size, "zigzag") for t in full)
     dout = torch.randn_like(q)
     group = dist.group.WORLD
-    rings = {name: RingAttention(group, ContextParallelConfig(overlap="pipelined" if name == JOINED else name))
-             for name in VARIANTS}
+    rings = {name: RingAttention(group, ContextParallelConfig(overlap=name)) for name in VARIANTS}
 
     def call(name: str, backward: bool):
         def run():
-            with _sends_joined() if name == JOINED else contextlib.nullcontext():
-                if not backward:
-                    with torch.no_grad():
-                        rings[name](q, k, v)
-                    return
-                ql, kl, vl = (t.detach().requires_grad_() for t in (q, k, v))
-                rings[name](ql, kl, vl).backward(dout)
+            if not backward:
+                with torch.no_grad():
+                    rings[name](q, k, v)
+                return
+            ql, kl, vl = (t.detach().requires_grad_() for t in (q, k, v))
+            rings[name](ql, kl, vl).backward(dout)
         return run
 
     t0, trial_calls = time.perf_counter(), 0
@@ -282,13 +248,15 @@ def summarize_ring(per_rank: list[dict]) -> dict:
     times = {name: _median(t) for name, t in raw.items()}
     hop = per_rank[0]["hop_ms"]  # already the slowest rank's
     auto = per_rank[0]["auto"]
-    best = min(("pipelined", "none"), key=lambda o: times[f"{o} fwd+bwd"])
+    best = min(FIXED, key=lambda o: times[f"{o} fwd+bwd"])
     step = lambda name: raw[f"{name} fwd+bwd"]  # noqa: E731
     ratios = {f"auto vs best fixed ({best})": per_round(step("auto"), step(best)),
               "auto vs none": per_round(step("auto"), step("none")),
               f"auto vs its twin ({auto['overlap']})": per_round(step("auto"), step(auto["overlap"])),
               "pipelined vs none": per_round(step("pipelined"), step("none")),
-              "pipelined vs sends joined": per_round(step("pipelined"), step(JOINED)),
+              "bulk vs none": per_round(step("bulk"), step("none")),
+              "bulk vs pipelined": per_round(step("bulk"), step("pipelined")),
+              "bulk vs pipelined, fwd": per_round(raw["bulk fwd"], raw["pipelined fwd"]),
               "auto vs none, fwd": per_round(raw["auto fwd"], raw["none fwd"])}
     if "torch context_parallel fwd+bwd" in raw:
         ratios["auto vs torch context_parallel"] = per_round(step("auto"), raw["torch context_parallel fwd+bwd"])
@@ -310,7 +278,8 @@ def summarize_ring(per_rank: list[dict]) -> dict:
                                          target=None if not row["block_longer_than_hop"] or pct is None else pct <= TARGET)
         out["phases"][phase] = row
     for name in VARIANTS:
-        out["waits"][name] = attribute([r["spans"][name] for r in per_rank], hop)
+        schedule = per_rank[0]["auto"]["overlap"] if name == "auto" else name
+        out["waits"][name] = attribute([r["spans"][name] for r in per_rank], hop, schedule=schedule)
     return out
 
 
@@ -354,12 +323,13 @@ def markdown(result: dict) -> str:
     lines += ["", "Exposed cp_kv from the recorder, % of the transfer (hops alone: K/V "
               f"{fmt(r['hop_ms']['kv'])} ms, fp32 dK/dV {fmt(r['hop_ms']['dkv'])} ms):", "",
               "| phase | hops K/V + dK/dV | block ms, sequential | transfer ms | "
-              + " | ".join(f"{v}: exposed ms (%), block ms" for v in VARIANTS) + f" | target ≤ {TARGET:.0f} % (auto) |",
+              + " | ".join(f"{v}: exposed ms (%), block ms" for v in VARIANTS) + f" | target ≤ {TARGET:.0f} % |",
               "|---|---|---:|---:|" + "---|" * len(VARIANTS) + "---|"]
     for phase, x in r["phases"].items():
         cells = [f"{fmt(v['exposed_ms'])} ({fmt(v['exposed_pct'], '.0f')} %), {fmt(v['block_ms'])}"
                  for v in x["variants"].values()]
-        goal = {None: "n/a (block not longer than hop)", True: "met", False: "MISSED"}[x["variants"]["auto"]["target"]]
+        said = {None: "n/a (block not longer than hop)", True: "met", False: "MISSED"}
+        goal = "; ".join(f"{v}: {said[x['variants'][v]['target']]}" for v in ("auto", "pipelined", "bulk"))
         lines.append(f"| {phase} | {x['kv_hops']} + {x['dkv_hops']} | {fmt(x['block_ms_sequential'])} | "
                      f"{fmt(x['transfer_ms'])} | " + " | ".join(cells) + f" | {goal} |")
     lines += ["", "Why it waits (_lib/cp_waits.py; ms per rank and step, medians over recorded steps): exposed = sending "

@@ -36,8 +36,9 @@ def test_zigzag_plan_skips_future_blocks_and_balances_work():
 
 
 def test_config_rejects_bad_values():
-    with pytest.raises(ValueError, match="overlap='bulk'"):
-        ContextParallelConfig(overlap="bulk")
+    with pytest.raises(ValueError, match="overlap='chunked'"):
+        ContextParallelConfig(overlap="chunked")
+    assert ContextParallelConfig(overlap="bulk").overlap == "bulk"  # the all-gather schedule
     with pytest.raises(ValueError, match="layout='halves'"):
         ContextParallelConfig(layout="halves")
     with pytest.raises(ValueError, match="kernel='fast'"):

@@ -1,10 +1,11 @@
-"""Ring attention as an autograd function and a module: the K/V ring hides behind each block's attention.
+"""Ring attention as an autograd function and a module: the K/V transfers hide behind each block's attention.
 
 `ring_attention(q, k, v, group)` takes this rank's slice of the sequence (laid out by `split`)
 and returns softmax(q kᵀ·scale)·v over the *whole* sequence for its queries, equal to
 attention in one process; backward returns the exact gradients of the local q, k and v. The
 schedule and its overlap live in `ring.py`; this file checks the inputs (the same on every
-rank, via `overlapkit.runtime.agreement`) and wires the schedule into autograd.
+rank, via `overlapkit.runtime.agreement`) and wires the schedule into autograd; `gather.py` holds the
+all-gather schedule (`overlap="bulk"`), which computes the same blocks.
 """
 
 from __future__ import annotations
@@ -20,17 +21,29 @@ from ..runtime.groups import resolve_group
 from ..runtime.tuning import MeasuredChoice, timed
 from ..vocabulary import OVERLAP_MEANING
 from .kernels import KERNELS, check_kernel
+from .gather import gather_backward, gather_forward
 from .ring import Ring, ring_backward, ring_forward
 from .split import LAYOUTS, check_layout, chunks_per_rank
 
 OVERLAPS = tuple(OVERLAP_MEANING["cp"])
-"""`none`: each K/V transfer after the block it could hide behind (the reference); `pipelined`: the next
-block in flight while this one computes; `auto`: `none` at cp = 1 (nothing travels), else both timed on
-the first calls of a configuration (forward and backward, the slowest rank's median) and the faster kept,
-the same on every rank. The ring has no bulk form."""
+"""`none`: each K/V transfer after the block it could hide behind (the reference); `pipelined`: the ring,
+the next block in flight while this one computes; `bulk`: every block sent to every rank at the start of
+the pass, each attended as it lands (all P−1 blocks held at once, see gather.py); `auto`: `none` at cp = 1
+(nothing travels), else the three timed on the first calls of a configuration (forward and backward, the
+slowest rank's median) and the fastest kept, the same on every rank."""
 
-AUTO_CANDIDATES = ("pipelined", "none")
-"""What `overlap="auto"` times, in order of preference on a tie."""
+AUTO_CANDIDATES = ("pipelined", "bulk", "none")
+"""What `overlap="auto"` times, in order of preference on a tie (the ring holds the least memory)."""
+
+
+def forward_pass(ring: Ring, q, k, v):
+    """The forward schedule `ring.overlap` names: (out fp32, lse fp32, rests, the K/V block backward starts on)."""
+    return (gather_forward if ring.overlap == "bulk" else ring_forward)(ring, q, k, v)
+
+
+def backward_pass(ring: Ring, dout, q, k, v, out, lse, rests, first):
+    """The backward schedule `ring.overlap` names: (dq, dk, dv) in fp32."""
+    return (gather_backward if ring.overlap == "bulk" else ring_backward)(ring, dout, q, k, v, out, lse, rests, first)
 
 
 @dataclass(frozen=True)
@@ -38,8 +51,9 @@ class ContextParallelConfig:
     """How ring attention cuts the sequence, computes its blocks and overlaps its transfers."""
 
     overlap: str = "auto"
-    """`pipelined` (the next K/V block travels while this one's attention runs), `none` (sequential), or
-    `auto` (measured once per configuration and kept: see OVERLAPS)."""
+    """`pipelined` (the ring: the next K/V block travels while this one's attention runs), `bulk` (every
+    block sent at the start of the pass, attended as it lands; holds all P−1 blocks at once), `none`
+    (sequential), or `auto` (measured once per configuration and kept: see OVERLAPS)."""
     layout: str = "zigzag"
     """How the sequence is cut over CP ranks (see split.py): `zigzag` balances causal work; `contiguous`."""
     kernel: str = "auto"
@@ -61,7 +75,7 @@ class ContextParallelConfig:
 
 
 class _RingAttention(torch.autograd.Function):
-    """Ring of K/V blocks in forward; the same ring, carrying dK/dV back to their owners, in backward.
+    """K/V blocks to every rank in forward (the ring, or all at once); dK/dV back to their owners in backward.
 
     Keeps one received K/V block (rank r−1's) from forward beyond what attention saves anyway, so that
     backward can start computing at once (memory: one more local K/V)."""
@@ -69,7 +83,7 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, ring: Ring, trial=None):
         with timed(trial, "forward"):  # auto's trials time it; nothing once decided
-            out, lse, rests, first = ring_forward(ring, q, k, v)
+            out, lse, rests, first = forward_pass(ring, q, k, v)
         ctx.save_for_backward(q, k, v, out, lse, *(first or ()))
         ctx.ring, ctx.rests, ctx.trial = ring, rests, trial
         return out.to(q.dtype)
@@ -78,7 +92,7 @@ class _RingAttention(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, out, lse, *first = ctx.saved_tensors
         with timed(ctx.trial, "backward"):
-            dq, dk, dv = ring_backward(ctx.ring, dout, q, k, v, out, lse, ctx.rests, first or None)
+            dq, dk, dv = backward_pass(ctx.ring, dout, q, k, v, out, lse, ctx.rests, first or None)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
 
 
@@ -182,5 +196,5 @@ class RingAttention(nn.Module):
         return f"cp={group_size(self.group)}, causal={self.causal}, {self.config}"
 
 
-__all__ = ["ContextParallelConfig", "RingAttention", "ring_attention", "OVERLAPS", "AUTO_CANDIDATES",
+__all__ = ["ContextParallelConfig", "RingAttention", "ring_attention", "OVERLAPS", "AUTO_CANDIDATES", "forward_pass", "backward_pass",
            "OverlapChoices", "LAYOUTS", "KERNELS"]

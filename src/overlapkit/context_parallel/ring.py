@@ -93,6 +93,12 @@ class Ring:
     def plan(self, step: int) -> list[Call]:
         return block_plan(self.rank, (self.rank - step) % self.size, self.size, self.layout, self.chunk, self.causal)
 
+    def attends(self, rank: int, src: int) -> bool:
+        """Whether rank `rank`'s queries meet any key of rank `src`'s block (under a causal mask with the
+        contiguous layout an earlier rank never sees a later one's keys): every rank can tell, so a block
+        nobody attends need not travel."""
+        return bool(block_plan(rank, src, self.size, self.layout, self.chunk, self.causal))
+
     def pass_on(self, tensors, label: str, sends: list) -> tuple[comm.Handle, list[torch.Tensor]]:
         """Send `tensors` to the next rank and receive the same shapes from the previous one: (the receive's
         handle, the incoming tensors). The send's handle goes to `sends`, to be joined when the pass ends
@@ -108,7 +114,8 @@ class Ring:
         return received, incoming
 
 
-def _join(sends: list) -> None:
+def join(sends: list) -> None:
+    """Wait for every send of a pass (their buffers are never written before the pass ends)."""
     for h in sends:
         h.wait()
 
@@ -125,7 +132,7 @@ def ring_forward(ring: Ring, q, k, v):
         if ring.overlap == "pipelined" and not last:
             handle, incoming = ring.pass_on(kv, f"fwd.kv[{i}]", sends)
         with compute_span(f"{ring.name}.fwd[{i}]"):
-            out, lse, step_rests = _forward_step(ring, i, q, kv, out, lse)
+            out, lse, step_rests = forward_step(ring, i, q, kv, out, lse)
             rests.append(step_rests)
         if ring.overlap == "none" and not last:
             handle, incoming = ring.pass_on(kv, f"fwd.kv[{i}]", sends)
@@ -133,11 +140,11 @@ def ring_forward(ring: Ring, q, k, v):
             handle.wait()
             kv = incoming
             first = incoming if first is None else first
-    _join(sends)
+    join(sends)
     return out, lse, rests, first
 
 
-def _forward_step(ring: Ring, step: int, q, kv, out, lse):
+def forward_step(ring: Ring, step: int, q, kv, out, lse):
     """Fold the held block into (out, lse) (step 0, the own block that every row sees, starts them)."""
     rests = []
     for c in ring.plan(step):
@@ -170,7 +177,7 @@ def ring_backward(ring: Ring, dout, q, k, v, out, lse, rests, first):
         if ring.overlap == "pipelined" and step < ring.size - 1:
             kv_handle, kv_in = ring.pass_on(kv, f"bwd.kv[{step}]", sends)
         with compute_span(f"{ring.name}.bwd[{step}]"):
-            dkv = _backward_step(ring, step, dout, q, kv, out, lse, rests[step], dq)
+            dkv = backward_step(ring, step, dout, q, kv, out, lse, rests[step], dq)
         if acc_handle is not None:
             # The parts of this block's dK/dV from the ranks that held it before this one.
             acc_handle.wait()
@@ -184,16 +191,16 @@ def ring_backward(ring: Ring, dout, q, k, v, out, lse, rests, first):
             kv_handle.wait()
             kv = kv_in
     with compute_span(f"{ring.name}.bwd[0]"):
-        dkv = _backward_step(ring, 0, dout, q, [k, v], out, lse, rests[0], dq)
+        dkv = backward_step(ring, 0, dout, q, [k, v], out, lse, rests[0], dq)
     if acc_handle is not None:
         acc_handle.wait()
         dkv[0] += acc[0]
         dkv[1] += acc[1]
-    _join(sends)
+    join(sends)
     return dq, dkv[0], dkv[1]
 
 
-def _backward_step(ring: Ring, step: int, dout, q, kv, out, lse, rests, dq) -> list[torch.Tensor]:
+def backward_step(ring: Ring, step: int, dout, q, kv, out, lse, rests, dq) -> list[torch.Tensor]:
     """Add the held block's part of dq into `dq`; return its (dk, dv) parts in fp32."""
     dkv = [torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in kv]
     for c, rest in zip(ring.plan(step), rests):
