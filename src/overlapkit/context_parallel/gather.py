@@ -14,7 +14,7 @@ an earlier rank never sees a later rank's keys) does not travel; both ends know 
 Memory: forward holds all P−1 received K/V blocks at once (the whole sequence's K/V, as the all-gather
 context parallelism of Llama 3 does), backward P−1 again and P−1 fp32 dK/dV parts of the own block;
 the ring holds two K/V blocks and one accumulator. Each step of the two schedules computes the same
-blocks (`ring.forward_step`, `ring.backward_step`); only when their data arrives differs.
+blocks (`ring.attend` and `ring.fold`, `ring.backward_step`); only when their data arrives differs.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import torch
 
 from ..runtime import comm
 from ..runtime.recorder import compute_span
-from .ring import Ring, backward_step, forward_step, join
+from .ring import Ring, attend, backward_step, fold, join
 
 
 def _post_kv(ring: Ring, kv, steps, phase: str, sends: list) -> dict:
@@ -62,7 +62,8 @@ def gather_forward(ring: Ring, q, k, v):
             rests.append([])
             continue
         with compute_span(f"{ring.name}.fwd[{i}]"):
-            out, lse, step_rests = forward_step(ring, i, q, block, out, lse)
+            parts, step_rests = attend(ring, i, q, block)
+        out, lse = fold(ring, i, parts, out, lse)
         rests.append(step_rests)
     join(sends)
     return out, lse, rests, _arrived(arriving, 1)

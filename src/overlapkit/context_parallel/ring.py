@@ -2,8 +2,9 @@
 
 Forward, step i of P on rank r: rank r holds the key/value block of rank (r − i) mod P, sends
 it on to r+1 and receives the next from r−1 (one batched `comm.ring_exchange`, kind `cp_kv`),
-and meanwhile computes its queries against the block in hand and folds the result into its
-running output with the log-sum-exp rule. A step waits only for what it receives; the sends are
+and meanwhile computes its queries against the block in hand; once the next block is in and sent
+on, it folds the result into its running output with the log-sum-exp rule (so the merge is not in
+the next hop's way). A step waits only for what it receives; the sends are
 joined when the pass ends (their buffers are never written again), because a send completes only
 once the successor has posted its receive, and waiting for it would tie every rank to a late
 successor as well as to its predecessor. Backward mirrors it: key/value blocks travel the
@@ -11,7 +12,8 @@ same way, and beside them the dK/dV accumulator of each block, which every rank 
 to before passing it on; after P−1 hops each block's gradient is back with its owner, in time
 for the owner's own block, which backward computes last. With
 `overlap="none"` every transfer runs after the computation it could have hidden behind (the
-sequential reference the benchmark compares with).
+sequential reference the benchmark compares with). `gather.py` holds the other schedule,
+`overlap="bulk"`: every block sent to every rank at the start of the pass.
 
 Which query rows meet which key columns on a step is decided by `block_plan` from the chunk
 grid of `split`: causal diagonals are computed with a causal mask, chunks wholly in the
@@ -122,41 +124,53 @@ def join(sends: list) -> None:
 
 def ring_forward(ring: Ring, q, k, v):
     """(out fp32, lse fp32, rests, the K/V block received first) of the local queries against every rank's keys
-    and values. That block (rank r−1's) is kept for backward, which starts with it (see `ring_backward`)."""
-    out = lse = first = None
+    and values. That block (rank r−1's) is kept for backward, which starts with it (see `ring_backward`).
+
+    A step attends its block, waits for the next one, sends that on at once and only then merges its own
+    result into the running output: the hop leaves a merge earlier than if the merge came first."""
+    out = lse = first = handle = incoming = None
     rests, sends = [], []
     kv = [k.contiguous(), v.contiguous()]
+    pipelined = ring.overlap == "pipelined"
+    if pipelined and ring.size > 1:
+        handle, incoming = ring.pass_on(kv, "fwd.kv[0]", sends)
     for i in range(ring.size):
-        last = i == ring.size - 1
-        handle = None
-        if ring.overlap == "pipelined" and not last:
-            handle, incoming = ring.pass_on(kv, f"fwd.kv[{i}]", sends)
         with compute_span(f"{ring.name}.fwd[{i}]"):
-            out, lse, step_rests = forward_step(ring, i, q, kv, out, lse)
-            rests.append(step_rests)
-        if ring.overlap == "none" and not last:
-            handle, incoming = ring.pass_on(kv, f"fwd.kv[{i}]", sends)
-        if handle is not None:
+            parts, step_rests = attend(ring, i, q, kv)
+        rests.append(step_rests)
+        if i < ring.size - 1:
+            if not pipelined:  # the sequential reference: the hop after the block, waited at once
+                handle, incoming = ring.pass_on(kv, f"fwd.kv[{i}]", sends)
             handle.wait()
             kv = incoming
             first = incoming if first is None else first
+            if pipelined and i + 1 < ring.size - 1:
+                handle, incoming = ring.pass_on(kv, f"fwd.kv[{i + 1}]", sends)
+        out, lse = fold(ring, i, parts, out, lse)
     join(sends)
     return out, lse, rests, first
 
 
-def forward_step(ring: Ring, step: int, q, kv, out, lse):
-    """Fold the held block into (out, lse) (step 0, the own block that every row sees, starts them)."""
-    rests = []
+def attend(ring: Ring, step: int, q, kv) -> tuple[list, list]:
+    """([(call, out, lse)] of the local queries against the held block, unmerged; the kernels' rests)."""
+    parts, rests = [], []
     for c in ring.plan(step):
         o, l, rest = block_forward(q[:, :, c.q0:c.q1], kv[0][:, :, c.k0:c.k1], kv[1][:, :, c.k0:c.k1],
                                    c.causal, ring.scale, ring.kernel)
+        parts.append((c, o, l))
         rests.append(rest)
+    return parts, rests
+
+
+def fold(ring: Ring, step: int, parts: list, out, lse):
+    """Merge `attend`'s parts into the running (out, lse); step 0, the own block every row sees, starts them."""
+    for c, o, l in parts:
         if out is None:
             out, lse = o, l
-        else:
-            with compute_span(f"{ring.name}.fwd[{step}].merge"):  # inside the step's span: its share of it
-                merge(out[:, :, c.q0:c.q1], lse[:, :, c.q0:c.q1], o, l)
-    return out, lse, rests
+            continue
+        with compute_span(f"{ring.name}.fwd[{step}].merge"):  # a span of its own: its share of a step
+            merge(out[:, :, c.q0:c.q1], lse[:, :, c.q0:c.q1], o, l)
+    return out, lse
 
 
 def ring_backward(ring: Ring, dout, q, k, v, out, lse, rests, first):
