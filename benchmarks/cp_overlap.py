@@ -201,7 +201,7 @@ def _fixed_cost_body(p: dict, rounds: int, warmup: int, seqs=CUDA_WS1_SEQS, devi
     """World size 1 on CUDA: the ring's fixed cost vs SDPA on the whole sequence (and torch CP at a mesh of one)."""
     device = torch.device(device_type, 0) if device_type == "cuda" else torch.device("cpu")
     rows = {}
-    rings = {o: RingAttention(dist.group.WORLD, ContextParallelConfig(overlap=o)) for o in ("auto", "pipelined")}
+    rings = {o: RingAttention(dist.group.WORLD, ContextParallelConfig(overlap=o)) for o in ("auto", "pipelined", "bulk")}
     for seq in seqs:
         q, k, v = _inputs(p, seq, device)
         dout = torch.randn_like(q)
@@ -224,14 +224,15 @@ def _fixed_cost_body(p: dict, rounds: int, warmup: int, seqs=CUDA_WS1_SEQS, devi
             return run
 
         calls = {"sdpa fwd": sdpa(False), "sdpa fwd+bwd": sdpa(True), "ring fwd": ring(False), "ring fwd+bwd": ring(True),
-                 "ring pipelined fwd+bwd": ring(True, "pipelined")}
+                 "ring pipelined fwd+bwd": ring(True, "pipelined"), "ring bulk fwd+bwd": ring(True, "bulk")}
         torch_cp = _torch_cp_call([q, k, v], dout, device, 1, 0)
         if callable(torch_cp):
             calls["torch context_parallel fwd+bwd"] = torch_cp
         times = _time_calls(calls, rounds, warmup, device)
         ratios = {"ring vs sdpa, fwd": per_round(times["ring fwd"], times["sdpa fwd"]),
                   "ring vs sdpa": per_round(times["ring fwd+bwd"], times["sdpa fwd+bwd"]),
-                  "auto vs pipelined": per_round(times["ring fwd+bwd"], times["ring pipelined fwd+bwd"])}
+                  "auto vs pipelined": per_round(times["ring fwd+bwd"], times["ring pipelined fwd+bwd"]),
+                  "bulk vs pipelined": per_round(times["ring bulk fwd+bwd"], times["ring pipelined fwd+bwd"])}
         if callable(torch_cp):
             ratios["ring vs torch CP"] = per_round(times["ring fwd+bwd"], times["torch context_parallel fwd+bwd"])
         rows[seq] = dict(times={n: _median(t) for n, t in times.items()}, ratios=ratios,
@@ -294,15 +295,15 @@ def markdown(result: dict) -> str:
         lines = ["The ring is the default (overlap='auto', which keeps 'none' at cp = 1 without trials); ratios per "
                  "round, median (middle half).", "",
                  "| sequence | sdpa fwd ms | ring fwd ms | ratio | sdpa fwd+bwd ms | ring fwd+bwd ms | ratio | "
-                 "torch CP fwd+bwd ms | ring vs torch CP | auto vs pipelined (≤ 1.01) |",
-                 "|---:|---:|---:|---|---:|---:|---|---:|---|---|"]
+                 "torch CP fwd+bwd ms | ring vs torch CP | auto vs pipelined (≤ 1.01) | bulk vs pipelined |",
+                 "|---:|---:|---:|---|---:|---:|---|---:|---|---|---|"]
         for seq, row in result["rows"].items():
             t, x = row["times"], row["ratios"]
             tcp = fmt(t.get("torch context_parallel fwd+bwd")) if row["torch_cp"] is None else "cannot run"
             lines.append(f"| {seq} | {fmt(t['sdpa fwd'])} | {fmt(t['ring fwd'])} | {text(x['ring vs sdpa, fwd'])} | "
                          f"{fmt(t['sdpa fwd+bwd'])} | {fmt(t['ring fwd+bwd'])} | {text(x['ring vs sdpa'])} | {tcp} | "
                          f"{text(x.get('ring vs torch CP'))} | {text(x['auto vs pipelined'])}: "
-                         f"{verdict(x['auto vs pipelined'], 1.01)} |")
+                         f"{verdict(x['auto vs pipelined'], 1.01)} | {text(x['bulk vs pipelined'])} |")
         errs = {row["torch_cp"] for row in result["rows"].values() if row["torch_cp"]}
         lines += ["", "auto's decisions: " + "; ".join(f"q {k}: {d} ({why})" for k, (d, why) in result["auto"].items())]
         return head + "\n".join(lines) + "\n" + "".join(f"\ntorch context_parallel: {e}\n" for e in errs)
