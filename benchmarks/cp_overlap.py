@@ -44,7 +44,7 @@ from _lib.common import add_common_args, device_label, line_up, out_dir, run_ran
 from _lib.cp_waits import attribute, rank_spans
 from _lib.ratios import per_round, text, verdict
 from _lib.unexported import comm, measure
-from overlapkit.context_parallel import ContextParallelConfig, RingAttention, shard
+from overlapkit.context_parallel import AUTO_CANDIDATES, ContextParallelConfig, RingAttention, shard
 from overlapkit.timeline import record
 
 PRESETS = {
@@ -55,8 +55,8 @@ PRESETS = {
 }
 CUDA_WS1_SEQS = (4096, 16384, 32768)
 """Whole-sequence lengths of the world-size-1 fixed-cost table."""
-FIXED = ("pipelined", "bulk", "none")
-"""The fixed overlap settings auto chooses among (context_parallel.AUTO_CANDIDATES)."""
+FIXED = AUTO_CANDIDATES
+"""The fixed overlap settings auto chooses among: pipelined (the ring), bulk (all-gather), none."""
 VARIANTS = ("auto", *FIXED)
 TARGET = 20.0
 """Exposed cp_kv, % of the transfer, where a block's attention is longer than its hop."""

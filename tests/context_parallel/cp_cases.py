@@ -114,6 +114,21 @@ def recorded_overlap(group, overlap: str) -> dict:
                 names=sorted({s.name for s in kv}), max_hidden_ms=max(hidden_by_span), blocks_beside=blocks_beside)
 
 
+def bulk_receives(group) -> list[str]:
+    """The cp_kv receives one recorded fwd+bwd of the all-gather schedule makes, causal with the contiguous
+    layout (an earlier rank never attends a later one's keys, so those blocks must not travel)."""
+    from overlapkit.timeline import record
+
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    q = torch.randn(1, 2, 4 * size, 8, generator=torch.Generator().manual_seed(6))
+    ql = shard(q, 2, rank, size, "contiguous").requires_grad_()
+    cfg = ContextParallelConfig(overlap="bulk", layout="contiguous", kernel="math")
+    ring_attention(ql, ql, ql, group, config=cfg).sum().backward()  # the agreement, outside the recording
+    with record() as rec:
+        ring_attention(ql, ql, ql, group, config=cfg).sum().backward()
+    return sorted(s.name for s in rec.spans if s.kind == "cp_kv")
+
+
 def llama_errors(group, kernel: str = "math") -> float:
     """Tiny random HF Llama (GQA, RoPE) at cp=size vs one process: max rel error of logits and every grad."""
     import copy

@@ -5,8 +5,8 @@ CP=2 x TP=2 with the heads split over TP; the demo's CP=2 x TP=2 (+SP) GPT."""
 
 import torch.distributed as dist
 
-from cp_cases import (TOL, all_attention_cases, auto_overlap, gpt_cp_dp_errors, llama_errors, recorded_overlap,
-                      rejections, tp_heads_errors)
+from cp_cases import (TOL, all_attention_cases, auto_overlap, bulk_receives, gpt_cp_dp_errors, llama_errors,
+                      recorded_overlap, rejections, tp_heads_errors)
 from distributed import distributed
 from overlapkit.demos import TOLERANCE, DemoConfig, run_rank
 from overlapkit.runtime.groups import ParallelGroups
@@ -20,7 +20,7 @@ def _world():
     return dict(cp4=all_attention_cases(dist.group.WORLD), cp3=all_attention_cases(three) if rank < 3 else {},
                 cp2=all_attention_cases(cp2), rejections=rejections(cp2),
                 pipelined=recorded_overlap(cp2, "pipelined"), sequential=recorded_overlap(cp2, "none"),
-                bulk=recorded_overlap(dist.group.WORLD, "bulk"),
+                bulk=recorded_overlap(dist.group.WORLD, "bulk"), bulk_receives=bulk_receives(dist.group.WORLD),
                 auto=auto_overlap(cp2), auto_bulk=auto_overlap(cp2, "bulk"),
                 llama=llama_errors(cp2), gpt=gpt_cp_dp_errors(), tp=tp_heads_errors(),
                 demo=run_rank(DemoConfig(tp=2, dp=1, cp=2, steps=2, overlap="none"))["steps"])
@@ -77,6 +77,10 @@ def test_all_gather_schedule_posts_every_block_at_once_and_hides_it_behind_sever
         assert bulk["max_hidden_ms"] > 0, f"rank {r}: no cp_kv span overlaps a compute span: {bulk}"
         # Step 3's block was in flight from the start of the pass: beside the attention of steps 0, 1 and 2.
         assert bulk["blocks_beside"]["cp.attn.fwd.kv[3]"] >= 3, bulk
+        # Causal, contiguous: rank r attends the blocks of ranks r−1 … 0 only, and only ranks after it attend its block.
+        want = ([f"cp.attn.fwd.kv[{i}]" for i in range(1, r + 1)] + [f"cp.attn.bwd.kv[{i}]" for i in range(2, r + 1)]
+                + [f"cp.attn.bwd.dkv[{i}]" for i in range(1, 4 - r)])
+        assert res["bulk_receives"] == sorted(want), (r, res["bulk_receives"])
 
 
 def test_hf_llama_cp2_with_rope_on_slices_equals_one_process():
