@@ -57,7 +57,16 @@ CUDA_WS1_SEQS = (4096, 16384, 32768)
 """Whole-sequence lengths of the world-size-1 fixed-cost table."""
 FIXED = AUTO_CANDIDATES
 """The fixed overlap settings auto chooses among: pipelined (the ring), bulk (all-gather), none."""
-VARIANTS = ("auto", *FIXED)
+
+
+def variants(world: int) -> list[str]:
+    """auto, the fixed settings, and bulk with fewer blocks in flight than all P−1 ("bulk prefetch=N")."""
+    return ["auto", *FIXED] + [f"bulk prefetch={d}" for d in (1, 2) if d < world - 1]
+
+
+def config_of(name: str) -> ContextParallelConfig:
+    overlap, _, prefetch = name.partition(" prefetch=")
+    return ContextParallelConfig(overlap=overlap, prefetch=int(prefetch) if prefetch else None)
 TARGET = 20.0
 """Exposed cp_kv, % of the transfer, where a block's attention is longer than its hop."""
 
@@ -93,7 +102,8 @@ def _ring_body(device_type: str, p: dict, rounds: int, warmup: int, recorded: in
     q, k, v = (shard(t, 2, rank, size, "zigzag") for t in full)
     dout = torch.randn_like(q)
     group = dist.group.WORLD
-    rings = {name: RingAttention(group, ContextParallelConfig(overlap=name)) for name in VARIANTS}
+    names = variants(size)
+    rings = {name: RingAttention(group, config_of(name)) for name in names}
 
     def call(name: str, backward: bool):
         def run():
@@ -113,7 +123,7 @@ def _ring_body(device_type: str, p: dict, rounds: int, warmup: int, recorded: in
         if choice.decided is not None:
             break
     auto = dict(overlap=choice.decided, reason=choice.reason, calls=trial_calls, seconds=time.perf_counter() - t0)
-    calls = {f"{o} {'fwd+bwd' if b else 'fwd'}": call(o, b) for o in VARIANTS for b in (False, True)}
+    calls = {f"{o} {'fwd+bwd' if b else 'fwd'}": call(o, b) for o in names for b in (False, True)}
     torch_cp = _torch_cp_call(full, dout, device, size, rank)
     if callable(torch_cp):
         calls["torch context_parallel fwd+bwd"] = torch_cp
@@ -121,7 +131,7 @@ def _ring_body(device_type: str, p: dict, rounds: int, warmup: int, recorded: in
 
     hop_ms = {"kv": _hop_ms([k, v], device), "dkv": _hop_ms([k.float(), v.float()], device)}  # dK/dV travel in fp32
     per_mode, spans = {}, {}
-    for name in VARIANTS:
+    for name in names:
         with record(device=device) as rec:
             for _ in range(recorded):
                 line_up(device)
@@ -249,7 +259,8 @@ def summarize_ring(per_rank: list[dict]) -> dict:
     times = {name: _median(t) for name, t in raw.items()}
     hop = per_rank[0]["hop_ms"]  # already the slowest rank's
     auto = per_rank[0]["auto"]
-    best = min(FIXED, key=lambda o: times[f"{o} fwd+bwd"])
+    names = list(per_rank[0]["recorded"])
+    best = min(names[1:], key=lambda o: times[f"{o} fwd+bwd"])
     step = lambda name: raw[f"{name} fwd+bwd"]  # noqa: E731
     ratios = {f"auto vs best fixed ({best})": per_round(step("auto"), step(best)),
               "auto vs none": per_round(step("auto"), step("none")),
@@ -259,6 +270,9 @@ def summarize_ring(per_rank: list[dict]) -> dict:
               "bulk vs pipelined": per_round(step("bulk"), step("pipelined")),
               "bulk vs pipelined, fwd": per_round(raw["bulk fwd"], raw["pipelined fwd"]),
               "auto vs none, fwd": per_round(raw["auto fwd"], raw["none fwd"])}
+    for name in names:
+        if "prefetch" in name:
+            ratios[f"{name} vs bulk"] = per_round(step(name), step("bulk"))
     if "torch context_parallel fwd+bwd" in raw:
         ratios["auto vs torch context_parallel"] = per_round(step("auto"), raw["torch context_parallel fwd+bwd"])
     out = dict(times_ms=times, torch_cp_error=per_rank[0]["torch_cp"], auto=auto, hop_ms=hop, ratios=ratios,
@@ -270,7 +284,7 @@ def summarize_ring(per_rank: list[dict]) -> dict:
         hop_one = hop["dkv"] if phase == "bwd" else hop["kv"]
         row = dict(transfer_ms=transfer, kv_hops=seq["kv_hops"], dkv_hops=seq["dkv_hops"], block_ms_sequential=block_seq,
                    hop_ms=hop_one, block_longer_than_hop=None if block_seq is None else block_seq > hop_one, variants={})
-        for name in VARIANTS:
+        for name in names:
             recs = [r["recorded"][name][phase] for r in per_rank]
             exposed = _median([x["exposed_ms"] for x in recs])
             pct = 100.0 * exposed / transfer if transfer and exposed is not None else None
@@ -278,8 +292,8 @@ def summarize_ring(per_rank: list[dict]) -> dict:
                                          block_ms=_median([x["block_ms"] for x in recs]),
                                          target=None if not row["block_longer_than_hop"] or pct is None else pct <= TARGET)
         out["phases"][phase] = row
-    for name in VARIANTS:
-        schedule = per_rank[0]["auto"]["overlap"] if name == "auto" else name
+    for name in names:
+        schedule = per_rank[0]["auto"]["overlap"] if name == "auto" else config_of(name).overlap
         out["waits"][name] = attribute([r["spans"][name] for r in per_rank], hop, schedule=schedule)
     return out
 
@@ -313,7 +327,8 @@ def markdown(result: dict) -> str:
     lines = [f"sequence {p['seq_per_rank'] * result['world']} ({p['seq_per_rank']} a rank). Median ms of {result['rounds']} "
              f"rounds, slowest rank. auto kept **{a['overlap']}** after {a['calls']} calls ({a['seconds']:.1f} s): "
              f"{a['reason']}.\n", "| variant | fwd ms | fwd+bwd ms |", "|---|---:|---:|"]
-    for o in VARIANTS:
+    names = list(r["waits"])
+    for o in names:
         lines.append(f"| ring overlap={o} | {fmt(t.get(o + ' fwd'))} | {fmt(t.get(o + ' fwd+bwd'))} |")
     tcp = t.get("torch context_parallel fwd+bwd")
     lines.append(f"| torch context_parallel | — | {fmt(tcp) if r['torch_cp_error'] is None else 'cannot run'} |")
@@ -324,13 +339,13 @@ def markdown(result: dict) -> str:
     lines += ["", "Exposed cp_kv from the recorder, % of the transfer (hops alone: K/V "
               f"{fmt(r['hop_ms']['kv'])} ms, fp32 dK/dV {fmt(r['hop_ms']['dkv'])} ms):", "",
               "| phase | hops K/V + dK/dV | block ms, sequential | transfer ms | "
-              + " | ".join(f"{v}: exposed ms (%), block ms" for v in VARIANTS) + f" | target ≤ {TARGET:.0f} % |",
-              "|---|---|---:|---:|" + "---|" * len(VARIANTS) + "---|"]
+              + " | ".join(f"{v}: exposed ms (%), block ms" for v in names) + f" | target ≤ {TARGET:.0f} % |",
+              "|---|---|---:|---:|" + "---|" * len(names) + "---|"]
     for phase, x in r["phases"].items():
         cells = [f"{fmt(v['exposed_ms'])} ({fmt(v['exposed_pct'], '.0f')} %), {fmt(v['block_ms'])}"
                  for v in x["variants"].values()]
         said = {None: "n/a (block not longer than hop)", True: "met", False: "MISSED"}
-        goal = "; ".join(f"{v}: {said[x['variants'][v]['target']]}" for v in ("auto", "pipelined", "bulk"))
+        goal = "; ".join(f"{v}: {said[x['variants'][v]['target']]}" for v in names if v != "none")
         lines.append(f"| {phase} | {x['kv_hops']} + {x['dkv_hops']} | {fmt(x['block_ms_sequential'])} | "
                      f"{fmt(x['transfer_ms'])} | " + " | ".join(cells) + f" | {goal} |")
     lines += ["", "Why it waits (_lib/cp_waits.py; ms per rank and step, medians over recorded steps): exposed = sending "

@@ -50,9 +50,12 @@ def all_attention_cases(group) -> dict[str, float]:
                             continue  # the sequential schedule computes the same blocks; one form checks it
                         if overlap == "bulk" and (kernel, layout) == ("flash", "contiguous"):
                             continue  # the all-gather schedule's blocks are the ring's: each layout, each kernel once
-                        cfg = ContextParallelConfig(overlap=overlap, layout=layout, kernel=kernel)
-                        key = f"causal={causal} h={heads}/{kv_heads} {layout} {kernel} {overlap}"
-                        out[key] = attention_errors(group, causal=causal, heads=heads, kv_heads=kv_heads, config=cfg)
+                        for prefetch in ((None, 1) if (overlap, kernel, layout) == ("bulk", "math", "zigzag") else (None,)):
+                            cfg = ContextParallelConfig(overlap=overlap, layout=layout, kernel=kernel, prefetch=prefetch)
+                            key = f"causal={causal} h={heads}/{kv_heads} {layout} {kernel} {overlap}"
+                            key += "" if prefetch is None else f" prefetch={prefetch}"
+                            out[key] = attention_errors(group, causal=causal, heads=heads, kv_heads=kv_heads,
+                                                        config=cfg)
     return out
 
 
@@ -89,7 +92,7 @@ def rejections(group) -> dict[str, str]:
     return out
 
 
-def recorded_overlap(group, overlap: str) -> dict:
+def recorded_overlap(group, overlap: str, prefetch: int | None = None) -> dict:
     """Forward + backward of a ring big enough to time, under the recorder: the report's cp_kv row and the spans."""
     from overlapkit.timeline import record, report_spans
 
@@ -97,7 +100,7 @@ def recorded_overlap(group, overlap: str) -> dict:
     g = torch.Generator().manual_seed(1)
     q, k, v = (torch.randn(1, 4, 128 * size, 32, generator=g) for _ in range(3))
     ql, kl, vl = (shard(t, 2, rank, size, "zigzag").requires_grad_() for t in (q, k, v))
-    cfg = ContextParallelConfig(overlap=overlap, kernel="math")
+    cfg = ContextParallelConfig(overlap=overlap, kernel="math", prefetch=prefetch)
     ring_attention(ql, kl, vl, group, config=cfg).sum().backward()  # warm-up (and the agreement)
     dist.barrier(group)
     with record() as rec:

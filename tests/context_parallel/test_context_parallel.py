@@ -21,6 +21,7 @@ def _world():
                 cp2=all_attention_cases(cp2), rejections=rejections(cp2),
                 pipelined=recorded_overlap(cp2, "pipelined"), sequential=recorded_overlap(cp2, "none"),
                 bulk=recorded_overlap(dist.group.WORLD, "bulk"), bulk_receives=bulk_receives(dist.group.WORLD),
+                bulk_prefetch1=recorded_overlap(dist.group.WORLD, "bulk", prefetch=1),
                 auto=auto_overlap(cp2), auto_bulk=auto_overlap(cp2, "bulk"),
                 llama=llama_errors(cp2), gpt=gpt_cp_dp_errors(), tp=tp_heads_errors(),
                 demo=run_rank(DemoConfig(tp=2, dp=1, cp=2, steps=2, overlap="none"))["steps"])
@@ -41,8 +42,8 @@ def test_ring_attention_equals_one_process_cp2_cp3_cp4():
         for cp in ("cp2", "cp3", "cp4"):
             for key, err in res[cp].items():
                 assert err <= TOL, f"rank {r} {cp} {key}: rel err {err:.2e}"
-    assert len(results()[0]["cp3"]) == len(results()[0]["cp4"]) == 32
-    assert sum(k.endswith(" bulk") for k in results()[0]["cp3"]) == 12
+    assert len(results()[0]["cp3"]) == len(results()[0]["cp4"]) == 36
+    assert sum(" bulk" in k for k in results()[0]["cp3"]) == 16
 
 
 def test_uneven_sequence_and_differing_configs_fail_on_every_rank():
@@ -77,6 +78,9 @@ def test_all_gather_schedule_posts_every_block_at_once_and_hides_it_behind_sever
         assert bulk["max_hidden_ms"] > 0, f"rank {r}: no cp_kv span overlaps a compute span: {bulk}"
         # Step 3's block was in flight from the start of the pass: beside the attention of steps 0, 1 and 2.
         assert bulk["blocks_beside"]["cp.attn.fwd.kv[3]"] >= 3, bulk
+        # prefetch=1: step 3's block is requested only once step 2's is in: beside step 2's attention alone.
+        one = res["bulk_prefetch1"]
+        assert one["names"] == bulk["names"] and one["blocks_beside"]["cp.attn.fwd.kv[3]"] == 1, one
         # Causal, contiguous: rank r attends the blocks of ranks r−1 … 0 only, and only ranks after it attend its block.
         want = ([f"cp.attn.fwd.kv[{i}]" for i in range(1, r + 1)] + [f"cp.attn.bwd.kv[{i}]" for i in range(2, r + 1)]
                 + [f"cp.attn.bwd.dkv[{i}]" for i in range(1, 4 - r)])

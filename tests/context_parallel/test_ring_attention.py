@@ -39,6 +39,8 @@ def test_config_rejects_bad_values():
     with pytest.raises(ValueError, match="overlap='chunked'"):
         ContextParallelConfig(overlap="chunked")
     assert ContextParallelConfig(overlap="bulk").overlap == "bulk"  # the all-gather schedule
+    with pytest.raises(ValueError, match="prefetch=0"):
+        ContextParallelConfig(overlap="bulk", prefetch=0)
     with pytest.raises(ValueError, match="layout='halves'"):
         ContextParallelConfig(layout="halves")
     with pytest.raises(ValueError, match="kernel='fast'"):

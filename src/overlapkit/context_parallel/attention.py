@@ -19,7 +19,7 @@ from ..runtime.agreement import Agreement
 from ..runtime.comm import group_rank, group_size
 from ..runtime.groups import resolve_group
 from ..runtime.tuning import MeasuredChoice, timed
-from ..vocabulary import OVERLAP_MEANING
+from ..vocabulary import OVERLAP_MEANING, positive_int
 from .kernels import KERNELS, check_kernel
 from .gather import gather_backward, gather_forward
 from .ring import Ring, ring_backward, ring_forward
@@ -60,10 +60,18 @@ class ContextParallelConfig:
     """Block attention: `math` (matmuls, fp32 scores), `flash` (PyTorch's fused kernels: cuDNN's where
     it runs, else flash, on CUDA; see kernels.py), or `auto`: flash on CPU and for fp16/bf16 on CUDA,
     math for fp32 on CUDA (the CUDA fused kernels have no fp32)."""
+    prefetch: int | None = None
+    """Under `overlap="bulk"` (and auto's trial of it): how many steps ahead each K/V block is requested, i.e.
+    how many travel at once; None: all P−1 at the start of the pass. Fewer at once share the link with fewer
+    (gloo interleaves concurrent transfers, so with all in flight the block needed first arrives later) and
+    hold less memory (prefetch + 1 received blocks at most, against P−1); 1 is the ring's timing without its
+    chain (every block comes from its owner)."""
 
     def __post_init__(self) -> None:
         if self.overlap not in OVERLAPS:
             raise ValueError(f"ContextParallelConfig.overlap={self.overlap!r} is not one of {OVERLAPS}")
+        if self.prefetch is not None:
+            positive_int(self.prefetch, "ContextParallelConfig.prefetch")
         check_layout(self.layout, "ContextParallelConfig.layout")
         if self.kernel not in (*KERNELS, "auto"):
             raise ValueError(f"ContextParallelConfig.kernel={self.kernel!r} is not one of {(*KERNELS, 'auto')}")
@@ -152,7 +160,8 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh_or_gr
     check_kernel(kernel, q)
     size, rank = group_size(group), group_rank(group)
     (agreement or _AGREEMENT).check(group, q=tuple(q.shape), kv=tuple(k.shape), dtype=q.dtype, causal=bool(causal),
-                                    scale=scale, overlap=config.overlap, layout=config.layout, kernel=kernel)
+                                    scale=scale, overlap=config.overlap, prefetch=config.prefetch, layout=config.layout,
+                                    kernel=kernel)
     per = chunks_per_rank(config.layout)
     if q.shape[2] % per:
         raise ValueError(f"local sequence length {q.shape[2]} does not split into the {per} equal chunks each rank "
@@ -160,13 +169,13 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh_or_gr
     overlap, trial = config.overlap, None
     if overlap == "auto":
         choice = (choices or _CHOICES).get((group, tuple(q.shape), tuple(k.shape), q.dtype, q.device.type,
-                                            bool(causal), scale, config.layout, kernel), group, size)
+                                            bool(causal), scale, config.layout, kernel, config.prefetch), group, size)
         overlap = choice.decided
         if overlap is None:  # still timing: this call runs one candidate
             trial = choice.trial(q.device)
             overlap = choice.decided if trial is None else trial.choice
     ring = Ring(group=group, rank=rank, size=size, layout=config.layout, chunk=q.shape[2] // per,
-                causal=bool(causal), scale=scale, kernel=kernel, overlap=overlap, name=name)
+                causal=bool(causal), scale=scale, kernel=kernel, overlap=overlap, name=name, prefetch=config.prefetch)
     return _RingAttention.apply(q, k, v, ring, trial)
 
 

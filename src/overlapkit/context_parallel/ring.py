@@ -83,6 +83,8 @@ class Ring:
     kernel: str
     overlap: str
     name: str
+    prefetch: int | None = None
+    """The all-gather schedule's K/V blocks in flight at once (None: all); see ContextParallelConfig."""
 
     @property
     def next(self) -> int:
