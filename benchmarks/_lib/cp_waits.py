@@ -15,6 +15,9 @@ not covered by compute) splits into
   slowed down beside the computation (cores, memory bandwidth, the transport's threads) — or, under
   `bulk`, beside the other blocks in flight at once.
 
+A stretch of waiting while several hops are in flight is counted once, for the hop that ends first after
+it (the one waited for), so per rank and step the parts add up to the cp_kv time no compute covers.
+
 Beside it: each step's block attention in the overlapped run against the sequential one (a block that
 slows down while transfers run is contention on the compute side), the merge's share of a step, and the
 spread of total compute over ranks (imbalance, which no overlap can hide).
@@ -71,12 +74,17 @@ def attribute(ranks: list[dict], hop_ms: dict[str, float], phases=("fwd", "bwd")
                 blocks += [b - a for k, n, a, b, _ in mine if k == "compute" and f".{phase}[" in n
                            and not n.endswith(".merge") and not n.endswith(f".{phase}[0]")]
                 merges += [b - a for k, n, a, b, _ in mine if k == "compute" and f".{phase}[" in n and n.endswith(".merge")]
-                for k, n, a, b, _ in mine:
-                    if k != "cp_kv" or f".{phase}." not in n:
-                        continue
+                hops = sorted((s for s in mine if s[0] == "cp_kv" and f".{phase}." in s[1]), key=lambda s: s[3])
+                # Time not covered by compute while hops were in flight; each stretch belongs to the hop that
+                # ends first after it (the one being waited for): hops in flight together (all of bulk's, the
+                # ring's K/V and dK/dV in backward) must not each count the same wait.
+                unclaimed = iv.subtract(iv.union((s[2], s[3]) for s in hops), compute)
+                for k, n, a, b, _ in hops:
                     peer = {pn: pa for pk, pn, pa, _, pst in by_rank[sender(r, n, size, schedule)]
                             if pst == st and pk == "cp_kv"}
-                    exposed = iv.length(iv.subtract([(a, b)], compute))
+                    claimed = iv.clip(unclaimed, a, b)
+                    unclaimed = iv.subtract(unclaimed, claimed)
+                    exposed = iv.length(claimed)
                     if exposed <= 0:
                         continue
                     hop = hop_ms["dkv" if ".dkv[" in n else "kv"]
