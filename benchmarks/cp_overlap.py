@@ -169,8 +169,8 @@ def _exposure(spans) -> dict:
         mine = [s for s in spans if f".{phase}" in s.name and (s.kind == "cp_kv" or s.is_compute)]
         steps = sorted({s.step for s in mine})
         times = [measure([s for s in mine if s.step == st]) for st in steps]
-        blocks = [s.duration_ms for s in mine if s.is_compute and not s.name.endswith(f"{phase}[0]")
-                  and not s.name.endswith(".merge")]
+        blocks = [s.duration_ms for s in mine if s.is_compute and f".{phase}[" in s.name
+                  and not s.name.endswith(f"{phase}[0]") and not s.name.endswith(".merge")]
         hops = [s for s in mine if s.kind == "cp_kv"]
         n = max(len(steps), 1)
         out[phase] = dict(comm_ms=_median([t.comm_ms for t in times]), exposed_ms=_median([t.exposed_comm_ms for t in times]),

@@ -28,7 +28,7 @@ import torch
 
 from ..runtime import comm
 from ..runtime.recorder import compute_span
-from .ring import Ring, attend, backward_step, fold, join
+from .ring import Ring, add_parts, attend, backward_step, fold, join
 
 
 def _post_kv(ring: Ring, kv, steps, phase: str, sends: list, arriving: dict) -> None:
@@ -119,9 +119,8 @@ def gather_backward(ring: Ring, dout, q, k, v, out, lse, rests, first):
             parts.append((received, incoming))
     with compute_span(f"{ring.name}.bwd[0]"):
         dkv = backward_step(ring, 0, dout, q, [k, v], out, lse, rests[0], dq)
-    for handle, (dk, dv) in parts:
+    for handle, part in parts:
         handle.wait()
-        dkv[0] += dk
-        dkv[1] += dv
+        add_parts(ring, dkv, [part], "bwd.parts")
     join(sends)
     return dq, dkv[0], dkv[1]

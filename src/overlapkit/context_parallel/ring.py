@@ -197,8 +197,7 @@ def ring_backward(ring: Ring, dout, q, k, v, out, lse, rests, first):
         if acc_handle is not None:
             # The parts of this block's dK/dV from the ranks that held it before this one.
             acc_handle.wait()
-            dkv[0] += acc[0]
-            dkv[1] += acc[1]
+            add_parts(ring, dkv, [acc], f"bwd.acc[{step}]")
         if ring.overlap == "none" and step < ring.size - 1:
             kv_handle, kv_in = ring.pass_on(kv, f"bwd.kv[{step}]", sends)
         # After the last of these steps the accumulator goes home: the next rank owns that block.
@@ -210,10 +209,18 @@ def ring_backward(ring: Ring, dout, q, k, v, out, lse, rests, first):
         dkv = backward_step(ring, 0, dout, q, [k, v], out, lse, rests[0], dq)
     if acc_handle is not None:
         acc_handle.wait()
-        dkv[0] += acc[0]
-        dkv[1] += acc[1]
+        add_parts(ring, dkv, [acc], "bwd.acc[0]")
     join(sends)
     return dq, dkv[0], dkv[1]
+
+
+def add_parts(ring: Ring, dkv: list, parts: list, label: str) -> None:
+    """dkv += each (dk, dv) of `parts`, in place. A compute span of its own: a transfer still in flight runs
+    beside these adds (counting them as waiting would blame the transfer for the rank's own work)."""
+    with compute_span(f"{ring.name}.{label}"):
+        for dk, dv in parts:
+            dkv[0] += dk
+            dkv[1] += dv
 
 
 def backward_step(ring: Ring, step: int, dout, q, kv, out, lse, rests, dq) -> list[torch.Tensor]:
