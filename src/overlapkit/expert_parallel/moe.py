@@ -177,13 +177,13 @@ class MoE(nn.Module):
             xin, weights, precision = cast(xin, cdt), [cast(w, cdt) for w in weights], autocast_off(x2, cdt)
         if padded:
             plan = plan_padded(routing.experts, cfg.num_experts, chunks, cfg.capacity(x2.shape[0]), self.group,
-                               self.name)
+                               self.name, routing.counts)
             with precision:
                 slots = PaddedExpertsA2A.apply(xin, *weights, plan, self.group, e.add_output_bias, self.name, trial)
             received = received_per_expert(plan, self.ep)
         else:
             plan = plan_dispatch(routing.experts, cfg.num_experts, chunks, cfg.capacity(x2.shape[0]), self.group,
-                                 self.name)
+                                 self.name, routing.counts)
             with precision:
                 slots = ExpertsA2A.apply(xin, *weights, plan, self.group, e.add_output_bias, self.name, trial)
             received = plan.received_per_expert
