@@ -46,6 +46,8 @@ def layer_ops(layer, x: torch.Tensor, dy: torch.Tensor) -> dict:
     (warmed up first: first-call agreement and probes are not the steady state)."""
     xg = x.detach().requires_grad_()
     layer(xg).backward(dy)
+    layer.zero_grad(set_to_none=True)  # as a training step starts: no gradient to accumulate into
+    xg = x.detach().requires_grad_()
     with torch.no_grad():
         fwd = summary(count_ops(lambda: layer(x))[1])
     out, grad_fwd = count_ops(lambda: layer(xg))

@@ -57,9 +57,12 @@ class Router(nn.Module):
         self.top_k, self.normalize_top_k = top_k, normalize_top_k
 
     def forward(self, x: torch.Tensor) -> Routing:
-        probs = torch.softmax(self.gate(x), dim=-1, dtype=torch.float32)  # the upcast inside the softmax
+        logits = self.gate(x)
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)  # the upcast inside the softmax
         weights, experts = torch.topk(probs, self.top_k, dim=-1)
         if self.normalize_top_k and self.top_k > 1:
-            weights = weights / weights.sum(-1, keepdim=True)
+            # p_i / sum_topk p_j = exp(l_i) / sum_topk exp(l_j): the softmax of the chosen logits, two ops
+            # forward and three backward where dividing by the sum takes two and seven.
+            weights = torch.softmax(logits.gather(-1, experts), dim=-1, dtype=torch.float32)
         counts = count(experts.reshape(-1), probs.shape[-1])
         return Routing(weights.to(x.dtype), experts, probs, load_balancing_loss(probs, experts, counts), counts)
