@@ -126,7 +126,7 @@ def plan_dispatch(experts: torch.Tensor, num_experts: int, chunks: int, capacity
     if keep is not None:  # dropped assignments sort after every kept one, into a bin of their own
         key = torch.where(keep, key, chunks * num_experts)
     sorted_key, order = torch.sort(key, stable=True)
-    if key is flat and per_expert is not None:  # one chunk, nothing dropped: the keys are the experts, counted
+    if chunks == 1 and keep is None and per_expert is not None:  # the keys are the experts, counted already
         counts = per_expert.view(1, ep, local)
     else:
         counts = count(key, chunks * num_experts + 1)[:-1].view(chunks, ep, local)
