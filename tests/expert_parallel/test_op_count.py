@@ -54,3 +54,18 @@ def test_moe_dispatches_at_most_the_ops_its_path_needs(path, monkeypatch):
 def test_the_counter_counts_each_op_once():
     _, counted = ops.count_ops(lambda: torch.ones(3).add(1).view(3, 1).sum())
     assert ops.summary(counted) == dict(ops=4, kernels=3)
+
+
+def test_shape_constants_are_made_once_per_shape_and_change_no_plan():
+    from overlapkit.expert_parallel.dispatch import plan_dispatch
+    experts = torch.randint(0, 8, (32, 2), generator=torch.Generator().manual_seed(0))
+    cache = {}
+    cached = plan_dispatch(experts, 8, 3, None, None, "m", cache=cache)
+    fresh = plan_dispatch(experts, 8, 3, None, None, "m")
+    assert torch.equal(cached.row_assignment, fresh.row_assignment) and cached.chunk_rows == fresh.chunk_rows
+    assert [g.sizes for g in cached.groups] == [g.sizes for g in fresh.groups]
+    (made,) = cache.values()
+    plan_dispatch(experts, 8, 3, None, None, "m", cache=cache)
+    assert next(iter(cache.values())) is made  # the second call made nothing
+    plan_dispatch(experts[:20], 8, 3, None, None, "m", cache=cache)
+    assert len(cache) == 2  # a new token count: its own constant

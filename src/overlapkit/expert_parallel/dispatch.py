@@ -93,20 +93,40 @@ def positions(flat_experts: torch.Tensor, top_k: int, num_experts: int,
     return queued.view(top_k, tokens).t().reshape(-1), per_expert
 
 
-def _receive_layout(recv: torch.Tensor, total: int, dev) -> torch.Tensor:
+def constant(cache: dict | None, key: tuple, make) -> torch.Tensor:
+    """make(): a tensor that depends on shapes and the device only, made once per key in `cache` (the layer's:
+    per-call host work and kernels saved). Made outside inference mode and autograd, so any later call can use
+    it; None: made every call."""
+    t = None if cache is None else cache.get(key)
+    if t is None:
+        with torch.inference_mode(False), torch.no_grad():
+            t = make()
+        if cache is not None:
+            if len(cache) >= 32:  # token counts that change every call: keep the memory bounded
+                cache.clear()
+            cache[key] = t
+    return t
+
+
+def _receive_layout(recv: torch.Tensor, total: int, dev, cache: dict | None = None) -> torch.Tensor:
     """Permutation taking rows received by (chunk, source rank, expert) to (chunk, expert, source rank)."""
     chunks, ep, local = recv.shape
-    c, s, e = torch.meshgrid(torch.arange(chunks), torch.arange(ep), torch.arange(local), indexing="ij")
-    key = device_ints(((c * local + e) * ep + s).reshape(-1).tolist(), dev)  # host-made: a constant pattern
+
+    def make():
+        c, s, e = torch.meshgrid(torch.arange(chunks), torch.arange(ep), torch.arange(local), indexing="ij")
+        return device_ints(((c * local + e) * ep + s).reshape(-1).tolist(), dev)  # host-made: a constant pattern
+
+    key = constant(cache, ("receive_layout", chunks, ep, local, str(dev)), make)
     return torch.argsort(torch.repeat_interleave(key, recv.reshape(-1), output_size=total), stable=True)
 
 
 def plan_dispatch(experts: torch.Tensor, num_experts: int, chunks: int, capacity: int | None, group,
-                  name: str, per_expert: torch.Tensor | None = None) -> DispatchPlan:
+                  name: str, per_expert: torch.Tensor | None = None, cache: dict | None = None) -> DispatchPlan:
     """Collective over the EP group (one all-to-all of counts, on more than one rank): the plan of one forward.
 
     `experts` [tokens, top_k] are the router's choices on this rank; `chunks` a count or "ranks";
-    `per_expert` [num_experts] their counts if the caller has them (the router counted them for its loss).
+    `per_expert` [num_experts] their counts if the caller has them (the router counted them for its loss);
+    `cache` the layer's dict of shape-only constants (see `constant`).
     """
     ep = comm.group_size(group)
     schedule, by_rank = chunks, chunks == RANKS and ep > 1
@@ -120,9 +140,10 @@ def plan_dispatch(experts: torch.Tensor, num_experts: int, chunks: int, capacity
         place, per_expert = positions(flat, top_k, num_experts, per_expert)
         keep = place < capacity
     key = flat
-    if chunks > 1 and tokens:
-        token = torch.arange(flat.numel(), device=dev).div_(top_k, rounding_mode="floor")
-        key = chunk_of(token, tokens, chunks) * num_experts + flat
+    if chunks > 1 and tokens:  # each assignment's chunk, times E: a constant of the shape
+        base = constant(cache, ("chunk_base", tokens, top_k, chunks, num_experts, str(dev)), lambda: chunk_of(
+            torch.arange(flat.numel(), device=dev).div_(top_k, rounding_mode="floor"), tokens, chunks) * num_experts)
+        key = base + flat
     if keep is not None:  # dropped assignments sort after every kept one, into a bin of their own
         key = torch.where(keep, key, chunks * num_experts)
     sorted_key, order = torch.sort(key, stable=True)
@@ -178,7 +199,7 @@ def plan_dispatch(experts: torch.Tensor, num_experts: int, chunks: int, capacity
         row_token=rows.div(top_k, rounding_mode="floor"), row_assignment=rows, schedule=schedule, chunk_rows=chunk_rows,
         send_splits=send_splits if ep > 1 else None, recv_splits=recv_splits if ep > 1 else None,
         recv_rows=recv_rows, groups=groups,
-        recv_perm=_receive_layout(recv, total, dev) if ep > 1 and not by_rank else None,
+        recv_perm=_receive_layout(recv, total, dev, cache) if ep > 1 and not by_rank else None,
         assignments=flat.numel(), dropless=keep is None, sent_per_expert=sent, dropped_per_expert=dropped,
         received_per_expert=per_chunk[0] if pieces == 1 else per_chunk.sum(0))
 

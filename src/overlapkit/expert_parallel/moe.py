@@ -89,6 +89,7 @@ class MoE(nn.Module):
         self.load_full(*init_full_experts(num_experts, hidden, ffn_hidden, generator))
         self._agreement = Agreement(f"MoE {name} input")
         self._tp_checked: set[tuple[int, ...]] = set()
+        self._constants: dict = {}  # tensors of a shape alone (chunk keys, receive layouts), made once
         self.aux_loss: torch.Tensor | None = None
         self._load: tuple | None = None  # the last forward's counts, still on the device
         self._load_stats: LoadStats | None = None
@@ -183,7 +184,7 @@ class MoE(nn.Module):
             received = received_per_expert(plan, self.ep)
         else:
             plan = plan_dispatch(routing.experts, cfg.num_experts, chunks, cfg.capacity(x2.shape[0]), self.group,
-                                 self.name, routing.counts)
+                                 self.name, routing.counts, self._constants)
             with precision:
                 slots = ExpertsA2A.apply(xin, *weights, plan, self.group, e.add_output_bias, self.name, trial)
             received = plan.received_per_expert
@@ -196,9 +197,10 @@ class MoE(nn.Module):
         tokens, k = routing.weights.shape
         weights = routing.weights.to(slots.dtype).unsqueeze(-1)
         out = (slots.view(tokens, k, x2.shape[-1]) * weights).sum(1)
-        self.aux_loss = routing.aux_loss
-        self._load = (x2.shape[0], plan.sent_per_expert, plan.dropped_per_expert, received)
-        self._load_stats = None
+        # Plain attributes, set past nn.Module.__setattr__ (which looks each name up among parameters, buffers
+        # and submodules first: three of those a call were a tenth of the layer's own Python time).
+        self.__dict__.update(aux_loss=routing.aux_loss, _load_stats=None,
+                             _load=(x2.shape[0], plan.sent_per_expert, plan.dropped_per_expert, received))
         return out
 
     def _check_replicated_over_tp(self, x2: torch.Tensor) -> None:
