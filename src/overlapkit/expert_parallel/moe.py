@@ -50,6 +50,27 @@ class LoadStats:
         return sum(self.dropped_per_expert)
 
 
+class _WeightedSum(torch.autograd.Function):
+    """s [T, k, H], w [T, k] -> sum_j w[:, j] s[:, j], added in the order j = 0, 1, ...: one multiply and k-1
+    fused multiply-adds over [T, H], where (s * w).sum(1) writes and reads a [T, k, H] product first."""
+
+    @staticmethod
+    def forward(ctx, s, w):
+        ctx.save_for_backward(s, w)
+        out = s[:, 0] * w[:, :1]
+        for j in range(1, s.shape[1]):
+            out.addcmul_(s[:, j], w[:, j:j + 1])
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        s, w = ctx.saved_tensors
+        g = g.unsqueeze(1)
+        ds = g * w.unsqueeze(-1) if ctx.needs_input_grad[0] else None
+        dw = (s * g).sum(-1) if ctx.needs_input_grad[1] else None
+        return ds, dw
+
+
 class MoE(nn.Module):
     """x [..., hidden] -> [..., hidden]: top-k mixture of expert MLPs, experts sharded over EP.
 
@@ -191,12 +212,11 @@ class MoE(nn.Module):
         if self.tp_group is not None:
             slots = reduce_from_tp(slots, self.tp_group, f"{self.name}.experts_out")  # partial sums over TP
         # Combine: every token's top_k slots (a dropped one holds 0) weighted and summed, in a fixed order
-        # (the sum accumulates in fp32). An index_add into the tokens would add with atomics: run-to-run
+        # (each multiply-add computed in fp32 inside its kernel, rounded once). An index_add into the tokens would add with atomics: run-to-run
         # different sums in bf16, and refused under torch.use_deterministic_algorithms. (A batched GEMM
         # over the slots ran as a slow GEMV.)
         tokens, k = routing.weights.shape
-        weights = routing.weights.to(slots.dtype).unsqueeze(-1)
-        out = (slots.view(tokens, k, x2.shape[-1]) * weights).sum(1)
+        out = _WeightedSum.apply(slots.view(tokens, k, x2.shape[-1]), routing.weights.to(slots.dtype))
         # Plain attributes, set past nn.Module.__setattr__ (which looks each name up among parameters, buffers
         # and submodules first: three of those a call were a tenth of the layer's own Python time).
         self.__dict__.update(aux_loss=routing.aux_loss, _load_stats=None,
