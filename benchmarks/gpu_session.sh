@@ -274,6 +274,23 @@ base)
       --budget-s 35 --out "$c"
   wait "$lane_a"; cat "$out/logs/lane_a.txt"
   ;;
+epcp2)
+  # After the MoE host-cost and CP all-gather work: their GPU tests and world-size-1 tables on the H200
+  # (MoE vs the dense MLP on the exact, padded and auto paths, ops a call; ring vs all-gather blocks), then,
+  # alone on all 16 cores one after another, CP at 4 ranks (3 and 2 threads), PP at 4 beside torch's
+  # schedules with split_backward, EP at 4 ranks.
+  g="$r/h200" c="$r/cpu16"; mkdir -p "$g" "$c/t3" "$c/t2"
+  step pytest_cuda 80 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_moe_host_syncs_cuda.py \
+      tests/gpu/test_grouped_experts_cuda.py tests/expert_parallel/test_moe_one_rank.py tests/context_parallel/test_cp_cuda.py
+  step ep_cuda_ws1 60 python3 benchmarks/ep_overlap.py --device cuda --world 1 --steps 6 --out "$g"
+  step ep_host_cuda 45 python3 benchmarks/ep_host_cost.py --device cuda --out "$g"
+  step cp_cuda_ws1 60 python3 benchmarks/cp_overlap.py --device cuda --world 1 --rounds 6 --out "$g"
+  step cp_ws4_t3 60 python3 benchmarks/cp_overlap.py --world 4 --threads 3 --out "$c/t3"
+  step cp_ws4_t2 55 python3 benchmarks/cp_overlap.py --world 4 --threads 2 --out "$c/t2"
+  step pp_ws4 90 python3 benchmarks/pp_overlap.py --world 4 --threads 3 --schedules 1f1b,interleaved \
+      --steps 16 --warmup 2 --recorded 1 --out "$c"
+  step ep_ws4 60 python3 benchmarks/ep_overlap.py --world 4 --threads 3 --out "$c"
+  ;;
 last)
   # The session's one call, in two lanes at once so it fits: lane A (cores 0-2) the GPU — the new MoE/ring
   # CUDA tests and DataParallel's, the compiled step's kernels beside the compiled plain model's, EP and CP
