@@ -13,7 +13,9 @@ backward, so a "step" here is a window from a forward to the end of the next bac
    has one communication stream; gloo runs two collectives at once and NCCL's streams contend
    with compute in ways it does not price, so near-ties are settled by the clock
    (`overlapkit.tuning.MeasuredChoice`, which the other engines' `auto` use too);
-4. the fastest candidate (slowest rank's median), the shallowest within MIN_GAIN of it.
+4. the model's pick, unless a neighbour was faster than it in at least three rounds in four and
+   by more than MIN_GAIN in the median of the per-round ratios (each call timed as the slowest
+   rank's: one all-reduce of every call's time); the trials start with one untimed round.
 Every decision is taken from all-reduced numbers, so every rank switches depth at the same window.
 After it, a step of an auto model runs what a model fixed at its depths runs: the same hooks and
 Python calls, the same collectives, no clock read (tests/data_parallel/test_fsdp.py counts them).
@@ -34,7 +36,7 @@ MIB = 1024 * 1024
 TIE = 0.10
 """Depths the model prices within this share of its pick are timed against it."""
 MIN_GAIN = 0.01
-"""A deeper depth must be measured this much faster to be kept (it holds one more block gathered)."""
+"""A neighbour of the model's pick must be measured this much faster (median per-round ratio) to displace it."""
 
 _queue_callback = torch.autograd.Variable._execution_engine.queue_callback
 
@@ -190,16 +192,21 @@ class ZeroThree:
         if self.cfg.trials == 0 or len(candidates) == 1:
             self._finish(fd, bd, "")
             return
-        # Shallow to deep: among depths within MIN_GAIN of the fastest, the one holding the least memory wins.
-        self.choice = MeasuredChoice(sorted(candidates), self.group, what="zero3-prefetch", kind="dp_all_reduce",
-                                     rounds=self.cfg.trials, warmup_rounds=0, tie=MIN_GAIN)
-        self.plan.reason = f"{self._model_reason}; timing depths {sorted(candidates)} for {self.cfg.trials} rounds"
+        # The model's pick first: a neighbour displaces it only by being faster round after round
+        # (paired), so depths whose gap is below the rounds' spread keep what the model priced.
+        # One warm-up round: the first window after the probe and each first deeper window allocate.
+        self.choice = MeasuredChoice(candidates, self.group, what="zero3-prefetch", kind="dp_all_reduce",
+                                     rounds=self.cfg.trials, warmup_rounds=1, tie=MIN_GAIN, paired=True)
+        self.plan.reason = (f"{self._model_reason}; timing depths {candidates} for 1 + {self.cfg.trials} "
+                            "interleaved rounds")
 
     def _finish_trials(self) -> None:
-        (fd, bd), measured, self.choice = self.choice.decided, self.choice.measured, None
+        (fd, bd), measured, why = self.choice.decided, self.choice.measured, self.choice.reason
+        self.choice = None
         self.plan.measured = {f"{f}/{b}": ms for (f, b), ms in measured.items()}
         shown = ", ".join(f"{f}/{b}: {ms:.3g} ms" for (f, b), ms in measured.items())
-        self._finish(fd, bd, f"; measured step (forward/backward depth: median ms, slowest rank) {shown}")
+        self._finish(fd, bd, f"; measured step (forward/backward depth: median ms, slowest rank) {shown} "
+                             f"({why})")
 
     def _finish(self, fd: int, bd: int, measured: str) -> None:
         self._apply(fd, bd)
