@@ -244,21 +244,27 @@ def summarize(per_rank: list[dict]) -> dict:
                     depths=depths, reason=plan["reason"], probe=probe, measured=plan.get("measured", {}),
                     vs_best_fixed=ratio(fastest_fixed), vs_fsdp2=ratio("FSDP2 defaults"), vs_same_depth=ratio(same),
                     vs_pinned=ratio(PINNED), pinned_vs_same_depth=ratio(same, of=PINNED),
+                    vs_fixed={k: ratio(k) for k in fixed},
                     layers=per_rank[0]["recorded"][AUTO][-1]["layers"] if per_rank[0]["recorded"].get(AUTO) else []))
 
 
-def straddles(r: dict) -> bool:
-    """Whether the middle half of the per-round ratios holds 1: rounds fall on either side."""
-    return r["iqr"][0] <= 1.0 <= r["iqr"][1]
+def straddles(r: dict, at: float = 1.0) -> bool:
+    """Whether the middle half of the per-round ratios holds `at`: rounds fall on either side."""
+    return r["iqr"][0] <= at <= r["iqr"][1]
 
 
-def verdict(r: dict | None) -> str:
-    """met (median <= 1), within noise (a miss whose middle half of per-round ratios straddles 1), or MISSED."""
+def verdict(r: dict | None, limit: float = 1.0) -> str:
+    """met (median <= limit), within noise (a miss whose middle half of per-round ratios straddles
+    the limit), or MISSED."""
     if r is None or r["median"] is None:
         return "not run"
-    if r["median"] <= 1.0:
+    if r["median"] <= limit:
         return "met"
-    return "within noise" if straddles(r) else "MISSED"
+    return "within noise" if straddles(r, limit) else "MISSED"
+
+
+TARGETS = {"fsdp2": 0.9, "best fixed": 1.01, "pinned": 0.01}
+"""issue targets: auto <= 0.9x FSDP2's defaults; <= 1.01x its best fixed depth; within 1 % of its pinned twin."""
 
 
 def same_config(r: dict) -> str:
@@ -291,20 +297,26 @@ def markdown(result: dict) -> str:
                      f"{fmt(r.get('predicted_blocks_ms'), '.1f')} |")
     a = result["auto"]
 
-    def said(what: str, r: dict | None, target: bool = True) -> str:
+    def said(what: str, r: dict | None, limit: float | None = 1.0, within: float | None = None) -> str:
         if r is None:
             return ""
         who = "auto" if r["of"] == AUTO else r["of"]
         line = (f"{who} vs {what} ({r['to']}), per round: median {r['median']:.3f} (middle half "
                 f"{r['iqr'][0]:.3f} – {r['iqr'][1]:.3f})")
-        return line + (f" — target <= 1: {verdict(r)}.\n" if target else f": {same_config(r)}.\n")
+        if within is not None:  # identical configurations: a target on the gap, and what the spread says
+            met = "met" if abs(r["median"] - 1) <= within and straddles(r) else "MISSED"
+            return line + f" — target within {within:.0%}: {met}; {same_config(r)}.\n"
+        return line + (f" — target <= {limit:g}: {verdict(r, limit)}.\n" if limit else f": {same_config(r)}.\n")
 
     tail = (f"\n\nauto chose forward/backward depth {a['depths'][0]}/{a['depths'][1]}: {a['reason']}.\n"
-            + said("the fixed depth with the best median", a["vs_best_fixed"]) + said("FSDP2 defaults", a["vs_fsdp2"])
-            + said("the fixed model pinned at its depths, built after its decision", a.get("vs_pinned"), target=False)
-            + said("the same fixed depth", a["vs_same_depth"], target=False)
+            + said("the fixed depth with the best median", a["vs_best_fixed"], TARGETS["best fixed"])
+            + said("FSDP2 defaults", a["vs_fsdp2"], TARGETS["fsdp2"])
+            + "".join(said("a fixed depth", r, TARGETS["best fixed"]) for r in a.get("vs_fixed", {}).values())
+            + said("the fixed model pinned at its depths, built after its decision", a.get("vs_pinned"),
+                   within=TARGETS["pinned"])
+            + said("the same fixed depth", a["vs_same_depth"], within=TARGETS["pinned"])
             + said("the fixed depth of the same number (another instance of one configuration: the run's noise "
-                   "floor)", a.get("pinned_vs_same_depth"), target=False))
+                   "floor)", a.get("pinned_vs_same_depth"), None))
     if a["layers"]:
         tail += ("\nPer block under auto (rank 0, last recorded step):\n\n| block | gather fwd ms (exposed) | "
                  "gather bwd ms (exposed) | reduce-scatter ms (exposed) | hidden % |\n|---|---:|---:|---:|---:|\n")
