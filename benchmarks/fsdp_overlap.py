@@ -16,7 +16,7 @@ round runs auto's final depth. auto vs that pinned twin is auto's own cost (the 
 are identical: tests/data_parallel/test_fsdp.py checks the same collectives, order and prefetch
 lists); the twin vs the fixed depth of the same number is the run's noise floor between two
 instances. `--budget-s` bounds the timed rounds: the warm-up's round time sets how many of
-`--steps` fit.
+`--steps` fit; `--total-s` bounds the whole run (start-up, auto's trials and the tail included).
 Exposed gather / reduce-scatter come from the timeline recorder in separate recorded steps
 (overlapkit's variants only: FSDP2 and DDP issue their collectives outside overlapkit).
 Memory: on CUDA the peak allocated during one step of each variant alone; on CPU the bytes of
@@ -89,7 +89,7 @@ def _state_bytes(model, opt) -> int:
 
 
 def _rank_body(device_type: str, preset: dict, steps: int, warmup: int, recorded: int, threads: int,
-               variants: tuple[str, ...], budget_s: float) -> dict:
+               variants: tuple[str, ...], budget_s: float, ends_at: float | None = None) -> dict:
     from _lib.unexported import progress
 
     torch.set_num_threads(threads)
@@ -143,6 +143,10 @@ def _rank_body(device_type: str, preset: dict, steps: int, warmup: int, recorded
     variants = tuple(v for k in variants for v in ((k, PINNED) if k == AUTO else (k,)))  # its row under auto's
     time_balanced(step, list(variants), 1, device)  # untimed: auto ran its decision alone
     per_round *= len(variants) / (len(variants) - 1)
+    if ends_at is not None:  # what is left of --total-s, less the tail (one step each, two rounds' slack)
+        left = torch.tensor([ends_at - time.time() - 2 * per_round.item()], dtype=torch.float64)
+        dist.all_reduce(left, op=dist.ReduceOp.MIN)
+        budget_s = min(budget_s, left.item())
     rounds = max(5, min(steps, int(budget_s / per_round.item())))
     if rank == 0:
         progress(f"warm-up {warmup} rounds at {per_round.item():.2f} s a round, auto decided after {decide_steps} "
@@ -284,8 +288,8 @@ def markdown(result: dict) -> str:
             f"torch {result['torch']}: GPT {result['params'] / 1e6:.1f} M parameters, "
             f"{result['preset']['gpt']['num_layers']} blocks. Median (and middle half, p25–p75) of {result['rounds']} "
             f"balanced-order rounds (slowest rank; {result['warmup_round_s']:.2f} s a warm-up round, auto decided "
-            f"{result['decide_steps']} steps after the warm-up); exposed communication from the recorder "
-            "(overlapkit variants).\n\n")
+            f"{result['decide_steps']} steps after the warm-up; the run took {result['wall_s']:.0f} s); exposed "
+            "communication from the recorder (overlapkit variants).\n\n")
     lines = [f"| variant | step ms | p25–p75 ms | vs FSDP2 defaults | {mem} | gathered ahead MiB | comm ms | exposed ms "
              "| exposed gather ms | exposed RS ms | model: blocks ms |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
@@ -334,6 +338,7 @@ def markdown(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    started = time.time()
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_common_args(ap)
     ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
@@ -342,6 +347,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--recorded", type=int, default=2, help="extra recorded steps per overlapkit variant")
     ap.add_argument("--budget-s", type=float, default=120.0,
                     help="seconds the timed rounds may take (the warm-up's round time sets how many; at least 5)")
+    ap.add_argument("--total-s", type=float, default=None,
+                    help="seconds the whole run may take: the timed rounds get what start-up and auto's trials left")
     ap.add_argument("--variants", default=",".join(SHORT),
                     help=f"comma-separated subset of {','.join(SHORT)} (fsdp2, auto and a fixed model pinned at "
                          "auto's depths always run)")
@@ -364,9 +371,11 @@ def main(argv: list[str] | None = None) -> int:
     variants = tuple(v for v in VARIANTS if v in {SHORT[a] for a in asked} | {"FSDP2 defaults", AUTO})
     preset = dict(gpt=SMOKE_GPT, batch=1) if args.smoke else PRESETS[args.preset or args.device]
     per_rank = run_ranks(_rank_body, world, args.device, preset, args.steps, args.warmup, args.recorded, args.threads,
-                         variants, args.budget_s, device=args.device, timeout_s=900.0, on_message=print_message)
+                         variants, args.budget_s, None if args.total_s is None else started + args.total_s,
+                         device=args.device, timeout_s=900.0, on_message=print_message)
     result = dict(device=device_label(args.device), world=world, threads=args.threads, torch=torch.__version__,
-                  preset=preset, steps=args.steps, params=per_rank[0]["params"], **summarize(per_rank))
+                  preset=preset, steps=args.steps, params=per_rank[0]["params"], **summarize(per_rank),
+                  wall_s=time.time() - started)
     tag = f"_{args.preset}" if args.preset and args.preset != args.device else ""
     write_results(result, os.path.join(out_dir(args), f"fsdp_overlap_{args.device}{tag}_ws{world}"), markdown)
     return 0

@@ -182,9 +182,9 @@ class MeasuredChoice:
         beats = {k: statistics.median(r) for k, r in ratios.items()
                  if r and statistics.median(r) < 1 - self.tie and 4 * sum(x < 1 for x in r) >= 3 * len(r)}
         k = min(beats, key=beats.get) if beats else 0
-        shown = ", ".join(f"{self.candidates[j]}: {statistics.median(r):.3f}" for j, r in ratios.items() if r)
-        return k, (f"{'forward+backward' if with_bwd else 'forward'} in {rounds} rounds (slowest rank a call); "
-                   f"median per-round ratio to {self.candidates[0]} {shown}; "
+        shown = ", ".join(f"{self.candidates[j]} {statistics.median(r):.3f}" for j, r in ratios.items() if r)
+        return k, (f"{'forward+backward' if with_bwd else 'each timed region'} in {rounds} rounds (slowest rank "
+                   f"a call); median per-round ratio to {self.candidates[0]}: {shown}; "
                    + (f"{self.candidates[k]} faster in at least 3 rounds in 4" if k else
                       f"none faster by more than {self.tie:.0%} in at least 3 rounds in 4: {self.candidates[0]} kept")
                    + "; median ms")
