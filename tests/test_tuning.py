@@ -114,3 +114,20 @@ def test_paired_picks_the_lowest_median_ratio_among_those_that_win(clock):
     choice = MeasuredChoice(["a", "b"], None, what="t", kind="dp_all_reduce", rounds=3, paired=True, tie=0.01)
     _run_rounds(choice, clock, lambda i, c: 100.0 if c == "a" else 99.5)
     assert choice.decided == "a"
+
+
+def test_paired_judges_each_phase_apart(clock):
+    # b's forward is 5 % faster and its backward 5 % slower than a's: by total a tie, by pass one each.
+    fwd, bwd = {"a": 100.0, "b": 95.0}, {"a": 100.0, "b": 105.0}
+    choice = MeasuredChoice(["a", "b"], None, what="t", kind="dp_all_reduce", rounds=4, paired=True)
+    _run(choice, clock, fwd, bwd)
+    assert choice.decided == "a" and choice.per_phase == {"forward": "b", "backward": "a"}
+
+
+def test_a_phase_of_several_passes_is_their_sum(clock):
+    choice = MeasuredChoice(["a", "b"], None, what="t", kind="dp_all_reduce", rounds=2, paired=True)
+    while (trial := choice.trial("cpu")) is not None:
+        for _ in range(3 if trial.choice == "a" else 1):  # a: three forwards of 10 ms; b: one of 20 ms
+            with trial.forward():
+                clock[0] += 10.0 if trial.choice == "a" else 20.0
+    assert choice.measured == {"a": 30.0, "b": 20.0} and choice.decided == "b" and choice.per_phase is None

@@ -42,11 +42,14 @@ class Net(nn.Module):
         self.out = nn.Linear(7, 3)
         self.sleep_in, self.sleep_s, self.slept = sleep_in, sleep_s, None
         self.delay = None  # a callable: seconds to sleep at the start of each forward
+        self.back_delay = None  # a callable: seconds to sleep at the end of each backward
 
     def forward(self, x):
         if self.delay is not None:
             time.sleep(self.delay())
         h = self.inp(x)
+        if self.back_delay is not None and h.requires_grad:
+            h.register_hook(lambda g: (time.sleep(self.back_delay()), g)[1])
         for i, b in enumerate(self.blocks):
             h = h + b(h)
             if i == self.sleep_in:
@@ -198,7 +201,7 @@ def _state(model) -> dict:
             group.post_forward_mesh_info is not None, tuple(str(p.sharded_state) for p in group.fsdp_params))
         out[n] = (hooks, fsdp)
     z = model._overlapkit_zero3
-    out["zero3"] = (z._pending, z._in_backward, len(z._spans), z.choice, z._window, z.probe.on, len(z.probe.comms))
+    out["zero3"] = (z._pending, z._in_backward, len(z._spans), z.choice, z._trial, z._region, z.probe.on, len(z.probe.comms))
     return out
 
 
@@ -234,9 +237,11 @@ def _decided_case(world: int, mesh) -> dict:
 
 
 def _trials_case(world: int, mesh) -> dict:
-    """auto's trials keep what they measured: every depth but the deepest candidate is slowed by 40 ms
-    a forward (on every rank), so the deepest is faster in every round and must be kept, and run,
-    whatever the model picked."""
+    """auto's trials keep what they measured, the forward depth by the forwards and the backward depth
+    by the backwards: every candidate but the deepest is slowed by 40 ms a forward, every one but
+    the shallowest by 40 ms a backward (on every rank), so the deepest forward depth and the
+    shallowest backward depth are faster in every round and must be kept, and run, whatever the
+    model picked."""
     x, y = batch(world)
     x, y = x[:PER_RANK], y[:PER_RANK]
     real_tie, fsdp_prefetch.TIE = fsdp_prefetch.TIE, 100.0  # every neighbour of the model's pick is timed
@@ -244,12 +249,16 @@ def _trials_case(world: int, mesh) -> dict:
         auto = fully_shard(Net(), mesh, prefetch="auto")
         state, ran = auto._overlapkit_zero3, []
 
-        def delay() -> float:
-            if state.choice is None or state._window is None:
+        def delay(fastest) -> float:
+            if state.choice is None or state._trial is None:
                 return 0.0
-            ran.append((state.plan.forward_depth, state.plan.backward_depth))
-            return 0.0 if ran[-1] == max(state.choice.candidates) else 0.04
-        auto.delay = delay
+            return 0.0 if state._trial.choice == fastest(state.choice.candidates) else 0.04
+
+        def forward_delay() -> float:
+            if state._trial is not None:
+                ran.append(state._trial.choice)
+            return delay(max)
+        auto.delay, auto.back_delay = forward_delay, lambda: delay(min)
         steps = 0
         while not prefetch_plan(auto).decided and steps < 30:
             F.mse_loss(auto(x), y).backward()

@@ -55,15 +55,18 @@ def test_decided_auto_issues_what_the_fixed_model_at_its_depths_issues(world):
         assert r["python calls"][0] == r["python calls"][1] > 0, r["python calls"]
         # The first steps after the decision too: FSDP2's units, hooks and auto's own state as the fixed model's.
         assert r["same state after each step"] == [True, True, True], r["state"]
-        assert r["state"]["zero3"] == (None, False, 0, None, None, False, 0), r["state"]["zero3"]
+        assert r["state"]["zero3"] == (None, False, 0, None, None, None, False, 0), r["state"]["zero3"]
 
 
-def test_auto_keeps_and_runs_what_its_trials_measured_fastest():
+def test_auto_keeps_and_runs_the_depths_its_trials_measured_fastest_pass_by_pass():
     for r in results(2):
         ran, kept = r["trials ran"], r["trials kept"]
         candidates = sorted(set(ran))
         assert len(candidates) >= 2 and len(ran) == 5 * len(candidates), ran  # 1 + 4 rounds, one window each
-        assert kept == max(candidates), (kept, r["trials measured"])  # the only unslowed one
+        # the forward depth of the only candidate unslowed in forward, the backward depth of the only one
+        # unslowed in backward: chosen apart (a pair no single candidate was)
+        assert kept == (max(candidates)[0], min(candidates)[1]), (kept, r["trials measured"], r["trials reason"])
+        assert "by pass: forward depth" in r["trials reason"], r["trials reason"]
         assert set(r["trials measured"]) == {f"{f}/{b}" for f, b in candidates}, r["trials measured"]
         assert "measured step" in r["trials reason"], r["trials reason"]
         auto_lists, fixed_lists = r["trials lists"]

@@ -15,7 +15,9 @@ backward, so a "step" here is a window from a forward to the end of the next bac
    (`overlapkit.tuning.MeasuredChoice`, which the other engines' `auto` use too);
 4. the model's pick, unless a neighbour was faster than it in at least three rounds in four and
    by more than MIN_GAIN in the median of the per-round ratios (each call timed as the slowest
-   rank's: one all-reduce of every call's time); the trials start with one untimed round.
+   rank's: one all-reduce of every call's time); the trials start with one untimed round. The
+   rule runs on the forward passes' times for the forward depth and on the backward's for the
+   backward depth (the cost model prices them apart too), so (1, 2) and (2, 3) timed can keep (2, 2).
 Every decision is taken from all-reduced numbers, so every rank switches depth at the same window.
 After it, a step of an auto model runs what a model fixed at its depths runs: the same hooks and
 Python calls, the same collectives, no clock read (tests/data_parallel/test_fsdp.py counts them).
@@ -59,7 +61,8 @@ class ZeroThree:
         self._in_backward = False
         self._spans: dict[str, object] = {}
         self.choice: MeasuredChoice | None = None  # auto's trials of the model's near-ties, while they last
-        self._window = None  # the timing context of the trial window in progress (forward to end of backward)
+        self._trial = None  # the trial of the window in progress (its forwards to the end of the next backward)
+        self._region = None  # the trial's timing context of the pass in progress
         self._model_reason = ""
         root.register_forward_pre_hook(self._pre_forward, prepend=True)  # before FSDP2's root pre-forward
         root.register_forward_hook(self._post_forward)  # after FSDP2's post-forward
@@ -107,21 +110,22 @@ class ZeroThree:
     def _measure(self) -> None:
         """auto, at a training forward: start the probe window or the next trial window, or keep the trials' pick."""
         if self.choice is not None:
-            if self._window is None:  # a pipeline stage runs several forwards in one window
-                trial = self.choice.trial(self.device)  # the call after the last window decides (collective)
-                if trial is None:
+            if self._trial is None:  # a pipeline stage runs several forwards in one window
+                self._trial = self.choice.trial(self.device)  # the call after the last window decides (collective)
+                if self._trial is None:
                     self._finish_trials()
                 else:
-                    self._apply(*trial.choice)
-                    # One region per window, so a stage's several forwards and its backward count once.
-                    self._window = trial.forward()
-                    self._window.__enter__()
+                    self._apply(*self._trial.choice)
+            if self._trial is not None:  # each forward of the window a region: a window's passes add up
+                self._timing(self._trial.forward())
         elif not self.probe.on and self.steps >= self.cfg.probe_step:  # `>=`: a stage may step over probe_step
             self.probe.reset()
             self.probe.on = True
 
     def _post_forward(self, _module, _args, output):
         self._close("forward")
+        if self._region is not None:
+            self._timing(None)
         self.check.forward_ends()
         if not torch.is_grad_enabled():
             return output
@@ -136,6 +140,8 @@ class ZeroThree:
         self._in_backward = True
         _queue_callback(self._end_backward)
         self._open("backward")
+        if self._trial is not None:
+            self._timing(self._trial.backward())
 
     def _end_backward(self) -> None:
         self._close("backward")
@@ -143,10 +149,18 @@ class ZeroThree:
         if self.probe.on:
             self.probe.on = False
             self._pending = "model"
-        elif self._window is not None:
-            self._window.__exit__(None, None, None)
-            self._window = None
+        elif self._trial is not None:
+            self._timing(None)
+            self._trial = None
         self.steps += 1
+
+    def _timing(self, region) -> None:
+        """End the trial's timing region in progress, if any, and start `region` (None: none)."""
+        if self._region is not None:
+            self._region.__exit__(None, None, None)
+        self._region = region
+        if region is not None:
+            region.__enter__()
 
     # -- auto ------------------------------------------------------------------------------
     def _slowest(self, values: list[float], name: str) -> list[float]:
@@ -202,6 +216,9 @@ class ZeroThree:
 
     def _finish_trials(self) -> None:
         (fd, bd), measured, why = self.choice.decided, self.choice.measured, self.choice.reason
+        if self.choice.per_phase:  # forward and backward depth each from its own pass's times
+            fd, bd = self.choice.per_phase["forward"][0], self.choice.per_phase["backward"][1]
+            why += f"; by pass: forward depth {fd} (of {self.choice.per_phase['forward']}), backward depth {bd}"
         self.choice = None
         self.plan.measured = {f"{f}/{b}": ms for (f, b), ms in measured.items()}
         shown = ", ".join(f"{f}/{b}: {ms:.3g} ms" for (f, b), ms in measured.items())
