@@ -75,7 +75,8 @@ class DataParallelConfig:
             if name == "bucket_mb" and v == AUTO:
                 continue
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not (0 < v <= MAX_BUCKET_MB):
-                raise ValueError(f"DataParallelConfig.{name} must be a finite number of MiB > 0 and "
+                auto = '"auto" or ' if name == "bucket_mb" else ""
+                raise ValueError(f"DataParallelConfig.{name} must be {auto}a finite number of MiB > 0 and "
                                  f"<= {MAX_BUCKET_MB:.0f} (1 TiB), got {v!r}")
         for name in ("overlap", "find_unused"):
             if not isinstance(getattr(self, name), bool):
@@ -144,8 +145,9 @@ class GradSync:
         self.bucket_choice = None
         """With bucket_mb="auto": its MeasuredChoice (`decided` cap in MiB, `reason`, `measured`)."""
         if config.bucket_mb == AUTO:
-            self.auto = BucketAuto(self)
-            self.bucket_choice = self.auto.choice
+            auto = BucketAuto(self)  # decides at once where there is nothing to measure
+            self.bucket_choice = auto.choice
+            self.auto = auto if auto.deciding else None
 
     def _bind_buckets(self) -> None:
         """Bind each parameter's hook to its bucket (again after a regrouping)."""
