@@ -75,6 +75,8 @@ class BucketAuto:
 
     def before_forward(self, device: torch.device) -> None:
         """At a synced training forward: the next trial's grouping, or (collective, once) the decision."""
+        # A backward that raised left its region open: that call is not counted (MeasuredChoice skips it).
+        self._backward = None
         trial = self.choice.trial(device)
         if trial is None:
             self._keep()
