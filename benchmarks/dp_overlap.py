@@ -191,7 +191,8 @@ def markdown(result: dict) -> str:
                                  (VARIANTS[1], 1.01, per_round(ours, rows[VARIANTS[1]]["step_ms_all"]))))
     a = result["auto_summary"]
     tail += (f"\n\n`bucket_mb=\"auto\"` kept {a['kept_mb']:g} MiB ({a['buckets']} collectives of {a['fine']} fine "
-             f"buckets) after {a['calls']} trial steps ({a['seconds']:.1f} s, before the timed rounds): {a['reason']}.\n\n"
+             f"buckets), deciding at its training step {a['calls']} ({a['seconds']:.1f} s of steps, before the "
+             f"timed rounds): {a['reason']}.\n\n"
              "| auto vs | per round (middle half) | target | verdict |\n|---|---|---|---|\n"
              f"| best fixed cap ({a['best_fixed']}) | {text(a['vs_best_fixed'])} | ≤ {AUTO_TARGET:g} | "
              f"{verdict(a['vs_best_fixed'], AUTO_TARGET)} |\n"

@@ -11,7 +11,8 @@ communicated and the first candidate is kept at once. Each synced step's forward
 backward (up to the last collective's wait) are timed by `overlapkit.runtime.tuning.MeasuredChoice`:
 a warm-up round, then `rounds` rounds of every candidate in rotated order; the synced forward after
 the last trial agrees the slowest rank's medians (one all-reduce) and keeps the fastest, the first
-in AUTO_CAPS_MB's order within 1 %. From then on the hooks are those of a fixed grouping and the
+in AUTO_CAPS_MB's order within 1 % (with a sequence_parallel_group, agreed over it too: each
+bucket's TP sum pairs with the TP peers' buckets). From then on the hooks are those of a fixed grouping and the
 sync holds no timer: no clock, no event, no extra collective.
 
 A sharded optimizer owns each rank's shard of each bucket, so its layout needs the grouping when it
@@ -58,8 +59,10 @@ class BucketAuto:
             runs = runs_for_cap(fine, cap * MIB)
             if runs not in self.runs.values():
                 self.runs[cap] = runs
+        # With sequence parallelism each bucket's TP sum pairs with the TP peers' (other DP groups):
+        # they must keep the same grouping too.
         self.choice = MeasuredChoice(list(self.runs), sync.group, what="dp-bucket-mb", kind="dp_all_reduce",
-                                     rounds=ROUNDS, warmup_rounds=1)
+                                     rounds=ROUNDS, warmup_rounds=1, agree_over=[sync.sp_group])
         self._trial = None
         self._backward = None  # the open timing region of the synced backward in progress
         if sync.world == 1:

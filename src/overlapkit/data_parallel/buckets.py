@@ -6,7 +6,8 @@ that the collective sends, with no copy. Buckets follow the reverse of registrat
 which is roughly the order in which backward produces gradients (the last layers first), so
 the first bucket fills early and its reduction has the most backward left to hide behind.
 The first bucket is small (PyTorch DDP's 1 MiB) so that communication starts as soon as
-possible; the rest are large (25 MiB) so that each collective runs near full bandwidth.
+possible; the rest are large (25 MiB, or what `bucket_mb="auto"` measured fastest: bucket_auto.py)
+so that each collective runs near full bandwidth.
 
 A DTensor parameter (a TP layer's shard, a replicated norm) keeps its type: the buffer holds its
 local tensor's gradient and `.grad` is a DTensor of the parameter's spec around that view, so an

@@ -117,8 +117,9 @@ class GradSync:
                                 [f"{tuple(p.shape)} {p.dtype}" for _, p in named_params], group, device,
                                 "the parameters' shapes")
         # auto cuts fine buckets once; its candidates are runs of them (bucket_auto.py).
-        self.buffer = GradBuffer(named_params, bucket_mb=bucket_auto.FINE_MB if config.bucket_mb == AUTO else config.bucket_mb,
-                                 first_bucket_mb=config.first_bucket_mb, pad_to=self.world * SHARD_ALIGN)
+        cap = bucket_auto.FINE_MB if config.bucket_mb == AUTO else config.bucket_mb
+        self.buffer = GradBuffer(named_params, bucket_mb=cap, first_bucket_mb=config.first_bucket_mb,
+                                 pad_to=self.world * SHARD_ALIGN)
         self.named = list(named_params)
         """(name, parameter) in registration order (a plain ShardedOptimizer's checkpoint keys follow it)."""
         self.params = self.buffer.params

@@ -69,16 +69,20 @@ class MeasuredChoice:
     `candidates` are in order of preference: among those within `tie` of the fastest the first wins
     (the one with less machinery, so noise never buys complexity). `kind` and `what` name the one
     all-reduce that agrees the times on the timeline. A single candidate is decided at once.
+    `agree_over`: further groups whose ranks must keep the same candidate as well (the times are
+    all-reduced over each in turn, so the slowest rank of all of them judges): e.g. a data-parallel
+    engine's sequence-parallel group, whose per-bucket sums pair across data-parallel groups.
     """
 
     def __init__(self, candidates: Sequence[Any], group, *, what: str, kind: str, rounds: int = 3,
-                 warmup_rounds: int = 1, tie: float = 0.01) -> None:
+                 warmup_rounds: int = 1, tie: float = 0.01, agree_over: Sequence = ()) -> None:
         if not candidates:
             raise ValueError(f"{what}: MeasuredChoice needs at least one candidate")
         if rounds < 1 or warmup_rounds < 0:
             raise ValueError(f"{what}: rounds={rounds} must be >= 1 and warmup_rounds={warmup_rounds} >= 0")
         self.candidates = list(candidates)
         self.group, self.what, self.kind, self.tie = group, what, kind, tie
+        self.agree_over = [g for g in agree_over if g is not None]
         n = len(self.candidates)
         self._schedule = [(r * n + k, (k + r) % n) for r in range(warmup_rounds + rounds) for k in range(n)]
         self._warm = warmup_rounds * n
@@ -142,9 +146,10 @@ class MeasuredChoice:
                 total[k].append(f + _ms(b0, b1))
         mine = [statistics.median(v) if v else -1.0 for v in fwd + total]
         vals = torch.tensor(mine, dtype=torch.float64, device=self._device)
-        if self.group is not None and dist.is_initialized() and comm.group_size(self.group) > 1:
-            comm.all_reduce(vals, self.group, kind=self.kind, name=f"{self.what}.auto", op=dist.ReduceOp.MAX,
-                            async_op=False)
+        for g in [self.group, *self.agree_over]:
+            if g is not None and dist.is_initialized() and comm.group_size(g) > 1:
+                comm.all_reduce(vals, g, kind=self.kind, name=f"{self.what}.auto", op=dist.ReduceOp.MAX,
+                                async_op=False)
         agreed = vals.tolist()
         with_bwd = all(v >= 0 for v in agreed[n:])
         score = agreed[n:] if with_bwd else agreed[:n]
