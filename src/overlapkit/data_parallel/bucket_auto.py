@@ -65,6 +65,9 @@ class BucketAuto:
                                      rounds=ROUNDS, warmup_rounds=1, agree_over=[sync.sp_group])
         self._trial = None
         self._backward = None  # the open timing region of the synced backward in progress
+        # Until the first trial (a backward whose forward ran under no_sync, as a zero-bubble
+        # pipeline's last weight pass does, takes none), the preferred grouping.
+        sync.group_buckets(self.runs[self.choice.candidates[0]])
         if sync.world == 1:
             self.choice.decide_now(self.choice.candidates[0], "world size 1: nothing is communicated")
         elif self.choice.decided is not None:
