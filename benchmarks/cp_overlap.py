@@ -1,8 +1,8 @@
-"""Ring attention (context parallelism), side by side in one run: the default overlap="auto" (decided on
-its first calls), "pipelined" (the next K/V block in flight while this one's attention runs), the same with
-each step also waiting for its sends (the schedule before sends were joined at the end of a pass), "none"
-(every transfer after its block: no overlap), and PyTorch's context_parallel where it runs; forward and
-forward+backward; per-round ratios; exposed cp_kv from the timeline recorder, and why it waits.
+"""Context-parallel attention, side by side in one run: the default overlap="auto" (decided on its first
+calls), "pipelined" (the ring: the next K/V block in flight while this one's attention runs), "bulk" (the
+all-gather schedule: every block sent to every rank at the start of the pass, each attended as it lands),
+"none" (every transfer after its block: no overlap), and PyTorch's context_parallel where it runs; forward
+and forward+backward; per-round ratios; exposed cp_kv from the timeline recorder, and why it waits.
 
 Variants take turns round by round (each round in the next order of a balanced design), so load that
 comes and goes hits them alike; a call's time is the slowest rank's. Ratios are per round (median and
@@ -10,8 +10,9 @@ middle half). Exposed cp_kv comes from recorded calls after the timed ones: the 
 a block's attention, as a share of the transfer (a hop timed alone — ranks lined up, the ring's exchange
 and nothing else — times the hops of the phase). Target: <= 20 % exposed where a block's attention is
 longer than its hop. The waits are attributed from every rank's spans (_lib/cp_waits.py): the sending rank
-posted late, a hop is longer than the block even alone, or the transfer ran slower than alone; beside
-it the blocks' time overlapped vs sequential (contention), the merge's share and the ranks' compute spread.
+posted late, a hop is longer than the block even alone, or the transfer ran slower than alone (under
+"bulk" several blocks share the link at once, which counts there too); beside it the blocks' time
+overlapped vs sequential (contention), the merge's share and the ranks' compute spread.
 
 At world size 1 on CUDA there is no ring to overlap: auto keeps "none" without trials, and the run
 measures the ring's fixed cost (one block of the fused kernel, the log-sum-exp bookkeeping) against
@@ -19,7 +20,7 @@ measures the ring's fixed cost (one block of the fused kernel, the log-sum-exp b
 mesh of one. (PyTorch's context_parallel does not run on CPU: it has no ring for
 `_scaled_dot_product_flash_attention_for_cpu`; the CPU run records its error.)
 
-    python benchmarks/cp_overlap.py --world 4 --threads 2          # CPU, gloo (the GPU machine's 16 cores)
+    python benchmarks/cp_overlap.py --world 4 --threads 3          # CPU, gloo (the GPU machine's 16 cores)
     python benchmarks/cp_overlap.py --device cuda --world 1        # one GPU: fixed cost vs SDPA
     python benchmarks/cp_overlap.py --device cuda --world 8        # 8 GPUs, NCCL: the ring and torch's, side by side
 
@@ -29,7 +30,6 @@ Writes benchmarks/results/cp_overlap_<device>_ws<N>[_s<tokens a rank>].json and 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import statistics
 import sys
@@ -44,7 +44,7 @@ from _lib.common import add_common_args, device_label, line_up, out_dir, run_ran
 from _lib.cp_waits import attribute, rank_spans
 from _lib.ratios import per_round, text, verdict
 from _lib.unexported import comm, measure
-from overlapkit.context_parallel import ContextParallelConfig, RingAttention, shard
+from overlapkit.context_parallel import AUTO_CANDIDATES, ContextParallelConfig, RingAttention, shard
 from overlapkit.timeline import record
 
 PRESETS = {
@@ -55,43 +55,20 @@ PRESETS = {
 }
 CUDA_WS1_SEQS = (4096, 16384, 32768)
 """Whole-sequence lengths of the world-size-1 fixed-cost table."""
-JOINED = "pipelined, sends joined"
-"""The pipelined ring with every step also waiting for its sends (the schedule before): what joining the
-sends at the end of the pass changed."""
-VARIANTS = ("auto", "pipelined", JOINED, "none")
+FIXED = AUTO_CANDIDATES
+"""The fixed overlap settings auto chooses among: pipelined (the ring), bulk (all-gather), none."""
+
+
+def variants(world: int) -> list[str]:
+    """auto, the fixed settings, and bulk with fewer blocks in flight than all P−1 ("bulk prefetch=N")."""
+    return ["auto", *FIXED] + [f"bulk prefetch={d}" for d in (1, 2) if d < world - 1]
+
+
+def config_of(name: str) -> ContextParallelConfig:
+    overlap, _, prefetch = name.partition(" prefetch=")
+    return ContextParallelConfig(overlap=overlap, prefetch=int(prefetch) if prefetch else None)
 TARGET = 20.0
 """Exposed cp_kv, % of the transfer, where a block's attention is longer than its hop."""
-
-
-@contextlib.contextmanager
-def _sends_joined():
-    """Make the ring wait for its sends with its receives, as it did before (in this process, for the block).
-
-    The ring's exchange is replaced where the ring looks it up (`comm.ring_exchange`); a block in which
-    the ring never called it would time plain "pipelined" under this variant's name, so it raises."""
-    real, calls = comm.ring_exchange, [0]
-
-    class Both:
-        def __init__(self, received, sent):
-            self.received, self.sent = received, sent
-
-        def wait(self):
-            self.sent.wait()
-            self.received.wait()
-
-    def joined(sends, recvs, group, *, kind, name=""):
-        calls[0] += 1
-        received, sent = real(sends, recvs, group, kind=kind, name=name)
-        return Both(received, sent), comm.Handle([])
-
-    comm.ring_exchange = joined
-    try:
-        yield
-    finally:
-        comm.ring_exchange = real
-    if dist.get_world_size() > 1 and not calls[0]:
-        raise RuntimeError(f"{JOINED!r}: the ring no longer exchanges through comm.ring_exchange, so this variant "
-                           "would time plain 'pipelined'")
 
 
 def _median(xs):
@@ -125,18 +102,17 @@ def _ring_body(device_type: str, p: dict, rounds: int, warmup: int, recorded: in
     q, k, v = (shard(t, 2, rank, size, "zigzag") for t in full)
     dout = torch.randn_like(q)
     group = dist.group.WORLD
-    rings = {name: RingAttention(group, ContextParallelConfig(overlap="pipelined" if name == JOINED else name))
-             for name in VARIANTS}
+    names = variants(size)
+    rings = {name: RingAttention(group, config_of(name)) for name in names}
 
     def call(name: str, backward: bool):
         def run():
-            with _sends_joined() if name == JOINED else contextlib.nullcontext():
-                if not backward:
-                    with torch.no_grad():
-                        rings[name](q, k, v)
-                    return
-                ql, kl, vl = (t.detach().requires_grad_() for t in (q, k, v))
-                rings[name](ql, kl, vl).backward(dout)
+            if not backward:
+                with torch.no_grad():
+                    rings[name](q, k, v)
+                return
+            ql, kl, vl = (t.detach().requires_grad_() for t in (q, k, v))
+            rings[name](ql, kl, vl).backward(dout)
         return run
 
     t0, trial_calls = time.perf_counter(), 0
@@ -147,7 +123,7 @@ def _ring_body(device_type: str, p: dict, rounds: int, warmup: int, recorded: in
         if choice.decided is not None:
             break
     auto = dict(overlap=choice.decided, reason=choice.reason, calls=trial_calls, seconds=time.perf_counter() - t0)
-    calls = {f"{o} {'fwd+bwd' if b else 'fwd'}": call(o, b) for o in VARIANTS for b in (False, True)}
+    calls = {f"{o} {'fwd+bwd' if b else 'fwd'}": call(o, b) for o in names for b in (False, True)}
     torch_cp = _torch_cp_call(full, dout, device, size, rank)
     if callable(torch_cp):
         calls["torch context_parallel fwd+bwd"] = torch_cp
@@ -155,7 +131,7 @@ def _ring_body(device_type: str, p: dict, rounds: int, warmup: int, recorded: in
 
     hop_ms = {"kv": _hop_ms([k, v], device), "dkv": _hop_ms([k.float(), v.float()], device)}  # dK/dV travel in fp32
     per_mode, spans = {}, {}
-    for name in VARIANTS:
+    for name in names:
         with record(device=device) as rec:
             for _ in range(recorded):
                 line_up(device)
@@ -193,8 +169,8 @@ def _exposure(spans) -> dict:
         mine = [s for s in spans if f".{phase}" in s.name and (s.kind == "cp_kv" or s.is_compute)]
         steps = sorted({s.step for s in mine})
         times = [measure([s for s in mine if s.step == st]) for st in steps]
-        blocks = [s.duration_ms for s in mine if s.is_compute and not s.name.endswith(f"{phase}[0]")
-                  and not s.name.endswith(".merge")]
+        blocks = [s.duration_ms for s in mine if s.is_compute and f".{phase}[" in s.name
+                  and not s.name.endswith(f"{phase}[0]") and not s.name.endswith(".merge")]
         hops = [s for s in mine if s.kind == "cp_kv"]
         n = max(len(steps), 1)
         out[phase] = dict(comm_ms=_median([t.comm_ms for t in times]), exposed_ms=_median([t.exposed_comm_ms for t in times]),
@@ -235,7 +211,7 @@ def _fixed_cost_body(p: dict, rounds: int, warmup: int, seqs=CUDA_WS1_SEQS, devi
     """World size 1 on CUDA: the ring's fixed cost vs SDPA on the whole sequence (and torch CP at a mesh of one)."""
     device = torch.device(device_type, 0) if device_type == "cuda" else torch.device("cpu")
     rows = {}
-    rings = {o: RingAttention(dist.group.WORLD, ContextParallelConfig(overlap=o)) for o in ("auto", "pipelined")}
+    rings = {o: RingAttention(dist.group.WORLD, ContextParallelConfig(overlap=o)) for o in ("auto", "pipelined", "bulk")}
     for seq in seqs:
         q, k, v = _inputs(p, seq, device)
         dout = torch.randn_like(q)
@@ -258,14 +234,15 @@ def _fixed_cost_body(p: dict, rounds: int, warmup: int, seqs=CUDA_WS1_SEQS, devi
             return run
 
         calls = {"sdpa fwd": sdpa(False), "sdpa fwd+bwd": sdpa(True), "ring fwd": ring(False), "ring fwd+bwd": ring(True),
-                 "ring pipelined fwd+bwd": ring(True, "pipelined")}
+                 "ring pipelined fwd+bwd": ring(True, "pipelined"), "ring bulk fwd+bwd": ring(True, "bulk")}
         torch_cp = _torch_cp_call([q, k, v], dout, device, 1, 0)
         if callable(torch_cp):
             calls["torch context_parallel fwd+bwd"] = torch_cp
         times = _time_calls(calls, rounds, warmup, device)
         ratios = {"ring vs sdpa, fwd": per_round(times["ring fwd"], times["sdpa fwd"]),
                   "ring vs sdpa": per_round(times["ring fwd+bwd"], times["sdpa fwd+bwd"]),
-                  "auto vs pipelined": per_round(times["ring fwd+bwd"], times["ring pipelined fwd+bwd"])}
+                  "auto vs pipelined": per_round(times["ring fwd+bwd"], times["ring pipelined fwd+bwd"]),
+                  "bulk vs pipelined": per_round(times["ring bulk fwd+bwd"], times["ring pipelined fwd+bwd"])}
         if callable(torch_cp):
             ratios["ring vs torch CP"] = per_round(times["ring fwd+bwd"], times["torch context_parallel fwd+bwd"])
         rows[seq] = dict(times={n: _median(t) for n, t in times.items()}, ratios=ratios,
@@ -282,14 +259,20 @@ def summarize_ring(per_rank: list[dict]) -> dict:
     times = {name: _median(t) for name, t in raw.items()}
     hop = per_rank[0]["hop_ms"]  # already the slowest rank's
     auto = per_rank[0]["auto"]
-    best = min(("pipelined", "none"), key=lambda o: times[f"{o} fwd+bwd"])
+    names = list(per_rank[0]["recorded"])
+    best = min(names[1:], key=lambda o: times[f"{o} fwd+bwd"])
     step = lambda name: raw[f"{name} fwd+bwd"]  # noqa: E731
     ratios = {f"auto vs best fixed ({best})": per_round(step("auto"), step(best)),
               "auto vs none": per_round(step("auto"), step("none")),
               f"auto vs its twin ({auto['overlap']})": per_round(step("auto"), step(auto["overlap"])),
               "pipelined vs none": per_round(step("pipelined"), step("none")),
-              "pipelined vs sends joined": per_round(step("pipelined"), step(JOINED)),
+              "bulk vs none": per_round(step("bulk"), step("none")),
+              "bulk vs pipelined": per_round(step("bulk"), step("pipelined")),
+              "bulk vs pipelined, fwd": per_round(raw["bulk fwd"], raw["pipelined fwd"]),
               "auto vs none, fwd": per_round(raw["auto fwd"], raw["none fwd"])}
+    for name in names:
+        if "prefetch" in name:
+            ratios[f"{name} vs bulk"] = per_round(step(name), step("bulk"))
     if "torch context_parallel fwd+bwd" in raw:
         ratios["auto vs torch context_parallel"] = per_round(step("auto"), raw["torch context_parallel fwd+bwd"])
     out = dict(times_ms=times, torch_cp_error=per_rank[0]["torch_cp"], auto=auto, hop_ms=hop, ratios=ratios,
@@ -301,7 +284,7 @@ def summarize_ring(per_rank: list[dict]) -> dict:
         hop_one = hop["dkv"] if phase == "bwd" else hop["kv"]
         row = dict(transfer_ms=transfer, kv_hops=seq["kv_hops"], dkv_hops=seq["dkv_hops"], block_ms_sequential=block_seq,
                    hop_ms=hop_one, block_longer_than_hop=None if block_seq is None else block_seq > hop_one, variants={})
-        for name in VARIANTS:
+        for name in names:
             recs = [r["recorded"][name][phase] for r in per_rank]
             exposed = _median([x["exposed_ms"] for x in recs])
             pct = 100.0 * exposed / transfer if transfer and exposed is not None else None
@@ -309,8 +292,9 @@ def summarize_ring(per_rank: list[dict]) -> dict:
                                          block_ms=_median([x["block_ms"] for x in recs]),
                                          target=None if not row["block_longer_than_hop"] or pct is None else pct <= TARGET)
         out["phases"][phase] = row
-    for name in VARIANTS:
-        out["waits"][name] = attribute([r["spans"][name] for r in per_rank], hop)
+    for name in names:
+        schedule = per_rank[0]["auto"]["overlap"] if name == "auto" else config_of(name).overlap
+        out["waits"][name] = attribute([r["spans"][name] for r in per_rank], hop, schedule=schedule)
     return out
 
 
@@ -325,15 +309,15 @@ def markdown(result: dict) -> str:
         lines = ["The ring is the default (overlap='auto', which keeps 'none' at cp = 1 without trials); ratios per "
                  "round, median (middle half).", "",
                  "| sequence | sdpa fwd ms | ring fwd ms | ratio | sdpa fwd+bwd ms | ring fwd+bwd ms | ratio | "
-                 "torch CP fwd+bwd ms | ring vs torch CP | auto vs pipelined (≤ 1.01) |",
-                 "|---:|---:|---:|---|---:|---:|---|---:|---|---|"]
+                 "torch CP fwd+bwd ms | ring vs torch CP | auto vs pipelined (≤ 1.01) | bulk vs pipelined |",
+                 "|---:|---:|---:|---|---:|---:|---|---:|---|---|---|"]
         for seq, row in result["rows"].items():
             t, x = row["times"], row["ratios"]
             tcp = fmt(t.get("torch context_parallel fwd+bwd")) if row["torch_cp"] is None else "cannot run"
             lines.append(f"| {seq} | {fmt(t['sdpa fwd'])} | {fmt(t['ring fwd'])} | {text(x['ring vs sdpa, fwd'])} | "
                          f"{fmt(t['sdpa fwd+bwd'])} | {fmt(t['ring fwd+bwd'])} | {text(x['ring vs sdpa'])} | {tcp} | "
                          f"{text(x.get('ring vs torch CP'))} | {text(x['auto vs pipelined'])}: "
-                         f"{verdict(x['auto vs pipelined'], 1.01)} |")
+                         f"{verdict(x['auto vs pipelined'], 1.01)} | {text(x['bulk vs pipelined'])} |")
         errs = {row["torch_cp"] for row in result["rows"].values() if row["torch_cp"]}
         lines += ["", "auto's decisions: " + "; ".join(f"q {k}: {d} ({why})" for k, (d, why) in result["auto"].items())]
         return head + "\n".join(lines) + "\n" + "".join(f"\ntorch context_parallel: {e}\n" for e in errs)
@@ -343,7 +327,8 @@ def markdown(result: dict) -> str:
     lines = [f"sequence {p['seq_per_rank'] * result['world']} ({p['seq_per_rank']} a rank). Median ms of {result['rounds']} "
              f"rounds, slowest rank. auto kept **{a['overlap']}** after {a['calls']} calls ({a['seconds']:.1f} s): "
              f"{a['reason']}.\n", "| variant | fwd ms | fwd+bwd ms |", "|---|---:|---:|"]
-    for o in VARIANTS:
+    names = list(r["waits"])
+    for o in names:
         lines.append(f"| ring overlap={o} | {fmt(t.get(o + ' fwd'))} | {fmt(t.get(o + ' fwd+bwd'))} |")
     tcp = t.get("torch context_parallel fwd+bwd")
     lines.append(f"| torch context_parallel | — | {fmt(tcp) if r['torch_cp_error'] is None else 'cannot run'} |")
@@ -354,12 +339,13 @@ def markdown(result: dict) -> str:
     lines += ["", "Exposed cp_kv from the recorder, % of the transfer (hops alone: K/V "
               f"{fmt(r['hop_ms']['kv'])} ms, fp32 dK/dV {fmt(r['hop_ms']['dkv'])} ms):", "",
               "| phase | hops K/V + dK/dV | block ms, sequential | transfer ms | "
-              + " | ".join(f"{v}: exposed ms (%), block ms" for v in VARIANTS) + f" | target ≤ {TARGET:.0f} % (auto) |",
-              "|---|---|---:|---:|" + "---|" * len(VARIANTS) + "---|"]
+              + " | ".join(f"{v}: exposed ms (%), block ms" for v in names) + f" | target ≤ {TARGET:.0f} % |",
+              "|---|---|---:|---:|" + "---|" * len(names) + "---|"]
     for phase, x in r["phases"].items():
         cells = [f"{fmt(v['exposed_ms'])} ({fmt(v['exposed_pct'], '.0f')} %), {fmt(v['block_ms'])}"
                  for v in x["variants"].values()]
-        goal = {None: "n/a (block not longer than hop)", True: "met", False: "MISSED"}[x["variants"]["auto"]["target"]]
+        said = {None: "n/a (block not longer than hop)", True: "met", False: "MISSED"}
+        goal = "; ".join(f"{v}: {said[x['variants'][v]['target']]}" for v in names if v != "none")
         lines.append(f"| {phase} | {x['kv_hops']} + {x['dkv_hops']} | {fmt(x['block_ms_sequential'])} | "
                      f"{fmt(x['transfer_ms'])} | " + " | ".join(cells) + f" | {goal} |")
     lines += ["", "Why it waits (_lib/cp_waits.py; ms per rank and step, medians over recorded steps): exposed = sending "

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from _lib.common import add_common_args, device_label, line_up, out_dir, run_ranks, time_variants, world_size, write_results
+from _lib.ops import layer_ops
 from _lib.ratios import per_round, text, verdict
 from _lib.unexported import load_imbalance, measure
 from overlapkit.expert_parallel import MoE
@@ -131,6 +132,8 @@ def _rank_body(device_type: str, p: dict, steps: int, warmup: int, recorded: int
         times[v] = t.tolist()
 
     recorded_rows, loads = {}, {}
+    # Aten ops a call dispatches (each a dispatch, most a kernel launch): what a host-bound layer pays for.
+    ops = {name: layer_ops(layer, x, dy) for name, (layer, x) in layers.items()}
     for name, (layer, _) in layers.items():
         if name == MLP:
             continue
@@ -154,7 +157,7 @@ def _rank_body(device_type: str, p: dict, steps: int, warmup: int, recorded: int
         recorded_rows[name] = per
         load = layer.last_load
         loads[name] = (load.received_per_expert, load.dropped)
-    return dict(times=times, recorded=recorded_rows, loads=loads, experts=experts, auto=auto)
+    return dict(times=times, recorded=recorded_rows, loads=loads, experts=experts, auto=auto, ops=ops)
 
 
 def _median(xs):
@@ -168,7 +171,7 @@ def summarize(per_rank: list[dict]) -> dict:
     fwd = {n.split("|")[0]: ms for n, ms in times.items() if n.endswith("|fwd")}
     rows = []
     for name in step:
-        row = dict(variant=name, fwd_ms=_median(fwd[name]), step_ms=_median(step[name]))
+        row = dict(variant=name, fwd_ms=_median(fwd[name]), step_ms=_median(step[name]), ops=per_rank[0]["ops"][name])
         recs = [t for r in per_rank for t in r["recorded"].get(name, [])]
         for field in ("wall_ms", "exposed_ms", "comm_ms", "hidden_ms", "experts_ms", "rest_ms", "chunk_compute_ms",
                       "chunk_transfer_ms"):
@@ -206,8 +209,12 @@ def summarize(per_rank: list[dict]) -> dict:
                capacity_padded_vs_exact_fwd=per_round(fwd[CAPACITY[1]], fwd[CAPACITY[0]]))
     if MLP in step:
         out["fixed_cost"] = {name: dict(fwd=per_round(fwd[name], fwd[MLP]), step=per_round(step[name], step[MLP]))
-                             for name in ("uniform chunks=1", CAPACITY[1], "uniform auto")}
+                             for name in ("uniform chunks=1", *CAPACITY, "uniform auto")}
     return out
+
+
+def _ops(o: dict) -> str:
+    return f"{o['ops']} ({o['kernels']})"
 
 
 def markdown(result: dict) -> str:
@@ -218,16 +225,19 @@ def markdown(result: dict) -> str:
             f"{p['ffn_hidden']}, {result['experts']} experts, top-{p['top_k']}, {p['tokens']} tokens a rank, "
             f"{p['dtype']}; capacity variants at factor {p['capacity_factor']}, chunks=1. Medians of "
             f"{result['steps']} rounds (slowest rank); per-round ratios with their middle half; exposed all-to-all, "
-            "expert time and per-chunk times from the recorder (medians over ranks and recorded steps).\n\n")
+            "expert time and per-chunk times from the recorder (medians over ranks and recorded steps); ops: aten ops "
+            "rank 0 dispatched in one forward (no grad) and one backward, in brackets those that are not views or "
+            "allocations (on a GPU, each a kernel launch).\n\n")
     lines = ["| variant | fwd ms | fwd+bwd ms | vs chunks=1 (per round) | exposed a2a ms | a2a ms | hidden % | "
-             "removed vs 1 % | experts ms | rest ms | experts/chunk ms | transfer/chunk ms | rank load max/mean |",
-             "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "removed vs 1 % | experts ms | rest ms | experts/chunk ms | transfer/chunk ms | rank load max/mean | "
+             "ops fwd (kernels) | ops bwd (kernels) |",
+             "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in s["rows"]:
         lines.append(f"| {r['variant']} | {fmt(r['fwd_ms'])} | {fmt(r['step_ms'])} | {text(r.get('vs_chunks1'))} | "
                      f"{fmt(r['exposed_ms'])} | {fmt(r['comm_ms'])} | {fmt(r['hidden_pct'], '.0f')} | "
                      f"{fmt(r.get('removed_vs_1_pct'), '.0f')} | {fmt(r['experts_ms'])} | {fmt(r['rest_ms'])} | "
                      f"{fmt(r['chunk_compute_ms'])} | {fmt(r['chunk_transfer_ms'])} | "
-                     f"{fmt(r.get('rank_load_max_over_mean'))} |")
+                     f"{fmt(r.get('rank_load_max_over_mean'))} | {_ops(r['ops']['fwd'])} | {_ops(r['ops']['bwd'])} |")
     lines += ["", "| routing | auto kept | trial calls (s) | auto vs best fixed | auto vs chunks=1 | auto vs its twin | "
               "best chunked vs chunks=1 | targets |", "|---|---|---:|---|---|---|---|---|"]
     for routing, a in s["auto"].items():
@@ -244,10 +254,14 @@ def markdown(result: dict) -> str:
     if "fixed_cost" in s:
         lines += ["", "Fixed cost over a plain MLP of inner width top_k x ffn (the same active parameters; nothing is "
                   "transferred at world size 1), per round (target ≤ 2×):", "",
-                  "| MoE variant | fwd | fwd verdict | fwd+bwd | fwd+bwd verdict |", "|---|---|---|---|---|"]
-        for name, fc in s["fixed_cost"].items():
-            lines.append(f"| {name} | {text(fc['fwd'])} | {verdict(fc['fwd'], 2.0)} | {text(fc['step'])} | "
-                         f"{verdict(fc['step'], 2.0)} |")
+                  "| MoE variant | fwd | fwd verdict | fwd+bwd | fwd+bwd verdict | ops fwd / bwd (kernels) |",
+                  "|---|---|---|---|---|---|"]
+        by = {r["variant"]: r for r in s["rows"]}
+        for name, fc in [*s["fixed_cost"].items(), (MLP, None)]:
+            o = by[name]["ops"]
+            ratios = "| — | — | — | —" if fc is None else (f"| {text(fc['fwd'])} | {verdict(fc['fwd'], 2.0)} | "
+                                                            f"{text(fc['step'])} | {verdict(fc['step'], 2.0)}")
+            lines.append(f"| {name} {ratios} | {_ops(o['fwd'])} / {_ops(o['bwd'])} |")
     return head + "\n".join(lines) + "\n"
 
 

@@ -16,7 +16,7 @@ round runs auto's final depth. auto vs that pinned twin is auto's own cost (the 
 are identical: tests/data_parallel/test_fsdp.py checks the same collectives, order and prefetch
 lists); the twin vs the fixed depth of the same number is the run's noise floor between two
 instances. `--budget-s` bounds the timed rounds: the warm-up's round time sets how many of
-`--steps` fit.
+`--steps` fit; `--total-s` bounds the whole run (start-up, auto's trials and the tail included).
 Exposed gather / reduce-scatter come from the timeline recorder in separate recorded steps
 (overlapkit's variants only: FSDP2 and DDP issue their collectives outside overlapkit).
 Memory: on CUDA the peak allocated during one step of each variant alone; on CPU the bytes of
@@ -89,7 +89,7 @@ def _state_bytes(model, opt) -> int:
 
 
 def _rank_body(device_type: str, preset: dict, steps: int, warmup: int, recorded: int, threads: int,
-               variants: tuple[str, ...], budget_s: float) -> dict:
+               variants: tuple[str, ...], budget_s: float, ends_at: float | None = None) -> dict:
     from _lib.unexported import progress
 
     torch.set_num_threads(threads)
@@ -143,6 +143,10 @@ def _rank_body(device_type: str, preset: dict, steps: int, warmup: int, recorded
     variants = tuple(v for k in variants for v in ((k, PINNED) if k == AUTO else (k,)))  # its row under auto's
     time_balanced(step, list(variants), 1, device)  # untimed: auto ran its decision alone
     per_round *= len(variants) / (len(variants) - 1)
+    if ends_at is not None:  # what is left of --total-s, less the tail (one step each, two rounds' slack)
+        left = torch.tensor([ends_at - time.time() - 2 * per_round.item()], dtype=torch.float64)
+        dist.all_reduce(left, op=dist.ReduceOp.MIN)
+        budget_s = min(budget_s, left.item())
     rounds = max(5, min(steps, int(budget_s / per_round.item())))
     if rank == 0:
         progress(f"warm-up {warmup} rounds at {per_round.item():.2f} s a round, auto decided after {decide_steps} "
@@ -244,21 +248,27 @@ def summarize(per_rank: list[dict]) -> dict:
                     depths=depths, reason=plan["reason"], probe=probe, measured=plan.get("measured", {}),
                     vs_best_fixed=ratio(fastest_fixed), vs_fsdp2=ratio("FSDP2 defaults"), vs_same_depth=ratio(same),
                     vs_pinned=ratio(PINNED), pinned_vs_same_depth=ratio(same, of=PINNED),
+                    vs_fixed={k: ratio(k) for k in fixed},
                     layers=per_rank[0]["recorded"][AUTO][-1]["layers"] if per_rank[0]["recorded"].get(AUTO) else []))
 
 
-def straddles(r: dict) -> bool:
-    """Whether the middle half of the per-round ratios holds 1: rounds fall on either side."""
-    return r["iqr"][0] <= 1.0 <= r["iqr"][1]
+def straddles(r: dict, at: float = 1.0) -> bool:
+    """Whether the middle half of the per-round ratios holds `at`: rounds fall on either side."""
+    return r["iqr"][0] <= at <= r["iqr"][1]
 
 
-def verdict(r: dict | None) -> str:
-    """met (median <= 1), within noise (a miss whose middle half of per-round ratios straddles 1), or MISSED."""
+def verdict(r: dict | None, limit: float = 1.0) -> str:
+    """met (median <= limit), within noise (a miss whose middle half of per-round ratios straddles
+    the limit), or MISSED."""
     if r is None or r["median"] is None:
         return "not run"
-    if r["median"] <= 1.0:
+    if r["median"] <= limit:
         return "met"
-    return "within noise" if straddles(r) else "MISSED"
+    return "within noise" if straddles(r, limit) else "MISSED"
+
+
+TARGETS = {"fsdp2": 0.9, "best fixed": 1.01, "pinned": 0.01}
+"""issue targets: auto <= 0.9x FSDP2's defaults; <= 1.01x its best fixed depth; within 1 % of its pinned twin."""
 
 
 def same_config(r: dict) -> str:
@@ -278,8 +288,8 @@ def markdown(result: dict) -> str:
             f"torch {result['torch']}: GPT {result['params'] / 1e6:.1f} M parameters, "
             f"{result['preset']['gpt']['num_layers']} blocks. Median (and middle half, p25–p75) of {result['rounds']} "
             f"balanced-order rounds (slowest rank; {result['warmup_round_s']:.2f} s a warm-up round, auto decided "
-            f"{result['decide_steps']} steps after the warm-up); exposed communication from the recorder "
-            "(overlapkit variants).\n\n")
+            f"{result['decide_steps']} steps after the warm-up; the run took {result['wall_s']:.0f} s); exposed "
+            "communication from the recorder (overlapkit variants).\n\n")
     lines = [f"| variant | step ms | p25–p75 ms | vs FSDP2 defaults | {mem} | gathered ahead MiB | comm ms | exposed ms "
              "| exposed gather ms | exposed RS ms | model: blocks ms |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
@@ -291,20 +301,26 @@ def markdown(result: dict) -> str:
                      f"{fmt(r.get('predicted_blocks_ms'), '.1f')} |")
     a = result["auto"]
 
-    def said(what: str, r: dict | None, target: bool = True) -> str:
+    def said(what: str, r: dict | None, limit: float | None = 1.0, within: float | None = None) -> str:
         if r is None:
             return ""
         who = "auto" if r["of"] == AUTO else r["of"]
         line = (f"{who} vs {what} ({r['to']}), per round: median {r['median']:.3f} (middle half "
                 f"{r['iqr'][0]:.3f} – {r['iqr'][1]:.3f})")
-        return line + (f" — target <= 1: {verdict(r)}.\n" if target else f": {same_config(r)}.\n")
+        if within is not None:  # identical configurations: a target on the gap, and what the spread says
+            met = "met" if abs(r["median"] - 1) <= within and straddles(r) else "MISSED"
+            return line + f" — target within {within:.0%}: {met}; {same_config(r)}.\n"
+        return line + (f" — target <= {limit:g}: {verdict(r, limit)}.\n" if limit else f": {same_config(r)}.\n")
 
     tail = (f"\n\nauto chose forward/backward depth {a['depths'][0]}/{a['depths'][1]}: {a['reason']}.\n"
-            + said("the fixed depth with the best median", a["vs_best_fixed"]) + said("FSDP2 defaults", a["vs_fsdp2"])
-            + said("the fixed model pinned at its depths, built after its decision", a.get("vs_pinned"), target=False)
-            + said("the same fixed depth", a["vs_same_depth"], target=False)
+            + said("the fixed depth with the best median", a["vs_best_fixed"], TARGETS["best fixed"])
+            + said("FSDP2 defaults", a["vs_fsdp2"], TARGETS["fsdp2"])
+            + "".join(said("a fixed depth", r, TARGETS["best fixed"]) for r in a.get("vs_fixed", {}).values())
+            + said("the fixed model pinned at its depths, built after its decision", a.get("vs_pinned"),
+                   within=TARGETS["pinned"])
+            + said("the same fixed depth", a["vs_same_depth"], within=TARGETS["pinned"])
             + said("the fixed depth of the same number (another instance of one configuration: the run's noise "
-                   "floor)", a.get("pinned_vs_same_depth"), target=False))
+                   "floor)", a.get("pinned_vs_same_depth"), None))
     if a["layers"]:
         tail += ("\nPer block under auto (rank 0, last recorded step):\n\n| block | gather fwd ms (exposed) | "
                  "gather bwd ms (exposed) | reduce-scatter ms (exposed) | hidden % |\n|---|---:|---:|---:|---:|\n")
@@ -322,6 +338,7 @@ def markdown(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    started = time.time()
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_common_args(ap)
     ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
@@ -330,6 +347,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--recorded", type=int, default=2, help="extra recorded steps per overlapkit variant")
     ap.add_argument("--budget-s", type=float, default=120.0,
                     help="seconds the timed rounds may take (the warm-up's round time sets how many; at least 5)")
+    ap.add_argument("--total-s", type=float, default=None,
+                    help="seconds the whole run may take: the timed rounds get what start-up and auto's trials left")
     ap.add_argument("--variants", default=",".join(SHORT),
                     help=f"comma-separated subset of {','.join(SHORT)} (fsdp2, auto and a fixed model pinned at "
                          "auto's depths always run)")
@@ -352,9 +371,11 @@ def main(argv: list[str] | None = None) -> int:
     variants = tuple(v for v in VARIANTS if v in {SHORT[a] for a in asked} | {"FSDP2 defaults", AUTO})
     preset = dict(gpt=SMOKE_GPT, batch=1) if args.smoke else PRESETS[args.preset or args.device]
     per_rank = run_ranks(_rank_body, world, args.device, preset, args.steps, args.warmup, args.recorded, args.threads,
-                         variants, args.budget_s, device=args.device, timeout_s=900.0, on_message=print_message)
+                         variants, args.budget_s, None if args.total_s is None else started + args.total_s,
+                         device=args.device, timeout_s=900.0, on_message=print_message)
     result = dict(device=device_label(args.device), world=world, threads=args.threads, torch=torch.__version__,
-                  preset=preset, steps=args.steps, params=per_rank[0]["params"], **summarize(per_rank))
+                  preset=preset, steps=args.steps, params=per_rank[0]["params"], **summarize(per_rank),
+                  wall_s=time.time() - started)
     tag = f"_{args.preset}" if args.preset and args.preset != args.device else ""
     write_results(result, os.path.join(out_dir(args), f"fsdp_overlap_{args.device}{tag}_ws{world}"), markdown)
     return 0

@@ -256,6 +256,41 @@ final)
   step cp_cpu_ws4 45 python3 benchmarks/cp_overlap.py --world 4 --threads 3 --out "$r"
   step pp_zb_ws4 50 python3 benchmarks/pp_zero_bubble.py --world 4 --threads 4 --steps 12 --out "$r"
   ;;
+base)
+  # A new session's first call: CP at 4 ranks on all 16 cores alone (3 and 2 threads a rank: is the exposed
+  # K/V of the pinned 13-core run a shortage of cores?), then the user's path after the layout change, in two
+  # lanes: the H200 1.1 B eager rows on cores 0-2, the 16-core tp 4 rows on cores 3-15.
+  A=(env); B=(env)
+  if command -v taskset > /dev/null; then A=(taskset -c 0-2); B=(taskset -c 3-15); fi
+  g="$r/h200" c="$r/cpu16"; mkdir -p "$g" "$c/t3" "$c/t2"
+  step cp_ws4_t3 45 python3 benchmarks/cp_overlap.py --world 4 --threads 3 --out "$c/t3"
+  step cp_ws4_t2 45 python3 benchmarks/cp_overlap.py --world 4 --threads 2 --out "$c/t2"
+  (
+    step user_smoke 40 "${A[@]}" python3 benchmarks/user_step.py --device cuda --world 1 --rounds 1 --warmup 1 --out "$g/smoke"
+    step user_eager 110 "${A[@]}" python3 benchmarks/user_step.py --device cuda --world 1 --preset 1b --out "$g"
+  ) > "$out/logs/lane_a.txt" 2>&1 &
+  lane_a=$!
+  step user_tp4 120 "${B[@]}" python3 benchmarks/user_step.py --world 4 --preset cpu16 --threads 3 --rounds 4 --warmup 1 \
+      --budget-s 35 --out "$c"
+  wait "$lane_a"; cat "$out/logs/lane_a.txt"
+  ;;
+epcp2)
+  # After the MoE host-cost and CP all-gather work: their GPU tests and world-size-1 tables on the H200
+  # (MoE vs the dense MLP on the exact, padded and auto paths, ops a call; ring vs all-gather blocks), then,
+  # alone on all 16 cores one after another, CP at 4 ranks (3 and 2 threads), PP at 4 beside torch's
+  # schedules with split_backward, EP at 4 ranks.
+  g="$r/h200" c="$r/cpu16"; mkdir -p "$g" "$c/t3" "$c/t2"
+  step pytest_cuda 80 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_moe_host_syncs_cuda.py \
+      tests/gpu/test_grouped_experts_cuda.py tests/expert_parallel/test_moe_one_rank.py tests/context_parallel/test_cp_cuda.py
+  step ep_cuda_ws1 60 python3 benchmarks/ep_overlap.py --device cuda --world 1 --steps 6 --out "$g"
+  step ep_host_cuda 45 python3 benchmarks/ep_host_cost.py --device cuda --out "$g"
+  step cp_cuda_ws1 60 python3 benchmarks/cp_overlap.py --device cuda --world 1 --rounds 6 --out "$g"
+  step cp_ws4_t3 60 python3 benchmarks/cp_overlap.py --world 4 --threads 3 --out "$c/t3"
+  step cp_ws4_t2 55 python3 benchmarks/cp_overlap.py --world 4 --threads 2 --out "$c/t2"
+  step pp_ws4 90 python3 benchmarks/pp_overlap.py --world 4 --threads 3 --schedules 1f1b,interleaved \
+      --steps 16 --warmup 2 --recorded 1 --out "$c"
+  step ep_ws4 60 python3 benchmarks/ep_overlap.py --world 4 --threads 3 --out "$c"
+  ;;
 last)
   # The session's one call, in two lanes at once so it fits: lane A (cores 0-2) the GPU — the new MoE/ring
   # CUDA tests and DataParallel's, the compiled step's kernels beside the compiled plain model's, EP and CP

@@ -40,19 +40,24 @@ from overlapkit.models import gpt_chunks
 from overlapkit.pipeline_parallel import PipelineConfig, PipelineEngine, bubble_fraction, pipeline_times
 from overlapkit.timeline import record
 
-OURS = [(s, v, ov) for s, v in (("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2)) for ov in (True, False)]
+OURS = [(s, v, ov, False) for s, v in (("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2)) for ov in (True, False)]
+OURS += [(s, v, True, True) for s, v in (("1f1b", 1), ("interleaved-1f1b", 2))]
+"""(schedule, v, overlap_p2p, split_backward): each with overlap_p2p on and off; 1F1B and interleaved also
+with split_backward (the input gradient sent before the weight-gradient GEMMs run)."""
 TORCH = [("torch ScheduleGPipe", 1), ("torch Schedule1F1B", 1), ("torch ScheduleInterleaved1F1B", 2)]
 SCHEDULE_NAMES = {"gpipe": ("gpipe", "torch ScheduleGPipe"), "1f1b": ("1f1b", "torch Schedule1F1B"),
                   "interleaved": ("interleaved-1f1b", "torch ScheduleInterleaved1F1B")}
 """--schedules names: each runs overlapkit's schedule (overlap_p2p on and off) and torch's peer."""
 TARGET = 0.97
 PEERS = [("overlapkit 1f1b v=1 overlap_p2p=True", "torch Schedule1F1B"),
-         ("overlapkit interleaved-1f1b v=2 overlap_p2p=True", "torch ScheduleInterleaved1F1B")]
+         ("overlapkit interleaved-1f1b v=2 overlap_p2p=True", "torch ScheduleInterleaved1F1B"),
+         ("overlapkit 1f1b v=1 overlap_p2p=True split_backward", "torch Schedule1F1B"),
+         ("overlapkit interleaved-1f1b v=2 overlap_p2p=True split_backward", "torch ScheduleInterleaved1F1B")]
 """(ours, torch's): the per-round ratio of each pair is judged against TARGET."""
 
 
-def _name(s, v, ov) -> str:
-    return f"overlapkit {s} v={v} overlap_p2p={ov}"
+def _name(s, v, ov, split=False) -> str:
+    return f"overlapkit {s} v={v} overlap_p2p={ov}" + (" split_backward" if split else "")
 
 
 def _rank_body(preset: dict, steps: int, warmup: int, recorded: int, threads: int,
@@ -72,10 +77,11 @@ def _rank_body(preset: dict, steps: int, warmup: int, recorded: int, threads: in
     first, last = rank == 0, rank == pp - 1
     runs, engines = {}, {}
     keep = {n for k in schedules for n in SCHEDULE_NAMES[k]}
-    for s, v, ov in [o for o in OURS if o[0] in keep]:
+    for s, v, ov, split in [o for o in OURS if o[0] in keep]:
         chunks, _ = gpt_chunks(copy.deepcopy(base), pp, rank, v)
-        engine = engines[_name(s, v, ov)] = PipelineEngine(chunks, groups.pp, PipelineConfig(s, m, v, ov), lm_loss)
-        runs[_name(s, v, ov)] = (lambda e=engine: e.step(idx if first else None, tgt if last else None), chunks)
+        cfg_pp = PipelineConfig(s, m, v, ov, split_backward=split)
+        engine = engines[_name(s, v, ov, split)] = PipelineEngine(chunks, groups.pp, cfg_pp, lm_loss)
+        runs[_name(s, v, ov, split)] = (lambda e=engine: e.step(idx if first else None, tgt if last else None), chunks)
     for (name, v), cls in zip(TORCH, (ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B)):
         if name not in keep:
             continue

@@ -37,8 +37,10 @@ OVERLAP_MEANING: dict[str, dict[str, str]] = {
            "pipelined": "tokens in chunks: one chunk's all-to-all under another's expert GEMMs",
            "auto": "the chunk count measured on the first calls and kept"},
     "cp": {"none": "each key/value block received before it is attended",
+           "bulk": "every key/value block sent to every rank at the start of the pass (all-gather), each "
+                   "attended as it lands; backward sends each block's dK/dV part straight to its owner",
            "pipelined": "the next key/value block travels the ring while this one is attended",
-           "auto": "pipelined or not, measured on the first calls and kept"},
+           "auto": "pipelined, bulk or none, measured on the first calls and kept"},
 }
 """Per engine, what each overlap setting means for it (the cost model's `Overlap` accepts every mode
 for every engine; an engine's own switch, ENGINE_SWITCH, takes the settings listed here)."""

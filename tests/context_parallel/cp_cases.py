@@ -45,12 +45,17 @@ def all_attention_cases(group) -> dict[str, float]:
         for heads, kv_heads in ((2, 2), (4, 2)):
             for layout in ("zigzag", "contiguous"):
                 for kernel in ("math", "flash"):
-                    for overlap in ("pipelined", "none"):
+                    for overlap in ("pipelined", "bulk", "none"):
                         if overlap == "none" and (kernel, layout) != ("math", "zigzag"):
                             continue  # the sequential schedule computes the same blocks; one form checks it
-                        cfg = ContextParallelConfig(overlap=overlap, layout=layout, kernel=kernel)
-                        key = f"causal={causal} h={heads}/{kv_heads} {layout} {kernel} {overlap}"
-                        out[key] = attention_errors(group, causal=causal, heads=heads, kv_heads=kv_heads, config=cfg)
+                        if overlap == "bulk" and (kernel, layout) == ("flash", "contiguous"):
+                            continue  # the all-gather schedule's blocks are the ring's: each layout, each kernel once
+                        for prefetch in ((None, 1) if (overlap, kernel, layout) == ("bulk", "math", "zigzag") else (None,)):
+                            cfg = ContextParallelConfig(overlap=overlap, layout=layout, kernel=kernel, prefetch=prefetch)
+                            key = f"causal={causal} h={heads}/{kv_heads} {layout} {kernel} {overlap}"
+                            key += "" if prefetch is None else f" prefetch={prefetch}"
+                            out[key] = attention_errors(group, causal=causal, heads=heads, kv_heads=kv_heads,
+                                                        config=cfg)
     return out
 
 
@@ -79,10 +84,15 @@ def rejections(group) -> dict[str, str]:
         ring_attention(q, q, q, group)
     except RankMismatchError as e:
         out["mismatch_seq"] = str(e)
+    q = torch.randn(1, 2, 4, 4)
+    try:  # one rank on the all-gather schedule, the other on the ring: neither may run (nor hang)
+        ring_attention(q, q, q, group, config=ContextParallelConfig(overlap="bulk" if rank == 0 else "pipelined"))
+    except RankMismatchError as e:
+        out["mismatch_overlap"] = str(e)
     return out
 
 
-def recorded_overlap(group, overlap: str) -> dict:
+def recorded_overlap(group, overlap: str, prefetch: int | None = None) -> dict:
     """Forward + backward of a ring big enough to time, under the recorder: the report's cp_kv row and the spans."""
     from overlapkit.timeline import record, report_spans
 
@@ -90,19 +100,36 @@ def recorded_overlap(group, overlap: str) -> dict:
     g = torch.Generator().manual_seed(1)
     q, k, v = (torch.randn(1, 4, 128 * size, 32, generator=g) for _ in range(3))
     ql, kl, vl = (shard(t, 2, rank, size, "zigzag").requires_grad_() for t in (q, k, v))
-    cfg = ContextParallelConfig(overlap=overlap, kernel="math")
+    cfg = ContextParallelConfig(overlap=overlap, kernel="math", prefetch=prefetch)
     ring_attention(ql, kl, vl, group, config=cfg).sum().backward()  # warm-up (and the agreement)
     dist.barrier(group)
     with record() as rec:
         ring_attention(ql, kl, vl, group, config=cfg).sum().backward()
     spans = rec.spans
     row = next(r for r in report_spans(spans).ranks[0].by_kind if r.kind == "cp_kv")
-    computes = [s for s in spans if s.is_compute]
+    computes = [s for s in spans if s.is_compute and not s.name.endswith(".merge")]
     kv = [s for s in spans if s.kind == "cp_kv"]
     hidden_by_span = [sum(max(0.0, min(s.end_ms, c.end_ms) - max(s.start_ms, c.start_ms)) for c in computes)
                       for s in kv]
+    # How many blocks' attention each K/V transfer ran beside (the ring: one; all-gather: up to P−1).
+    blocks_beside = {s.name: sum(c.start_ms < s.end_ms and s.start_ms < c.end_ms for c in computes) for s in kv}
     return dict(count=row.count, comm_ms=row.comm_ms, exposed_ms=row.exposed_ms,
-                names=sorted({s.name for s in kv}), max_hidden_ms=max(hidden_by_span))
+                names=sorted({s.name for s in kv}), max_hidden_ms=max(hidden_by_span), blocks_beside=blocks_beside)
+
+
+def bulk_receives(group) -> list[str]:
+    """The cp_kv receives one recorded fwd+bwd of the all-gather schedule makes, causal with the contiguous
+    layout (an earlier rank never attends a later one's keys, so those blocks must not travel)."""
+    from overlapkit.timeline import record
+
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    q = torch.randn(1, 2, 4 * size, 8, generator=torch.Generator().manual_seed(6))
+    ql = shard(q, 2, rank, size, "contiguous").requires_grad_()
+    cfg = ContextParallelConfig(overlap="bulk", layout="contiguous", kernel="math")
+    ring_attention(ql, ql, ql, group, config=cfg).sum().backward()  # the agreement, outside the recording
+    with record() as rec:
+        ring_attention(ql, ql, ql, group, config=cfg).sum().backward()
+    return sorted(s.name for s in rec.spans if s.kind == "cp_kv")
 
 
 def llama_errors(group, kernel: str = "math") -> float:
@@ -206,12 +233,16 @@ def tp_heads_errors() -> float:
     return max(rel(a, shard(b[:, tp * h:(tp + 1) * h], 2, cp, 2, "zigzag")) for (a, b), h in zip(pairs, heads))
 
 
-# Seconds each overlap mode's forward is slowed by, per rank of a CP pair: rank 0 alone would keep `none`;
-# the slowest rank's times (pipelined 0.06, none 0.12) keep `pipelined`.
-AUTO_DELAYS = ({"pipelined": 0.06, "none": 0.0}, {"pipelined": 0.0, "none": 0.12})
+# Seconds each overlap mode's forward is slowed by, per rank of a CP pair. PIPELINED: rank 0 alone would keep
+# `bulk`; the slowest rank's times (pipelined 0.06, bulk and none 0.12) keep `pipelined`. BULK: rank 1 alone
+# would keep `pipelined`; the slowest rank's (pipelined 0.12, bulk 0.06, none 0.12) keep `bulk`.
+AUTO_DELAYS = {"pipelined": ({"pipelined": 0.06, "bulk": 0.0, "none": 0.0},
+                             {"pipelined": 0.0, "bulk": 0.12, "none": 0.12}),
+               "bulk": ({"pipelined": 0.12, "bulk": 0.06, "none": 0.0},
+                        {"pipelined": 0.0, "bulk": 0.0, "none": 0.12})}
 
 
-def auto_overlap(group) -> dict:
+def auto_overlap(group, expect: str = "pipelined") -> dict:
     """overlap="auto" (the default) on a RingAttention: trials, the decision, then calls under the recorder
     with the trial clock made to fail if read: what ran, and what was kept."""
     import time
@@ -224,20 +255,20 @@ def auto_overlap(group) -> dict:
     q, k, v = (torch.randn(1, 2, 8 * dist.get_world_size(group), 8, generator=g) for _ in range(3))
     ql, kl, vl = (shard(t, 2, rank, dist.get_world_size(group), "zigzag").requires_grad_() for t in (q, k, v))
     ring = RingAttention(group, ContextParallelConfig(kernel="math"))
-    forward = attention.ring_forward
+    forward = attention.forward_pass
 
     def slowed(r, *args):
-        time.sleep(AUTO_DELAYS[rank][r.overlap])
+        time.sleep(AUTO_DELAYS[expect][rank][r.overlap])
         return forward(r, *args)
 
-    attention.ring_forward = slowed
+    attention.forward_pass = slowed
     try:
         ring(ql, kl, vl).sum().backward()
         choice, = ring.overlap_choices.choices().values()
         for _ in range(choice.trial_calls - 1):
             ring(ql, kl, vl).sum().backward()
     finally:
-        attention.ring_forward = forward
+        attention.forward_pass = forward
 
     # The deciding call, then two that run as a fixed configuration would.
     spans = recorded_without_trial_clock(lambda: ring(ql, kl, vl).sum().backward())

@@ -12,8 +12,9 @@ def test_ring_attention_cp1_is_plain_attention():
     # No group: the ring is one block, the fixed-cost path the GPU benchmark times at world size 1.
     from cp_cases import attention_errors
     for causal in (True, False):
-        err = attention_errors(None, causal=causal, heads=4, kv_heads=2, config=ContextParallelConfig(kernel="math"))
-        assert err <= TOL
+        for overlap in ("auto", "bulk"):
+            cfg = ContextParallelConfig(kernel="math", overlap=overlap)
+            assert attention_errors(None, causal=causal, heads=4, kv_heads=2, config=cfg) <= TOL
 
 
 def test_zigzag_plan_skips_future_blocks_and_balances_work():
@@ -36,8 +37,11 @@ def test_zigzag_plan_skips_future_blocks_and_balances_work():
 
 
 def test_config_rejects_bad_values():
-    with pytest.raises(ValueError, match="overlap='bulk'"):
-        ContextParallelConfig(overlap="bulk")
+    with pytest.raises(ValueError, match="overlap='chunked'"):
+        ContextParallelConfig(overlap="chunked")
+    assert ContextParallelConfig(overlap="bulk").overlap == "bulk"  # the all-gather schedule
+    with pytest.raises(ValueError, match="prefetch=0"):
+        ContextParallelConfig(overlap="bulk", prefetch=0)
     with pytest.raises(ValueError, match="layout='halves'"):
         ContextParallelConfig(layout="halves")
     with pytest.raises(ValueError, match="kernel='fast'"):

@@ -27,7 +27,7 @@ from overlapkit.data_parallel.fsdp_comm import Probe
 from overlapkit.timeline import record
 
 PER_RANK = 4
-STEPS = 9  # auto: warm-up, probe, 2 rounds of timing up to 3 depths, then a step at the chosen one
+STEPS = 19  # auto: warm-up, probe, 1 + 4 rounds of timing up to 3 depths, then steps at the chosen one
 PREFETCH = (0, 1, 2, (1, 2), "auto")
 
 
@@ -42,11 +42,14 @@ class Net(nn.Module):
         self.out = nn.Linear(7, 3)
         self.sleep_in, self.sleep_s, self.slept = sleep_in, sleep_s, None
         self.delay = None  # a callable: seconds to sleep at the start of each forward
+        self.back_delay = None  # a callable: seconds to sleep at the end of each backward
 
     def forward(self, x):
         if self.delay is not None:
             time.sleep(self.delay())
         h = self.inp(x)
+        if self.back_delay is not None and h.requires_grad:
+            h.register_hook(lambda g: (time.sleep(self.back_delay()), g)[1])
         for i, b in enumerate(self.blocks):
             h = h + b(h)
             if i == self.sleep_in:
@@ -186,6 +189,22 @@ def _python_calls(model, x, y) -> collections.Counter:
     return calls
 
 
+def _state(model) -> dict:
+    """What a step leaves behind on the host: hooks per module, each FSDP2 unit's state, auto's."""
+    out = {}
+    for n, m in model.named_modules():
+        hooks = tuple(len(h) for h in (m._forward_pre_hooks, m._forward_hooks, m._backward_hooks,
+                                       m._backward_pre_hooks))
+        group = getattr(m._get_fsdp_state(), "_fsdp_param_group", None) if hasattr(m, "_get_fsdp_state") else None
+        fsdp = None if group is None else (
+            str(group._training_state), group.is_sharded, group._all_gather_result is not None,
+            group.post_forward_mesh_info is not None, tuple(str(p.sharded_state) for p in group.fsdp_params))
+        out[n] = (hooks, fsdp)
+    z = model._overlapkit_zero3
+    out["zero3"] = (z._pending, z._in_backward, len(z._spans), z.choice, z._trial, z._region, z.probe.on, len(z.probe.comms))
+    return out
+
+
 def _decided_case(world: int, mesh) -> dict:
     """After auto decides, it is the fixed model at its depths: the same collectives, in the same
     order, with the same FSDP2 prefetch lists, and nothing of the probe or trials left."""
@@ -193,15 +212,22 @@ def _decided_case(world: int, mesh) -> dict:
     x, y = x[:PER_RANK], y[:PER_RANK]
     auto = fully_shard(Net(), mesh, prefetch="auto")
     steps = 0
-    while not prefetch_plan(auto).decided and steps < 20:
+    while not prefetch_plan(auto).decided and steps < 30:
         F.mse_loss(auto(x), y).backward()
         steps += 1
     plan = prefetch_plan(auto)
     fixed = fully_shard(Net(), mesh, prefetch=(plan.forward_depth, plan.backward_depth))
     F.mse_loss(fixed(x), y).backward()  # lazy init, as auto had
-    F.mse_loss(auto(x), y).backward()  # the step that decided runs its forward at the kept depths
+    # The step that decided ran its forward at the kept depths; it and the two after it leave the
+    # same FSDP2 and hook state as the fixed model's steps.
+    states = [_state(auto) == _state(fixed)]
+    for _ in range(2):
+        F.mse_loss(auto(x), y).backward()
+        F.mse_loss(fixed(x), y).backward()
+        states.append(_state(auto) == _state(fixed))
     auto_calls, fixed_calls = _python_calls(auto, x, y), _python_calls(fixed, x, y)
-    return {"decided after": steps, "auto decided": plan.decided,
+    return {"decided after": steps, "auto decided": plan.decided, "same state after each step": states,
+            "state": _state(auto),
             "auto depths": (plan.forward_depth, plan.backward_depth),
             "auto issues": _issued(auto, x, y), "fixed issues": _issued(fixed, x, y),
             "python calls": (sum(auto_calls.values()), sum(fixed_calls.values())),
@@ -211,9 +237,11 @@ def _decided_case(world: int, mesh) -> dict:
 
 
 def _trials_case(world: int, mesh) -> dict:
-    """auto's trials keep what they measured, not the model's pick: every depth but the deepest candidate
-    is slowed by 40 ms a forward (on every rank), so the deepest must be kept, against the tie rule's
-    preference for the shallowest, and run."""
+    """auto's trials keep what they measured, the forward depth by the forwards and the backward depth
+    by the backwards: every candidate but the deepest is slowed by 40 ms a forward, every one but
+    the shallowest by 40 ms a backward (on every rank), so the deepest forward depth and the
+    shallowest backward depth are faster in every round and must be kept, and run, whatever the
+    model picked."""
     x, y = batch(world)
     x, y = x[:PER_RANK], y[:PER_RANK]
     real_tie, fsdp_prefetch.TIE = fsdp_prefetch.TIE, 100.0  # every neighbour of the model's pick is timed
@@ -221,14 +249,18 @@ def _trials_case(world: int, mesh) -> dict:
         auto = fully_shard(Net(), mesh, prefetch="auto")
         state, ran = auto._overlapkit_zero3, []
 
-        def delay() -> float:
-            if state.choice is None or state._window is None:
+        def delay(fastest) -> float:
+            if state.choice is None or state._trial is None:
                 return 0.0
-            ran.append((state.plan.forward_depth, state.plan.backward_depth))
-            return 0.0 if ran[-1] == max(state.choice.candidates) else 0.04
-        auto.delay = delay
+            return 0.0 if state._trial.choice == fastest(state.choice.candidates) else 0.04
+
+        def forward_delay() -> float:
+            if state._trial is not None:
+                ran.append(state._trial.choice)
+            return delay(max)
+        auto.delay, auto.back_delay = forward_delay, lambda: delay(min)
         steps = 0
-        while not prefetch_plan(auto).decided and steps < 20:
+        while not prefetch_plan(auto).decided and steps < 30:
             F.mse_loss(auto(x), y).backward()
             steps += 1
     finally:

@@ -29,7 +29,7 @@ from overlapkit.timeline import record
 TOL = 1e-5
 B = 1 / 2**20  # one byte, in MiB
 SMALL_CAPS = (1024 * B, 512 * B, 4096 * B, 256 * B)
-STEPS = 20  # 4 candidates x (1 warm-up + 3 rounds) = 16 trial steps; the 17th forward decides
+STEPS = 24  # 4 candidates x (1 warm-up + 4 rounds) = 20 trial steps; the 21st forward decides
 
 
 def small_caps() -> None:
@@ -351,7 +351,7 @@ def _sequence_parallel():
     gen = torch.Generator().manual_seed(9)
     rows = slice(2 * groups.dp_rank, 2 * groups.dp_rank + 2)
     worst = {"during": 0.0, "after": 0.0}
-    for _ in range(4 * candidates + 3):
+    for _ in range(5 * candidates + 3):
         idx, tgt = torch.randint(0, 16, (4, 8), generator=gen), torch.randint(0, 16, (4, 8), generator=gen)
         trialing = model.bucket_choice.decided is None
         model.zero_grad()

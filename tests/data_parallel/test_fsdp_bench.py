@@ -61,3 +61,10 @@ def test_labels_say_noise_only_when_the_middle_half_straddles_1(bench):
     assert bench.verdict(noise) == "within noise" and bench.same_config(noise).startswith("within noise")
     faster = dict(gap, median=0.95, iqr=[0.93, 0.97])
     assert bench.verdict(faster) == "met" and "faster" in bench.same_config(faster)
+
+
+def test_each_target_is_judged_at_its_own_limit(bench):
+    r = dict(of=bench.AUTO, to="FSDP2 defaults", median=0.93, iqr=[0.89, 0.99])  # 16 cores, 8 ranks
+    assert bench.verdict(r, bench.TARGETS["fsdp2"]) == "within noise"  # <= 0.9x: the middle half holds 0.9
+    assert bench.verdict(dict(r, iqr=[0.91, 0.99]), bench.TARGETS["fsdp2"]) == "MISSED"
+    assert bench.verdict(dict(r, median=1.008, iqr=[0.98, 1.03]), bench.TARGETS["best fixed"]) == "met"

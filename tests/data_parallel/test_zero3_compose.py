@@ -118,7 +118,7 @@ def _world4():
     pp_dp = ParallelGroups.build(pp=2, dp=2)
     out[("pp2 dp2 1f1b", 1)] = _pp_case(pp_dp, "1f1b", 1, 2, 4, 1)
     # auto's trials on a stage: one window (forwards up to the next backward's end) per candidate
-    out[("pp2 dp2 1f1b", "auto")] = _pp_case(pp_dp, "1f1b", 1, 2, 4, "auto", trials=1, steps=6)
+    out[("pp2 dp2 1f1b", "auto")] = _pp_case(pp_dp, "1f1b", 1, 2, 4, "auto", trials=1, steps=9)
     out[("pp2 dp2 interleaved-1f1b", "auto")] = _pp_case(pp_dp, "interleaved-1f1b", 2, 2, 4, "auto")
     dp_tp = ParallelGroups.build(dp=2, tp=2)
     out[("dp2 tp2 sp", "auto")] = _tp_sp_case(dp_tp, "auto")

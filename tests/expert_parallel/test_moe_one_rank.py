@@ -7,9 +7,12 @@ import pytest
 import torch
 
 from overlapkit.expert_parallel import MoE, init_full_experts
+from overlapkit.expert_parallel import experts as X
 from reference import reference_moe
 
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))]
+DEVICES = ["cpu", "cpu-grouped",
+           pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))]
+"""cpu-grouped: CPU through the GPUs' path (grouped GEMMs, no split sizes read back to the host)."""
 
 
 def _rel(a, b) -> float:
@@ -19,7 +22,10 @@ def _rel(a, b) -> float:
 @pytest.mark.parametrize("capacity,pad", [(None, None), (1.0, True), (1.0, False), (0.6, True)])
 @pytest.mark.parametrize("chunks", [1, 3])
 @pytest.mark.parametrize("device", DEVICES)
-def test_moe_paths_at_one_rank_match_the_reference_in_fp32(device, capacity, pad, chunks):
+def test_moe_paths_at_one_rank_match_the_reference_in_fp32(device, capacity, pad, chunks, monkeypatch):
+    if device == "cpu-grouped":
+        monkeypatch.setattr(X, "GROUPED_DEVICES", {"cpu"})
+        device = "cpu"
     H, F, E = 32, 48, 4
     torch.manual_seed(0)
     moe = MoE(H, F, E, 2, None, chunks=chunks, capacity_factor=capacity, pad_to_capacity=pad, device=device)

@@ -80,7 +80,8 @@ def layout_of(groups: ParallelGroups, dp: bool = True, tp: bool = True) -> Layou
 
 
 def pipeline_case(groups: Layout, schedule: str, v: int, m: int, overlap: bool, layers: int,
-                  steps: int = 1, sequence_parallel: bool = True, tp_overlap: str = "none") -> float:
+                  steps: int = 1, sequence_parallel: bool = True, tp_overlap: str = "none",
+                  split_backward: bool = False) -> float:
     """Worst relative error (loss and every gradient, every step) of a pp x dp x tp pipeline vs one process."""
     tp, dp, pp = groups.size("tp"), groups.size("dp"), groups.size("pp")
     ref = tiny_gpt(tp, layers)
@@ -92,7 +93,8 @@ def pipeline_case(groups: Layout, schedule: str, v: int, m: int, overlap: bool, 
         chunks = [DataParallel(c, groups.dp, sequence_parallel_group=groups.tp if tp > 1 else None)
                   for c in chunks]
     engine = PipelineEngine(chunks, groups.pp, PipelineConfig(schedule=schedule, microbatches=m, virtual_stages=v,
-                                                              overlap_p2p=overlap, broadcast_loss=True), loss_fn)
+                                                              overlap_p2p=overlap, broadcast_loss=True,
+                                                              split_backward=split_backward), loss_fn)
     worst = 0.0
     for step in range(steps):
         idx, tgt = data(ref.cfg, dp, m, seed=step + 1)

@@ -25,7 +25,7 @@ def _spans(rec, step: int = 0) -> list[tuple]:
     return [(s.kind, s.name, s.start_ms, s.end_ms) for s in rec.spans if s.step == step]
 
 
-def linears_case(group, schedule: str, m: int, rows: int = 3) -> dict:
+def linears_case(group, schedule: str, m: int, rows: int = 3, split_backward: bool = False) -> dict:
     """An nn.Sequential of Linear + Tanh cut for `schedule`: one recorded step; its spans, the bytes
     the deferred GEMMs kept at their peak and what one micro-batch's W inputs weigh, and the error."""
     pp, rank = dist.get_world_size(group), dist.get_rank(group)
@@ -37,7 +37,8 @@ def linears_case(group, schedule: str, m: int, rows: int = 3) -> dict:
     width = WIDTHS[len(layers)]
     x, y = torch.randn(m * rows, WIDTHS[0]), torch.randn(m * rows, width)
     mse = lambda out, t: ((out - t) ** 2).mean()  # noqa: E731
-    engine = PipelineEngine(chunks, group, PipelineConfig(schedule, m, v, broadcast_loss=True), mse)
+    engine = PipelineEngine(chunks, group, PipelineConfig(schedule, m, v, broadcast_loss=True,
+                                                          split_backward=split_backward), mse)
     with record() as rec:
         loss = engine.step(x, y)
     ref_loss = sum(mse(ref(a), b) / m for a, b in zip(x.chunk(m), y.chunk(m)))
@@ -46,7 +47,7 @@ def linears_case(group, schedule: str, m: int, rows: int = 3) -> dict:
     err = max([rel(loss, ref_loss)] + [rel(p.grad, refs[n].grad) for c in chunks for n, p in c.named_parameters()])
     per_mb = sum(rows * (lin.in_features + lin.out_features) * 4 for c in chunks for lin in c.modules()
                  if isinstance(lin, nn.Linear))
-    cost = price(timetable(schedule, pp, v, m), 1.0, 1.0, 1.0)
+    cost = price(timetable(schedule, pp, v, m, split_backward=split_backward), 1.0, 1.0, 1.0)
     return dict(err=err, spans=_spans(rec), kept_peak=engine.last_kept_w_peak_bytes,
                 kept_mb=per_mb / v, predicted_kept=cost.peak_kept_w[rank])
 

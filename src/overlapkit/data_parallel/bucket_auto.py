@@ -9,9 +9,10 @@ which slices the collectives send (and re-binds the gradient hooks to the new bu
 Caps whose runs come out the same on this model are one candidate; at world size 1 nothing is
 communicated and the first candidate is kept at once. Each synced step's forward and
 backward (up to the last collective's wait) are timed by `overlapkit.runtime.tuning.MeasuredChoice`:
-a warm-up round, then `rounds` rounds of every candidate in rotated order; the synced forward after
-the last trial agrees the slowest rank's medians (one all-reduce) and keeps the fastest, the first
-in AUTO_CAPS_MB's order within 1 % (with a sequence_parallel_group, agreed over it too: each
+a warm-up round, then ROUNDS rounds of every candidate in rotated order; the synced forward after
+the last trial agrees the slowest rank's time of every call (one all-reduce) and judges by rounds
+(paired=True): a cap displaces the first (DDP's 25 MiB) only if it was faster in at least 3 rounds
+of 4 and its median per-round ratio is below 0.99 — near ties keep the first (with a sequence_parallel_group, agreed over it too: each
 bucket's TP sum pairs with the TP peers' buckets). From then on the hooks are those of a fixed grouping and the
 sync holds no timer: no clock, no event, no extra collective.
 
@@ -33,8 +34,8 @@ FINE_MB = 1.0
 """Cap of the fine buckets, the grain every candidate is made of (PyTorch DDP's first bucket)."""
 AUTO_CAPS_MB = (25.0, 4.0, 100.0, 1.0)
 """Candidate caps in order of preference: DDP's default first, so that noise never moves it."""
-ROUNDS = 3
-"""Timed rounds of every candidate (after one warm-up round)."""
+ROUNDS = 4
+"""Timed rounds of every candidate (after one warm-up round): enough for "faster in 3 rounds of 4"."""
 
 
 def runs_for_cap(fine_bytes: Sequence[int], cap_bytes: float) -> tuple[int, ...]:
@@ -62,7 +63,7 @@ class BucketAuto:
         # With sequence parallelism each bucket's TP sum pairs with the TP peers' (other DP groups):
         # they must keep the same grouping too.
         self.choice = MeasuredChoice(list(self.runs), sync.group, what="dp-bucket-mb", kind="dp_all_reduce",
-                                     rounds=ROUNDS, warmup_rounds=1, agree_over=[sync.sp_group])
+                                     rounds=ROUNDS, warmup_rounds=1, paired=True, agree_over=[sync.sp_group])
         self._trial = None
         self._backward = None  # the open timing region of the synced backward in progress
         # Until the first trial (a backward whose forward ran under no_sync, as a zero-bubble

@@ -46,9 +46,10 @@ class FullyShardConfig:
     """Deepest prefetch `auto` considers. Each level holds one more block's parameters."""
     probe_step: int = 1
     """The step `auto` measures (0-based; the steps before it warm up caches and connections)."""
-    trials: int = 2
-    """Rounds in which `auto` times the model's pick against the neighbouring depths the model
-    prices within 10 % of it, one step each, before keeping the fastest; 0 keeps the model's pick."""
+    trials: int = 4
+    """Rounds (after one untimed one) in which `auto` times the model's pick against the neighbouring
+    depths the model prices within 10 % of it, one step each; a neighbour displaces the pick only if
+    faster in at least three rounds in four (and by > 1 % in the median ratio); 0 keeps the pick."""
 
     def __post_init__(self) -> None:
         p = self.prefetch
@@ -98,7 +99,7 @@ class PrefetchPlan:
 
 def fully_shard(model: nn.Module, mesh_or_dim=None, *, dim: str = "dp",
                 prefetch: int | tuple[int, int] | str = "auto", wrap=None, reshard_after_forward: bool = True,
-                memory_budget_mb: float | None = None, max_depth: int = 4, trials: int = 2,
+                memory_budget_mb: float | None = None, max_depth: int = 4, trials: int = 4,
                 mp_policy=None) -> nn.Module:
     """Shard `model` over the data-parallel mesh dim with FSDP2 and set its prefetch; returns `model`.
 

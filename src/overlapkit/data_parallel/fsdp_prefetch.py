@@ -13,7 +13,11 @@ backward, so a "step" here is a window from a forward to the end of the next bac
    has one communication stream; gloo runs two collectives at once and NCCL's streams contend
    with compute in ways it does not price, so near-ties are settled by the clock
    (`overlapkit.tuning.MeasuredChoice`, which the other engines' `auto` use too);
-4. the fastest candidate (slowest rank's median), the shallowest within MIN_GAIN of it.
+4. the model's pick, unless a neighbour was faster than it in at least three rounds in four and
+   by more than MIN_GAIN in the median of the per-round ratios (each call timed as the slowest
+   rank's: one all-reduce of every call's time); the trials start with one untimed round. The
+   rule runs on the forward passes' times for the forward depth and on the backward's for the
+   backward depth (the cost model prices them apart too), so (1, 2) and (2, 3) timed can keep (2, 2).
 Every decision is taken from all-reduced numbers, so every rank switches depth at the same window.
 After it, a step of an auto model runs what a model fixed at its depths runs: the same hooks and
 Python calls, the same collectives, no clock read (tests/data_parallel/test_fsdp.py counts them).
@@ -34,7 +38,7 @@ MIB = 1024 * 1024
 TIE = 0.10
 """Depths the model prices within this share of its pick are timed against it."""
 MIN_GAIN = 0.01
-"""A deeper depth must be measured this much faster to be kept (it holds one more block gathered)."""
+"""A neighbour of the model's pick must be measured this much faster (median per-round ratio) to displace it."""
 
 _queue_callback = torch.autograd.Variable._execution_engine.queue_callback
 
@@ -57,7 +61,8 @@ class ZeroThree:
         self._in_backward = False
         self._spans: dict[str, object] = {}
         self.choice: MeasuredChoice | None = None  # auto's trials of the model's near-ties, while they last
-        self._window = None  # the timing context of the trial window in progress (forward to end of backward)
+        self._trial = None  # the trial of the window in progress (its forwards to the end of the next backward)
+        self._region = None  # the trial's timing context of the pass in progress
         self._model_reason = ""
         root.register_forward_pre_hook(self._pre_forward, prepend=True)  # before FSDP2's root pre-forward
         root.register_forward_hook(self._post_forward)  # after FSDP2's post-forward
@@ -105,21 +110,22 @@ class ZeroThree:
     def _measure(self) -> None:
         """auto, at a training forward: start the probe window or the next trial window, or keep the trials' pick."""
         if self.choice is not None:
-            if self._window is None:  # a pipeline stage runs several forwards in one window
-                trial = self.choice.trial(self.device)  # the call after the last window decides (collective)
-                if trial is None:
+            if self._trial is None:  # a pipeline stage runs several forwards in one window
+                self._trial = self.choice.trial(self.device)  # the call after the last window decides (collective)
+                if self._trial is None:
                     self._finish_trials()
                 else:
-                    self._apply(*trial.choice)
-                    # One region per window, so a stage's several forwards and its backward count once.
-                    self._window = trial.forward()
-                    self._window.__enter__()
+                    self._apply(*self._trial.choice)
+            if self._trial is not None:  # each forward of the window a region: a window's passes add up
+                self._timing(self._trial.forward())
         elif not self.probe.on and self.steps >= self.cfg.probe_step:  # `>=`: a stage may step over probe_step
             self.probe.reset()
             self.probe.on = True
 
     def _post_forward(self, _module, _args, output):
         self._close("forward")
+        if self._region is not None:
+            self._timing(None)
         self.check.forward_ends()
         if not torch.is_grad_enabled():
             return output
@@ -134,6 +140,8 @@ class ZeroThree:
         self._in_backward = True
         _queue_callback(self._end_backward)
         self._open("backward")
+        if self._trial is not None:
+            self._timing(self._trial.backward())
 
     def _end_backward(self) -> None:
         self._close("backward")
@@ -141,10 +149,18 @@ class ZeroThree:
         if self.probe.on:
             self.probe.on = False
             self._pending = "model"
-        elif self._window is not None:
-            self._window.__exit__(None, None, None)
-            self._window = None
+        elif self._trial is not None:
+            self._timing(None)
+            self._trial = None
         self.steps += 1
+
+    def _timing(self, region) -> None:
+        """End the trial's timing region in progress, if any, and start `region` (None: none)."""
+        if self._region is not None:
+            self._region.__exit__(None, None, None)
+        self._region = region
+        if region is not None:
+            region.__enter__()
 
     # -- auto ------------------------------------------------------------------------------
     def _slowest(self, values: list[float], name: str) -> list[float]:
@@ -190,16 +206,24 @@ class ZeroThree:
         if self.cfg.trials == 0 or len(candidates) == 1:
             self._finish(fd, bd, "")
             return
-        # Shallow to deep: among depths within MIN_GAIN of the fastest, the one holding the least memory wins.
-        self.choice = MeasuredChoice(sorted(candidates), self.group, what="zero3-prefetch", kind="dp_all_reduce",
-                                     rounds=self.cfg.trials, warmup_rounds=0, tie=MIN_GAIN)
-        self.plan.reason = f"{self._model_reason}; timing depths {sorted(candidates)} for {self.cfg.trials} rounds"
+        # The model's pick first: a neighbour displaces it only by being faster round after round
+        # (paired), so depths whose gap is below the rounds' spread keep what the model priced.
+        # One warm-up round: the first window after the probe and each first deeper window allocate.
+        self.choice = MeasuredChoice(candidates, self.group, what="zero3-prefetch", kind="dp_all_reduce",
+                                     rounds=self.cfg.trials, warmup_rounds=1, tie=MIN_GAIN, paired=True)
+        self.plan.reason = (f"{self._model_reason}; timing depths {candidates} for 1 + {self.cfg.trials} "
+                            "interleaved rounds")
 
     def _finish_trials(self) -> None:
-        (fd, bd), measured, self.choice = self.choice.decided, self.choice.measured, None
+        (fd, bd), measured, why = self.choice.decided, self.choice.measured, self.choice.reason
+        if self.choice.per_phase:  # forward and backward depth each from its own pass's times
+            fd, bd = self.choice.per_phase["forward"][0], self.choice.per_phase["backward"][1]
+            why += f"; by pass: forward depth {fd} (of {self.choice.per_phase['forward']}), backward depth {bd}"
+        self.choice = None
         self.plan.measured = {f"{f}/{b}": ms for (f, b), ms in measured.items()}
         shown = ", ".join(f"{f}/{b}: {ms:.3g} ms" for (f, b), ms in measured.items())
-        self._finish(fd, bd, f"; measured step (forward/backward depth: median ms, slowest rank) {shown}")
+        self._finish(fd, bd, f"; measured step (forward/backward depth: median ms, slowest rank) {shown} "
+                             f"({why})")
 
     def _finish(self, fd: int, bd: int, measured: str) -> None:
         self._apply(fd, bd)

@@ -76,33 +76,57 @@ def chunk_of(index: torch.Tensor, total: int, chunks: int) -> torch.Tensor:
     return ((index + 1) * chunks - 1).div_(total, rounding_mode="floor")
 
 
-def positions(flat_experts: torch.Tensor, top_k: int, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+def positions(flat_experts: torch.Tensor, top_k: int, num_experts: int,
+              per_expert: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(each assignment's place in its expert's queue, assignments per expert): every token's first choice
-    before any second choice, earlier tokens first — the order a capacity admits them in."""
+    before any second choice, earlier tokens first — the order a capacity admits them in. `per_expert`: the
+    counts if the caller has them (the router's)."""
     n = flat_experts.numel()
     tokens = n // top_k
     choice_major = flat_experts.view(tokens, top_k).t().reshape(-1)
     order = torch.argsort(choice_major, stable=True)
-    per_expert = count(choice_major, num_experts)
+    if per_expert is None:
+        per_expert = count(choice_major, num_experts)
     start = per_expert.cumsum(0) - per_expert
     place = torch.arange(n, device=flat_experts.device) - start[choice_major[order]]
     queued = torch.empty_like(place).scatter_(0, order, place)
     return queued.view(top_k, tokens).t().reshape(-1), per_expert
 
 
-def _receive_layout(recv: torch.Tensor, total: int, dev) -> torch.Tensor:
+def constant(cache: dict | None, key: tuple, make) -> torch.Tensor:
+    """make(): a tensor that depends on shapes and the device only, made once per key in `cache` (the layer's:
+    per-call host work and kernels saved). Made outside inference mode and autograd, so any later call can use
+    it; None: made every call."""
+    t = None if cache is None else cache.get(key)
+    if t is None:
+        with torch.inference_mode(False), torch.no_grad():
+            t = make()
+        if cache is not None:
+            if len(cache) >= 32:  # token counts that change every call: keep the memory bounded
+                cache.clear()
+            cache[key] = t
+    return t
+
+
+def _receive_layout(recv: torch.Tensor, total: int, dev, cache: dict | None = None) -> torch.Tensor:
     """Permutation taking rows received by (chunk, source rank, expert) to (chunk, expert, source rank)."""
     chunks, ep, local = recv.shape
-    c, s, e = torch.meshgrid(torch.arange(chunks), torch.arange(ep), torch.arange(local), indexing="ij")
-    key = device_ints(((c * local + e) * ep + s).reshape(-1).tolist(), dev)  # host-made: a constant pattern
+
+    def make():
+        c, s, e = torch.meshgrid(torch.arange(chunks), torch.arange(ep), torch.arange(local), indexing="ij")
+        return device_ints(((c * local + e) * ep + s).reshape(-1).tolist(), dev)  # host-made: a constant pattern
+
+    key = constant(cache, ("receive_layout", chunks, ep, local, str(dev)), make)
     return torch.argsort(torch.repeat_interleave(key, recv.reshape(-1), output_size=total), stable=True)
 
 
 def plan_dispatch(experts: torch.Tensor, num_experts: int, chunks: int, capacity: int | None, group,
-                  name: str) -> DispatchPlan:
+                  name: str, per_expert: torch.Tensor | None = None, cache: dict | None = None) -> DispatchPlan:
     """Collective over the EP group (one all-to-all of counts, on more than one rank): the plan of one forward.
 
-    `experts` [tokens, top_k] are the router's choices on this rank; `chunks` a count or "ranks".
+    `experts` [tokens, top_k] are the router's choices on this rank; `chunks` a count or "ranks";
+    `per_expert` [num_experts] their counts if the caller has them (the router counted them for its loss);
+    `cache` the layer's dict of shape-only constants (see `constant`).
     """
     ep = comm.group_size(group)
     schedule, by_rank = chunks, chunks == RANKS and ep > 1
@@ -113,16 +137,20 @@ def plan_dispatch(experts: torch.Tensor, num_experts: int, chunks: int, capacity
     flat = experts.reshape(-1)
     keep = None
     if capacity is not None:
-        place, per_expert = positions(flat, top_k, num_experts)
+        place, per_expert = positions(flat, top_k, num_experts, per_expert)
         keep = place < capacity
     key = flat
-    if chunks > 1 and tokens:
-        token = torch.arange(flat.numel(), device=dev).div_(top_k, rounding_mode="floor")
-        key = chunk_of(token, tokens, chunks) * num_experts + flat
+    if chunks > 1 and tokens:  # each assignment's chunk, times E: a constant of the shape
+        base = constant(cache, ("chunk_base", tokens, top_k, chunks, num_experts, str(dev)), lambda: chunk_of(
+            torch.arange(flat.numel(), device=dev).div_(top_k, rounding_mode="floor"), tokens, chunks) * num_experts)
+        key = base + flat
     if keep is not None:  # dropped assignments sort after every kept one, into a bin of their own
         key = torch.where(keep, key, chunks * num_experts)
-    order = torch.argsort(key, stable=True)
-    counts = count(key, chunks * num_experts + 1)[:-1].view(chunks, ep, local)
+    sorted_key, order = torch.sort(key, stable=True)
+    if chunks == 1 and keep is None and per_expert is not None:  # the keys are the experts, counted already
+        counts = per_expert.view(1, ep, local)
+    else:
+        counts = count(key, chunks * num_experts + 1)[:-1].view(chunks, ep, local)
     # Counts first: every rank learns how many rows each peer will send it, chunk by chunk.
     recv = counts
     if ep > 1:
@@ -130,10 +158,12 @@ def plan_dispatch(experts: torch.Tensor, num_experts: int, chunks: int, capacity
         got = torch.empty_like(send)
         comm.all_to_all_single(got, send, group, kind="ep_dispatch", name=f"{name}.fwd.counts", async_op=False)
         recv = got.transpose(0, 1)  # [chunk, source rank, local expert]
-    per_chunk = recv[0] if by_rank else recv.sum(1)  # [piece, local expert]: rows each local expert computes
+    # [piece, local expert]: rows each local expert computes
+    per_chunk = recv[0] if by_rank else recv[:, 0] if ep == 1 else recv.sum(1)
     send_splits = recv_splits = expert_rows = None
-    if ep > 1 or capacity is not None or dev.type == "cpu":
-        # The forward's one host sync (none on a CPU): transfers need their split sizes on the host.
+    if ep > 1 or capacity is not None or not grouped_on(dev):
+        # The forward's one host sync (none on a CPU): transfers, and the per-expert loop, need their split
+        # sizes on the host; the grouped GEMMs take theirs on the device.
         counts_l, recv_l = torch.stack([counts, recv]).tolist()  # both [chunk][rank][e]
         send_splits = [[sum(counts_l[c][r]) for r in range(ep)] for c in range(chunks)]
         recv_splits = [[sum(recv_l[c][s]) for s in range(ep)] for c in range(chunks)]
@@ -148,16 +178,20 @@ def plan_dispatch(experts: torch.Tensor, num_experts: int, chunks: int, capacity
     rows = order[:sum(chunk_rows)] if keep is not None else order  # the kept ones, by chunk then expert
     total = sum(recv_rows)
     pieces = ep if by_rank else chunks
-    ends = per_chunk.cumsum(1).to(torch.int32)
+    ends = per_chunk.cumsum(1, dtype=torch.int32)
     expert = None
-    if grouped_on(dev):  # each row's local expert, for the grouped GEMMs' biases (the loop needs none)
+    if grouped_on(dev) and ep == 1:  # each row's expert, for the biases: the sorted keys say it already
+        expert = sorted_key[:total] if chunks == 1 else sorted_key[:total].remainder(num_experts)
+    elif grouped_on(dev):  # received rows: their experts from the received counts (the loop needs none)
         ids = torch.arange(local, device=dev)
         expert = torch.repeat_interleave(ids if pieces == 1 else ids.repeat(pieces), per_chunk.reshape(-1),
                                          output_size=total)
     groups, off = [], 0
-    for c in range(pieces):
-        groups.append(Groups(per_chunk[c], recv_rows[c], expert_rows[c] if expert_rows else None, ends[c],
-                             expert[off:off + recv_rows[c]] if expert is not None else None))
+    for c in range(pieces):  # one piece: the whole tensors, no views to make
+        one = pieces == 1
+        groups.append(Groups(per_chunk[0 if one else c], recv_rows[c], expert_rows[c] if expert_rows else None,
+                             ends[0 if one else c],
+                             expert if one or expert is None else expert[off:off + recv_rows[c]]))
         off += recv_rows[c]
     sent = counts.reshape(-1) if chunks == 1 else counts.sum(0).reshape(-1)
     dropped = None if keep is None else per_expert - sent  # None: nothing dropped (no kernel to say so)
@@ -165,7 +199,7 @@ def plan_dispatch(experts: torch.Tensor, num_experts: int, chunks: int, capacity
         row_token=rows.div(top_k, rounding_mode="floor"), row_assignment=rows, schedule=schedule, chunk_rows=chunk_rows,
         send_splits=send_splits if ep > 1 else None, recv_splits=recv_splits if ep > 1 else None,
         recv_rows=recv_rows, groups=groups,
-        recv_perm=_receive_layout(recv, total, dev) if ep > 1 and not by_rank else None,
+        recv_perm=_receive_layout(recv, total, dev, cache) if ep > 1 and not by_rank else None,
         assignments=flat.numel(), dropless=keep is None, sent_per_expert=sent, dropped_per_expert=dropped,
         received_per_expert=per_chunk[0] if pieces == 1 else per_chunk.sum(0))
 

@@ -102,7 +102,7 @@ def device_ints(values: list[int], device) -> torch.Tensor:
 def count(index: torch.Tensor, n: int, weights: torch.Tensor | None = None) -> torch.Tensor:
     """[n] int64: how often each value in [0, n) occurs in `index` (weighted by a mask if given).
     torch.bincount sizes its output from the data's maximum: a host sync on a GPU."""
-    ones = torch.ones_like(index) if weights is None else weights.to(index.dtype)
+    ones = index.new_ones(1).expand_as(index) if weights is None else weights.to(index.dtype)
     return torch.zeros(n, dtype=index.dtype, device=index.device).scatter_add_(0, index, ones)
 
 
@@ -169,9 +169,9 @@ def experts_forward(x: torch.Tensor, groups, w1, b1, w2, b2, add_output_bias: bo
     g = Groups.of(groups, x.device)
 
     def grouped():
-        pre = torch._grouped_mm(x, w1.transpose(1, 2), offs=g.ends).add_(b1[g.expert])
+        pre = torch._grouped_mm(x, w1.transpose(1, 2), offs=g.ends).add_(b1.index_select(0, g.expert))
         y = torch._grouped_mm(F.gelu(pre), w2.transpose(1, 2), offs=g.ends)
-        return (y.add_(b2[g.expert]) if add_output_bias else y), pre
+        return (y.add_(b2.index_select(0, g.expert)) if add_output_bias else y), pre
 
     done = _try_grouped(_key(x, w1), grouped) if _grouped(x, w1, w2, b1, b2) else None
     return done if done is not None else _loop_forward(x, g.sizes, w1, b1, w2, b2, add_output_bias)
@@ -193,7 +193,9 @@ def experts_backward(dy: torch.Tensor, x: torch.Tensor, pre: torch.Tensor, group
         dx = torch._grouped_mm(da, w1, offs=g.ends)
         # Bias gradients as one small GEMM with the rows' one-hot experts: deterministic, unlike an
         # atomic index_add, and unlike segment_reduce (2 ms for one large group on an H200) fast.
-        onehot = F.one_hot(g.expert, w1.shape[0]).to(dy.dtype)
+        # (Built directly in dy's dtype: F.one_hot's int64 result would need a cast, and on CPU it reads its
+        # input's minimum back to the host.)
+        onehot = dy.new_zeros((dy.shape[0], w1.shape[0])).scatter_(1, g.expert.unsqueeze(1), 1.0)
         return dx, (dw1, onehot.t() @ da, dw2, onehot.t() @ dy)  # db2 on every TP rank: dy is whole there
 
     done = _try_grouped(_key(dy, w1), grouped) if _grouped(dy, w1, x, pre, w2) else None

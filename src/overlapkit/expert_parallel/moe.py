@@ -50,6 +50,27 @@ class LoadStats:
         return sum(self.dropped_per_expert)
 
 
+class _WeightedSum(torch.autograd.Function):
+    """s [T, k, H], w [T, k] -> sum_j w[:, j] s[:, j], added in the order j = 0, 1, ...: one multiply and k-1
+    fused multiply-adds over [T, H], where (s * w).sum(1) writes and reads a [T, k, H] product first."""
+
+    @staticmethod
+    def forward(ctx, s, w):
+        ctx.save_for_backward(s, w)
+        out = s[:, 0] * w[:, :1]
+        for j in range(1, s.shape[1]):
+            out.addcmul_(s[:, j], w[:, j:j + 1])
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        s, w = ctx.saved_tensors
+        g = g.unsqueeze(1)
+        ds = g * w.unsqueeze(-1) if ctx.needs_input_grad[0] else None
+        dw = (s * g).sum(-1) if ctx.needs_input_grad[1] else None
+        return ds, dw
+
+
 class MoE(nn.Module):
     """x [..., hidden] -> [..., hidden]: top-k mixture of expert MLPs, experts sharded over EP.
 
@@ -89,6 +110,7 @@ class MoE(nn.Module):
         self.load_full(*init_full_experts(num_experts, hidden, ffn_hidden, generator))
         self._agreement = Agreement(f"MoE {name} input")
         self._tp_checked: set[tuple[int, ...]] = set()
+        self._constants: dict = {}  # tensors of a shape alone (chunk keys, receive layouts), made once
         self.aux_loss: torch.Tensor | None = None
         self._load: tuple | None = None  # the last forward's counts, still on the device
         self._load_stats: LoadStats | None = None
@@ -177,28 +199,28 @@ class MoE(nn.Module):
             xin, weights, precision = cast(xin, cdt), [cast(w, cdt) for w in weights], autocast_off(x2, cdt)
         if padded:
             plan = plan_padded(routing.experts, cfg.num_experts, chunks, cfg.capacity(x2.shape[0]), self.group,
-                               self.name)
+                               self.name, routing.counts)
             with precision:
                 slots = PaddedExpertsA2A.apply(xin, *weights, plan, self.group, e.add_output_bias, self.name, trial)
             received = received_per_expert(plan, self.ep)
         else:
             plan = plan_dispatch(routing.experts, cfg.num_experts, chunks, cfg.capacity(x2.shape[0]), self.group,
-                                 self.name)
+                                 self.name, routing.counts, self._constants)
             with precision:
                 slots = ExpertsA2A.apply(xin, *weights, plan, self.group, e.add_output_bias, self.name, trial)
             received = plan.received_per_expert
         if self.tp_group is not None:
             slots = reduce_from_tp(slots, self.tp_group, f"{self.name}.experts_out")  # partial sums over TP
         # Combine: every token's top_k slots (a dropped one holds 0) weighted and summed, in a fixed order
-        # (the sum accumulates in fp32). An index_add into the tokens would add with atomics: run-to-run
+        # (each multiply-add computed in fp32 inside its kernel, rounded once). An index_add into the tokens would add with atomics: run-to-run
         # different sums in bf16, and refused under torch.use_deterministic_algorithms. (A batched GEMM
         # over the slots ran as a slow GEMV.)
         tokens, k = routing.weights.shape
-        weights = routing.weights.to(slots.dtype).unsqueeze(-1)
-        out = (slots.view(tokens, k, x2.shape[-1]) * weights).sum(1)
-        self.aux_loss = routing.aux_loss
-        self._load = (x2.shape[0], plan.sent_per_expert, plan.dropped_per_expert, received)
-        self._load_stats = None
+        out = _WeightedSum.apply(slots.view(tokens, k, x2.shape[-1]), routing.weights.to(slots.dtype))
+        # Plain attributes, set past nn.Module.__setattr__ (which looks each name up among parameters, buffers
+        # and submodules first: three of those a call were a tenth of the layer's own Python time).
+        self.__dict__.update(aux_loss=routing.aux_loss, _load_stats=None,
+                             _load=(x2.shape[0], plan.sent_per_expert, plan.dropped_per_expert, received))
         return out
 
     def _check_replicated_over_tp(self, x2: torch.Tensor) -> None:

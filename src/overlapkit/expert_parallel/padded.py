@@ -55,17 +55,20 @@ class PaddedPlan:
     """The counts' all-to-all in flight; waited for at the end of the forward (a stream wait on CUDA)."""
 
 
-def plan_padded(experts: torch.Tensor, num_experts: int, chunks, capacity: int, group, name: str) -> PaddedPlan:
-    """The padded plan of one forward (`chunks`: a count or "ranks"); issues the (asynchronous) counts
-    all-to-all over the EP group."""
+def plan_padded(experts: torch.Tensor, num_experts: int, chunks, capacity: int, group, name: str,
+                per_expert: torch.Tensor | None = None) -> PaddedPlan:
+    """The padded plan of one forward (`chunks`: a count or "ranks"; `per_expert`: the assignments per expert
+    if the caller counted them); issues the (asynchronous) counts all-to-all over the EP group."""
     ep = comm.group_size(group)
     by_rank = chunks == RANKS and ep > 1
     chunks = 1 if chunks == RANKS else chunks
     flat = experts.reshape(-1)
-    place, per_expert = positions(flat, experts.shape[1], num_experts)
+    place, per_expert = positions(flat, experts.shape[1], num_experts, per_expert)
     keep = place < capacity
     c = capacity
-    if c:
+    if c and chunks == 1:  # one chunk of width C starting at place 0
+        slot = torch.where(keep, flat * c + place, num_experts * c)
+    elif c:
         piece = chunk_of(place.clamp(max=c - 1), c, chunks)
         start = (piece * c).div_(chunks, rounding_mode="floor")
         width = ((piece + 1) * c).div_(chunks, rounding_mode="floor") - start

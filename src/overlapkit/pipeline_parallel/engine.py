@@ -68,13 +68,19 @@ class PipelineConfig:
     costs: tuple[float, float, float] = (1.0, 1.0, 1.0)
     """Relative durations of a chunk's forward, input-gradient backward and weight-gradient backward:
     zbv builds its order for them (equal by default, where its steady state has no bubble)."""
+    split_backward: bool = False
+    """gpipe, 1f1b, interleaved-1f1b: run each backward as its input gradient, sent on at once, then
+    its weight gradients (the linears' GEMMs, held from the backward: wgrad.py). The previous rank gets
+    its gradient a weight-gradient's time sooner, which shortens every backward hop of the pipeline;
+    the order, the micro-batches in flight and the peak memory stay the schedule's. Costs a
+    TorchFunctionMode over the chunk's forward (the linears are routed to split their backward)."""
 
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULES:
             raise ValueError(f"PipelineConfig.schedule={self.schedule!r} is not one of {SCHEDULES}")
         for name in ("microbatches", "virtual_stages"):
             positive_int(getattr(self, name), f"PipelineConfig.{name}")
-        for name in ("overlap_p2p", "broadcast_loss", "overlap_pairs"):
+        for name in ("overlap_p2p", "broadcast_loss", "overlap_pairs", "split_backward"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"PipelineConfig.{name} must be True or False, got {getattr(self, name)!r}")
         if self.schedule in ("1f1b", "zb1p") and self.virtual_stages != 1:
@@ -83,6 +89,9 @@ class PipelineConfig:
         if self.schedule in ("zbv", "dualpipev") and self.virtual_stages != 2:
             raise ValueError(f"PipelineConfig.virtual_stages={self.virtual_stages}: schedule {self.schedule!r} runs "
                              "exactly two chunks per rank (virtual_stages=2)")
+        if self.split_backward and self.schedule in SPLIT_SCHEDULES:
+            raise ValueError(f"PipelineConfig.split_backward=True: schedule {self.schedule!r} already runs its "
+                             "weight gradients apart (split_backward is for gpipe, 1f1b and interleaved-1f1b)")
         try:
             check_costs(self.costs)
         except ValueError as e:
@@ -126,7 +135,8 @@ class PipelineEngine(SlotActions):
         cfg = config
         agree(group, "PipelineEngine", schedule=cfg.schedule, microbatches=cfg.microbatches,
               virtual_stages=cfg.virtual_stages, overlap_p2p=cfg.overlap_p2p, broadcast_loss=cfg.broadcast_loss,
-              overlap_pairs=cfg.overlap_pairs, costs=list(cfg.costs), chunks_here=len(self.chunks))
+              overlap_pairs=cfg.overlap_pairs, costs=list(cfg.costs), split_backward=cfg.split_backward,
+              chunks_here=len(self.chunks))
         if len(self.chunks) != cfg.virtual_stages:
             raise ValueError(f"PipelineEngine: rank {self.rank} holds {len(self.chunks)} chunks but "
                              f"virtual_stages={cfg.virtual_stages}")
@@ -137,8 +147,10 @@ class PipelineEngine(SlotActions):
         # Data-parallel replicas must run the same step, or their bucket reductions would pair up wrong.
         for g in {id(c.group): c.group for c in self.chunks if isinstance(c, DataParallel)}.values():
             agree(g, "PipelineEngine (data-parallel replicas)", schedule=cfg.schedule,
-                  microbatches=cfg.microbatches, virtual_stages=cfg.virtual_stages, pp=self.pp)
-        self.table = timetable(cfg.schedule, self.pp, cfg.virtual_stages, cfg.microbatches, cfg.costs)
+                  microbatches=cfg.microbatches, virtual_stages=cfg.virtual_stages, pp=self.pp,
+                  split_backward=cfg.split_backward)
+        self.table = timetable(cfg.schedule, self.pp, cfg.virtual_stages, cfg.microbatches, cfg.costs,
+                               split_backward=cfg.split_backward)
         self.n_chunks = self.pp * cfg.virtual_stages
         self.device = torch.device(device) if device is not None else _device_of(self.chunks)
         self._local_of = {c: k for k, c in enumerate(mine)}
@@ -150,7 +162,7 @@ class PipelineEngine(SlotActions):
                 if a.op == "B":
                     self._last_backward[a.chunk] = a.mb
                     if not any(w.op == "W" and w.chunk == a.chunk and w.mb == a.mb for w in slot) \
-                            and cfg.schedule in SPLIT_SCHEDULES:
+                            and (cfg.schedule in SPLIT_SCHEDULES or cfg.split_backward):
                         self._split_b.add((a.chunk, a.mb))
         if self._split_b:
             self._refuse_unsplittable()

@@ -99,11 +99,19 @@ def check_schedule(schedule: str, pp: int, v: int, m: int) -> None:
 
 
 def rank_slots(schedule: str, pp: int, v: int, m: int, rank: int,
-               costs: tuple[float, float, float] = (1.0, 1.0, 1.0)) -> list[Slot]:
+               costs: tuple[float, float, float] = (1.0, 1.0, 1.0), *, split_backward: bool = False) -> list[Slot]:
     """The slots of `rank` in the order it runs them. `costs`: relative durations of a chunk's F, B
-    and W, which zbv builds its order for (the other schedules have one order whatever the costs)."""
+    and W, which zbv builds its order for (the other schedules have one order whatever the costs).
+    `split_backward` (gpipe, 1f1b, interleaved-1f1b): each backward becomes its input gradient (B),
+    then at once its weight gradients (W), so the gradient leaves for the previous rank before the
+    weight-gradient GEMMs run; the order and the micro-batches in flight stay the schedule's."""
     check_schedule(schedule, pp, v, m)
     check_costs(costs)
+    if split_backward and schedule in SPLIT_SCHEDULES:
+        raise ValueError(f"split_backward: schedule {schedule!r} already places its weight gradients itself")
+    if split_backward:
+        return [s for a in _classic(schedule, pp, v, m, rank)
+                for s in (((a,), (Action("W", a.mb, a.chunk),)) if a.op == "B" else ((a,),))]
     if schedule == "zb1p":
         return _zb_h1(pp, m, rank)
     if schedule == "zbv":
@@ -114,9 +122,9 @@ def rank_slots(schedule: str, pp: int, v: int, m: int, rank: int,
 
 
 def rank_actions(schedule: str, pp: int, v: int, m: int, rank: int,
-                 costs: tuple[float, float, float] = (1.0, 1.0, 1.0)) -> list[Action]:
+                 costs: tuple[float, float, float] = (1.0, 1.0, 1.0), *, split_backward: bool = False) -> list[Action]:
     """The actions of `rank` in the order it runs them (the slots, flattened)."""
-    return [a for slot in rank_slots(schedule, pp, v, m, rank, costs) for a in slot]
+    return [a for slot in rank_slots(schedule, pp, v, m, rank, costs, split_backward=split_backward) for a in slot]
 
 
 def check_costs(costs) -> None:

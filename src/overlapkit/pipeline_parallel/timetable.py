@@ -96,13 +96,15 @@ def _needs(a: Action, n_chunks: int) -> list[tuple[str, int, int]]:
     return out
 
 
-def timetable(schedule: str, pp: int, v: int, m: int, costs: tuple[float, float, float] = (1.0, 1.0, 1.0)) -> Timetable:
+def timetable(schedule: str, pp: int, v: int, m: int, costs: tuple[float, float, float] = (1.0, 1.0, 1.0), *,
+              split_backward: bool = False) -> Timetable:
     """Simulate the schedule on unit-time ticks; raise ValueError if it can never finish.
 
-    `costs` (a chunk's F, B, W durations) shape zbv's order; see schedules.rank_slots."""
+    `costs` (a chunk's F, B, W durations) shape zbv's order; `split_backward` splits a classic
+    schedule's backwards into B then W; see schedules.rank_slots."""
     check_schedule(schedule, pp, v, m)
     n_chunks = pp * v
-    orders = [rank_slots(schedule, pp, v, m, r, costs) for r in range(pp)]
+    orders = [rank_slots(schedule, pp, v, m, r, costs, split_backward=split_backward) for r in range(pp)]
     done: dict[tuple[str, int, int], int] = {}  # (op, chunk, mb) -> tick it ran
     pos = [0] * pp
     rows: list[list[tuple[int, Slot]]] = [[] for _ in range(pp)]

@@ -250,7 +250,8 @@ def ring_exchange(sends: Sequence[tuple[torch.Tensor, int]], recvs: Sequence[tup
         return Handle([]), Handle([])
     nbytes = sum(t.numel() * t.element_size() for t, _ in sends)
     issue = _p2p(sends, recvs, group)
-    rec = _rec.active()
+    # The span is the receives': with none (a rank only sending, e.g. a block its peer alone attends), none.
+    rec = _rec.active() if recvs else None
     pending = rec.comm_issued(kind, name, nbytes, group_size(group)) if rec is not None else None
     with _rec.comm_range(kind, name):
         works = [w for w in issue() if w is not None]
