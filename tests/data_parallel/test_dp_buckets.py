@@ -57,6 +57,21 @@ def test_grad_buffer_views_padding_and_backward_order():
     assert buf.view(named[0][1]).abs().sum() == 0 and named[0][1].grad.data_ptr() == buf.view(named[0][1]).data_ptr()
 
 
+def test_regroup_widens_views_of_the_same_memory():
+    named = [(f"p{i}", nn.Parameter(torch.randn(n))) for i, n in enumerate((3, 5, 2, 7))]
+    buf = GradBuffer(named, bucket_mb=1e-9, first_bucket_mb=1e-9, pad_to=4)  # one parameter a fine bucket
+    views = {p: buf.view(p) for _, p in named}
+    ptr, fine = buf.data.data_ptr(), [(b.offset, b.numel) for b in buf.fine]
+    buf.regroup([1, 3])
+    assert [(b.offset, b.numel) for b in buf.buckets] == [fine[0], (fine[1][0], sum(n for _, n in fine[1:]))]
+    assert buf.buckets[1].names == ["p2", "p1", "p0"] and all(b.numel % 4 == 0 for b in buf.buckets)
+    assert [buf.bucket_of(p) for _, p in named] == [1, 1, 1, 0]
+    assert buf.data.data_ptr() == ptr and all(buf.view(p) is v for p, v in views.items())
+    assert [(b.offset, b.numel) for b in buf.fine] == fine  # the fine cut stays
+    with pytest.raises(ValueError, match="a grouping of 4 fine buckets"):
+        buf.regroup([2, 1])
+
+
 def test_grad_buffer_refuses_mixed_dtypes():
     a, b = nn.Parameter(torch.zeros(3)), nn.Parameter(torch.zeros(3, dtype=torch.float64))
     with pytest.raises(ValueError, match=r"a: torch.float32 on cpu, b: torch.float64 on cpu"):
@@ -64,7 +79,8 @@ def test_grad_buffer_refuses_mixed_dtypes():
 
 
 @pytest.mark.parametrize("field,value,match", [
-    ("bucket_mb", 0, r"DataParallelConfig.bucket_mb must be a finite number of MiB > 0 and <= 1048576 \(1 TiB\), got 0"),
+    ("bucket_mb", 0, r'DataParallelConfig.bucket_mb must be "auto" or a finite number of MiB > 0 and <= 1048576 '
+                     r"\(1 TiB\), got 0"),
     ("first_bucket_mb", float("inf"), r"first_bucket_mb .* got inf"),
     ("bucket_mb", True, r"bucket_mb .* got True"),
     ("overlap", 1, r"DataParallelConfig.overlap must be True or False, got 1"),

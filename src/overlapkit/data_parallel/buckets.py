@@ -6,7 +6,8 @@ that the collective sends, with no copy. Buckets follow the reverse of registrat
 which is roughly the order in which backward produces gradients (the last layers first), so
 the first bucket fills early and its reduction has the most backward left to hide behind.
 The first bucket is small (PyTorch DDP's 1 MiB) so that communication starts as soon as
-possible; the rest are large (25 MiB) so that each collective runs near full bandwidth.
+possible; the rest are large (25 MiB, or what `bucket_mb="auto"` measured fastest: bucket_auto.py)
+so that each collective runs near full bandwidth.
 
 A DTensor parameter (a TP layer's shard, a replicated norm) keeps its type: the buffer holds its
 local tensor's gradient and `.grad` is a DTensor of the parameter's spec around that view, so an
@@ -115,10 +116,30 @@ class GradBuffer:
             bucket.numel = -(-bucket.numel // pad_to) * pad_to
             offset += bucket.numel
             self.buckets.append(bucket)
+        self.fine: list[Bucket] = self.buckets
+        """The buckets as cut; `regroup` makes each collective's bucket a run of consecutive ones."""
         self.data = torch.zeros(offset, dtype=self.dtype, device=self.device)
         self._views = {p: self.view(p, self.data) for _, p in named_params}
         for _, p in named_params:
             self.attach(p)
+
+    def regroup(self, sizes: Sequence[int]) -> None:
+        """Make `buckets` runs of `sizes[j]` consecutive fine buckets (in order; they sum to all of them).
+
+        A run is one contiguous slice of the same buffer, so nothing moves: the gradients keep their
+        views, and its size is a sum of padded sizes, still a multiple of pad_to.
+        """
+        if sum(sizes) != len(self.fine) or any(k < 1 for k in sizes):
+            raise ValueError(f"a grouping of {len(self.fine)} fine buckets, got runs {list(sizes)}")
+        self.buckets, start = [], 0
+        for j, k in enumerate(sizes):
+            run = self.fine[start:start + k]
+            bucket = Bucket(index=j, offset=run[0].offset, numel=sum(b.numel for b in run),
+                            params=[p for b in run for p in b.params], names=[n for b in run for n in b.names])
+            for p in bucket.params:
+                self._where[p] = (*self._where[p][:2], j)
+            self.buckets.append(bucket)
+            start += k
 
     @property
     def params(self) -> list[nn.Parameter]:

@@ -54,9 +54,11 @@ class DataParallel(nn.Module):
     parameters marked `sequence_parallel` are summed over it in backward, bucket by bucket,
     before the data-parallel reduction — required with ShardedOptimizer, whose reduce-scatter
     consumes the gradients; then do not call allreduce_sequence_parallel_grads.
+    `bucket_mb="auto"` (the default) times a few bucket caps on the first synced steps and keeps
+    the fastest, the same on every rank (`bucket_choice` says which and why; bucket_auto.py).
     """
 
-    def __init__(self, module: nn.Module, group, *, bucket_mb: float = 25.0, first_bucket_mb: float = 1.0,
+    def __init__(self, module: nn.Module, group, *, bucket_mb: float | str = "auto", first_bucket_mb: float = 1.0,
                  overlap: bool | str = True, grad_reduce_dtype: torch.dtype | None = None,
                  find_unused: bool = False, sequence_parallel_group=None) -> None:
         super().__init__()
@@ -100,6 +102,11 @@ class DataParallel(nn.Module):
         self._register_load_state_dict_pre_hook(_add_module_prefix, with_module=True)
         self._watch_module()
 
+    @property
+    def bucket_choice(self):
+        """With bucket_mb="auto": its MeasuredChoice (`decided`: the cap kept, in MiB; None while timing)."""
+        return self.sync.bucket_choice
+
     def _watch_module(self) -> None:
         self.watch = ParamWatch(self.module, "DataParallel", WATCH_ADVICE)
         self._reported: str | None = None
@@ -137,13 +144,19 @@ class DataParallel(nn.Module):
         self._watch_module()  # the parameters are new objects
 
     def forward(self, *args, **kwargs):
+        timing = None
         if not self.sync._in_backward:
             self._check_model()
             self.sync.reset()
+            auto = self.sync.auto
+            if auto is not None and torch.is_grad_enabled() and self.sync.enabled:
+                # bucket_mb="auto": this step's candidate grouping, or (on every rank at once) the decision.
+                auto.before_forward(self.sync.buffer.device)
+                timing = auto.forward() if self.sync.auto is not None else None
         if not self._grads_attached and self.sync.poison is None:
             self.sync.buffer.zero_()
             self._grads_attached = True
-        with compute_span("forward"):
+        with compute_span("forward"), timing if timing is not None else contextlib.nullcontext():
             out = self.module(*args, **kwargs)
         if torch.is_grad_enabled():
             sync = self.sync.enabled

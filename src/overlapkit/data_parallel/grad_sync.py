@@ -34,6 +34,8 @@ from ..runtime import comm
 from ..runtime.agreement import RankMismatchError, exchange, raise_explained
 from ..runtime.recorder import compute_span
 from .agree import check_same_on_ranks, check_same_per_item, raise_if_any
+from . import bucket_auto
+from .bucket_auto import AUTO, BucketAuto
 from .buckets import GradBuffer
 
 MAX_BUCKET_MB = float(2**20)
@@ -49,10 +51,11 @@ _queue_callback = torch.autograd.Variable._execution_engine.queue_callback
 class DataParallelConfig:
     """How gradients are bucketed and reduced."""
 
-    bucket_mb: float = 25.0
+    bucket_mb: float | str = AUTO
     """Cap of every bucket but the first, in MiB of gradients. Large enough that a collective
     runs near full bandwidth, small enough that several buckets hide behind backward
-    (PyTorch DDP's default, 25)."""
+    (PyTorch DDP's default, 25). "auto": a few caps are timed on the first synced steps and the
+    fastest kept, the same on every rank (bucket_auto.py)."""
     first_bucket_mb: float = 1.0
     """Cap of the first bucket (the last layers' gradients). Small so that communication
     starts early in backward (PyTorch DDP's 1 MiB)."""
@@ -69,8 +72,11 @@ class DataParallelConfig:
     def __post_init__(self) -> None:
         for name in ("bucket_mb", "first_bucket_mb"):
             v = getattr(self, name)
+            if name == "bucket_mb" and v == AUTO:
+                continue
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not (0 < v <= MAX_BUCKET_MB):
-                raise ValueError(f"DataParallelConfig.{name} must be a finite number of MiB > 0 and "
+                auto = '"auto" or ' if name == "bucket_mb" else ""
+                raise ValueError(f"DataParallelConfig.{name} must be {auto}a finite number of MiB > 0 and "
                                  f"<= {MAX_BUCKET_MB:.0f} (1 TiB), got {v!r}")
         for name in ("overlap", "find_unused"):
             if not isinstance(getattr(self, name), bool):
@@ -104,23 +110,20 @@ class GradSync:
             # Ranks that bucket differently would pair unrelated collectives: refuse before any.
             check_same_on_ranks({
                 "parameters": len(named_params), "elements": sum(p.numel() for _, p in named_params),
-                "bucket bytes": int(config.bucket_mb * 2**20), "first bucket bytes": int(config.first_bucket_mb * 2**20),
+                "bucket_mb (bytes, 0: auto)": 0 if config.bucket_mb == AUTO else int(config.bucket_mb * 2**20),
+                "first bucket bytes": int(config.first_bucket_mb * 2**20),
             }, group, device, "the parameters and bucket sizes")
             check_same_per_item([n for n, _ in named_params],
                                 [f"{tuple(p.shape)} {p.dtype}" for _, p in named_params], group, device,
                                 "the parameters' shapes")
-        self.buffer = GradBuffer(named_params, bucket_mb=config.bucket_mb,
-                                 first_bucket_mb=config.first_bucket_mb, pad_to=self.world * SHARD_ALIGN)
+        # auto cuts fine buckets once; its candidates are runs of them (bucket_auto.py).
+        cap = bucket_auto.FINE_MB if config.bucket_mb == AUTO else config.bucket_mb
+        self.buffer = GradBuffer(named_params, bucket_mb=cap, first_bucket_mb=config.first_bucket_mb,
+                                 pad_to=self.world * SHARD_ALIGN)
         self.named = list(named_params)
         """(name, parameter) in registration order (a plain ShardedOptimizer's checkpoint keys follow it)."""
         self.params = self.buffer.params
         self.names = [n for b in self.buffer.buckets for n in b.names]
-        # param -> (its index in backward order, its bucket); the hooks have theirs bound in
-        self.slot = {p: (i, self.buffer.bucket_of(p)) for i, p in enumerate(self.params)}
-        # Per bucket, the parameters whose gradient covers only this rank's tokens under
-        # sequence parallelism: summed over the TP group just before the bucket is reduced.
-        self._sp_params = [[p for p in b.params if getattr(p, "sequence_parallel", False)]
-                           if sequence_parallel_group is not None else [] for b in self.buffer.buckets]
         rd = config.grad_reduce_dtype
         self.reduce_dtype = rd if rd is not None else self.buffer.dtype
         # Staging in the reduce dtype, kept for the buffer's life so that no collective ever
@@ -133,11 +136,51 @@ class GradSync:
         # backward then sends what the buffer holds, so the other ranks' collectives still pair,
         # and every rank raises at its end.
         self.poison: str | None = None
-        self._hooks = [p.register_post_accumulate_grad_hook(self._grad_hook(i, b))
-                       for p, (i, b) in self.slot.items()]
+        self._hooks: list = []
+        self._bind_buckets()
         for p in self.params:
             p._overlapkit_grad_sync = True
         self.reset()
+        self.auto: BucketAuto | None = None
+        """auto's trials while they last (None once decided, and for a fixed bucket_mb)."""
+        self.bucket_choice = None
+        """With bucket_mb="auto": its MeasuredChoice (`decided` cap in MiB, `reason`, `measured`)."""
+        if config.bucket_mb == AUTO:
+            auto = BucketAuto(self)  # decides at once where there is nothing to measure
+            self.bucket_choice = auto.choice
+            self.auto = auto if auto.deciding else None
+
+    def _bind_buckets(self) -> None:
+        """Bind each parameter's hook to its bucket (again after a regrouping)."""
+        for h in self._hooks:
+            h.remove()
+        # param -> (its index in backward order, its bucket); the hooks have theirs bound in
+        self.slot = {p: (i, self.buffer.bucket_of(p)) for i, p in enumerate(self.params)}
+        # Per bucket, the parameters whose gradient covers only this rank's tokens under
+        # sequence parallelism: summed over the TP group just before the bucket is reduced.
+        self._sp_params = [[p for p in b.params if getattr(p, "sequence_parallel", False)]
+                           if self.sp_group is not None else [] for b in self.buffer.buckets]
+        self._hooks = [p.register_post_accumulate_grad_hook(self._grad_hook(i, b))
+                       for p, (i, b) in self.slot.items()]
+
+    def group_buckets(self, runs) -> None:
+        """One collective per run of `runs[j]` consecutive fine buckets (between backwards; auto's trials)."""
+        if self._in_backward:
+            raise RuntimeError("DataParallel: the buckets cannot be regrouped inside a backward")
+        if [b.numel for b in self.buffer.buckets] == self._run_sizes(runs):
+            return  # already so (the fine buckets' sizes are > 0: equal sums in order are equal runs)
+        if self.shards is not None:
+            raise RuntimeError("DataParallel: a sharded optimizer's shards follow the buckets; they cannot change")
+        self.buffer.regroup(runs)
+        self._bind_buckets()
+        self.reset()
+
+    def _run_sizes(self, runs) -> list[int]:
+        fine, out, start = self.buffer.fine, [], 0
+        for k in runs:
+            out.append(sum(b.numel for b in fine[start:start + k]))
+            start += k
+        return out
 
     # -- mode ------------------------------------------------------------------------------
     def shard_gradients(self) -> list[torch.Tensor]:
@@ -145,6 +188,9 @@ class GradSync:
 
         Returns the per-bucket shard tensors (reduce dtype) that backward fills from now on.
         """
+        if self.auto is not None:
+            self.auto.keep_first("a sharded optimizer shards each bucket, so its layout takes the grouping when it "
+                                 "is built: the first candidate, unmeasured")
         if self.shards is None:
             self.shards = [torch.zeros(b.numel // self.world, dtype=self.reduce_dtype, device=self.buffer.device)
                            for b in self.buffer.buckets]
@@ -175,6 +221,8 @@ class GradSync:
         _queue_callback(self._end_backward)
         self._span = compute_span("backward")
         self._span.__enter__()
+        if self.auto is not None and self._collecting:
+            self.auto.backward_begins()
 
     def _grad_hook(self, i: int, b: int):
         """Parameter i's post-accumulate-grad hook (i in backward order, in bucket b)."""
@@ -277,6 +325,8 @@ class GradSync:
             self._handles = []
             if flags is not None:
                 flag_handle.wait()
+            if self.auto is not None:
+                self.auto.backward_ends()
         except Exception as e:  # noqa: BLE001 - a peer that broke step may have said why
             raise_explained(self.group, "DataParallel", e,
                             "the flags after backward" if b is None else f"the reduction of bucket {b}")

@@ -57,7 +57,7 @@ class ShardedOptimizer(PerParameterCheckpoint):
                                  "forward pre-hooks of the modules that use it: pass the DataParallel, not "
                                  "parameters (or set overlap_param_gather=False)")
             named = [(f"params[{i}]", p) for i, p in enumerate(params_or_dp) if p.requires_grad]
-            self.sync, module = GradSync(named, dp_group, DataParallelConfig()), None
+            self.sync, module = GradSync(named, dp_group, DataParallelConfig(bucket_mb=25.0)), None
         self.group, self.overlap_param_gather = dp_group, overlap_param_gather
         self.world, self.rank = self.sync.world, self.sync.rank
         self._grad_shards = self.sync.shard_gradients()

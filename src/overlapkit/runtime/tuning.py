@@ -75,16 +75,21 @@ class MeasuredChoice:
     and a candidate displaces the first only if it was faster than the first in at least three
     rounds in four and its median per-round ratio to the first is below 1 - tie; among those that
     do, the lowest median ratio wins. A gap smaller than the rounds' spread keeps the first.
+    `agree_over`: further groups whose ranks must keep the same candidate as well (the times are
+    all-reduced over each in turn, so the slowest rank of all of them judges): e.g. a data-parallel
+    engine's sequence-parallel group, whose per-bucket sums pair across data-parallel groups.
     """
 
     def __init__(self, candidates: Sequence[Any], group, *, what: str, kind: str, rounds: int = 3,
-                 warmup_rounds: int = 1, tie: float = 0.01, paired: bool = False) -> None:
+                 warmup_rounds: int = 1, tie: float = 0.01, paired: bool = False,
+                 agree_over: Sequence = ()) -> None:
         if not candidates:
             raise ValueError(f"{what}: MeasuredChoice needs at least one candidate")
         if rounds < 1 or warmup_rounds < 0:
             raise ValueError(f"{what}: rounds={rounds} must be >= 1 and warmup_rounds={warmup_rounds} >= 0")
         self.candidates = list(candidates)
         self.group, self.what, self.kind, self.tie, self.paired = group, what, kind, tie, paired
+        self.agree_over = [g for g in agree_over if g is not None]
         n = len(self.candidates)
         self._schedule = [(r * n + k, (k + r) % n) for r in range(warmup_rounds + rounds) for k in range(n)]
         self._warm = warmup_rounds * n
@@ -153,9 +158,10 @@ class MeasuredChoice:
             mine = [statistics.median(v) if v else -1.0 for p in (0, 2) for c in range(n)
                     for v in [[r[p] for r, (k, *_) in zip(calls, timed) if k == c and r[p] >= 0]]]
         vals = torch.tensor(mine, dtype=torch.float64, device=self._device)
-        if self.group is not None and dist.is_initialized() and comm.group_size(self.group) > 1:
-            comm.all_reduce(vals, self.group, kind=self.kind, name=f"{self.what}.auto", op=dist.ReduceOp.MAX,
-                            async_op=False)
+        for g in [self.group, *self.agree_over]:
+            if g is not None and dist.is_initialized() and comm.group_size(g) > 1:
+                comm.all_reduce(vals, g, kind=self.kind, name=f"{self.what}.auto", op=dist.ReduceOp.MAX,
+                                async_op=False)
         agreed = vals.tolist()
         rounds = len(self._schedule) // n - self._warm // n
         if self.paired:
