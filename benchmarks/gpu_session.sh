@@ -291,6 +291,20 @@ epcp2)
       --steps 16 --warmup 2 --recorded 1 --out "$c"
   step ep_ws4 60 python3 benchmarks/ep_overlap.py --world 4 --threads 3 --out "$c"
   ;;
+dpz)
+  # After DataParallel's bucket_mb="auto" and ZeRO-3's paired trials: DP at 4 ranks and ZeRO-3 at 8 beside
+  # DDP / FSDP2, and the user's path at tp 4 (more rounds), each alone on the 16 cores; then on the H200
+  # DataParallel's NCCL test and its world-size-1 step, and the MoE's fixed cost with the CUDA-graph row.
+  g="$r/h200" c="$r/cpu16"; mkdir -p "$g" "$c"
+  step dp_ws4 95 python3 benchmarks/dp_overlap.py --world 4 --threads 3 --budget-s 60 --out "$c"
+  step fsdp_ws8 90 python3 benchmarks/fsdp_overlap.py --world 8 --threads 1 --variants fsdp2,1,2,auto --total-s 70 \
+      --budget-s 60 --steps 40 --warmup 1 --recorded 0 --out "$c"
+  step user_tp4 150 python3 benchmarks/user_step.py --world 4 --preset cpu16 --threads 3 --rounds 6 --warmup 1 \
+      --budget-s 70 --out "$c"
+  step pytest_dp_cuda 40 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_nccl_data_parallel.py
+  step ep_cuda_ws1 70 python3 benchmarks/ep_overlap.py --device cuda --world 1 --steps 6 --out "$g"
+  step dp_cuda_ws1 60 python3 benchmarks/dp_overlap.py --device cuda --steps 30 --budget-s 30 --out "$g"
+  ;;
 last)
   # The session's one call, in two lanes at once so it fits: lane A (cores 0-2) the GPU — the new MoE/ring
   # CUDA tests and DataParallel's, the compiled step's kernels beside the compiled plain model's, EP and CP
