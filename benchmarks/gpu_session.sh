@@ -305,6 +305,21 @@ dpz)
   step ep_cuda_ws1 70 python3 benchmarks/ep_overlap.py --device cuda --world 1 --steps 6 --out "$g"
   step dp_cuda_ws1 60 python3 benchmarks/dp_overlap.py --device cuda --steps 30 --budget-s 30 --out "$g"
   ;;
+final2)
+  # The session's last call: the changed engines' CPU tests under the image's torch (2.11), the GPU tests,
+  # ZeRO-3 at 8 ranks with auto decided without trials beside its pinned twin (whose cost is the gap?),
+  # and the user's path at tp 8 on the 16 cores (the row not measured before).
+  g="$r/h200" c="$r/cpu16"; mkdir -p "$g" "$c"
+  step pytest_cpu_torch211 150 python3 -m pytest -q -x -p no:cacheprovider tests/test_tuning.py \
+      tests/data_parallel/test_dp_bucket_auto.py tests/data_parallel/test_dp_buckets.py \
+      tests/pipeline_parallel/test_pp_split_backward.py tests/context_parallel tests/expert_parallel/test_op_count.py \
+      tests/expert_parallel/test_moe_one_rank.py
+  step pytest_gpu 100 python3 -m pytest -q -p no:cacheprovider tests/gpu
+  step fsdp_ws8 90 python3 benchmarks/fsdp_overlap.py --world 8 --threads 1 --variants fsdp2,1,auto,auto0 --total-s 75 \
+      --budget-s 60 --steps 40 --warmup 1 --recorded 0 --out "$c"
+  step user_tp8 110 python3 benchmarks/user_step.py --world 8 --preset cpu16 --threads 2 --rounds 4 --warmup 1 \
+      --budget-s 50 --out "$c"
+  ;;
 last)
   # The session's one call, in two lanes at once so it fits: lane A (cores 0-2) the GPU — the new MoE/ring
   # CUDA tests and DataParallel's, the compiled step's kernels beside the compiled plain model's, EP and CP
