@@ -28,7 +28,8 @@ from overlapkit.timeline import record
 
 PER_RANK = 4
 STEPS = 19  # auto: warm-up, probe, 1 + 4 rounds of timing up to 3 depths, then steps at the chosen one
-PREFETCH = (0, 1, 2, (1, 2), "auto")
+PREFETCH = (0, 1, 2, (1, 2), "auto", "auto, trials")
+"""Depths the equality cases run; "auto, trials" is auto with its opt-in trials (trials=4)."""
 
 
 class Net(nn.Module):
@@ -95,7 +96,8 @@ def _equality_cases(rank: int, world: int, mesh, model_fn, x, y, sl) -> dict:
     torch_fully_shard(plain, mesh=mesh)
     plain_grads, plain_params = train(plain, x[sl], y[sl])
     for p in PREFETCH:
-        m = fully_shard(model_fn(), mesh, prefetch=p)
+        m = fully_shard(model_fn(), mesh, prefetch="auto", trials=4) if p == "auto, trials" else \
+            fully_shard(model_fn(), mesh, prefetch=p)
         grads, params = train(m, x[sl], y[sl])
         out[f"prefetch={p} vs single process"] = max(worst(grads, ref_grads), worst(params, ref_params))
         out[f"prefetch={p} vs FSDP2"] = max(worst(grads, plain_grads), worst(params, plain_params))
@@ -210,7 +212,7 @@ def _decided_case(world: int, mesh) -> dict:
     order, with the same FSDP2 prefetch lists, and nothing of the probe or trials left."""
     x, y = batch(world)
     x, y = x[:PER_RANK], y[:PER_RANK]
-    auto = fully_shard(Net(), mesh, prefetch="auto")
+    auto = fully_shard(Net(), mesh, prefetch="auto", trials=4)
     steps = 0
     while not prefetch_plan(auto).decided and steps < 30:
         F.mse_loss(auto(x), y).backward()
@@ -246,7 +248,7 @@ def _trials_case(world: int, mesh) -> dict:
     x, y = x[:PER_RANK], y[:PER_RANK]
     real_tie, fsdp_prefetch.TIE = fsdp_prefetch.TIE, 100.0  # every neighbour of the model's pick is timed
     try:
-        auto = fully_shard(Net(), mesh, prefetch="auto")
+        auto = fully_shard(Net(), mesh, prefetch="auto", trials=4)
         state, ran = auto._overlapkit_zero3, []
 
         def delay(fastest) -> float:

@@ -28,14 +28,17 @@ def test_fixed_depths_are_set_and_auto_decides_the_same_on_every_rank(world):
         assert decided and 0 <= fd <= 4 and 0 <= bd <= 4, r["prefetch=auto reason"]
         assert "forward depth" in r["prefetch=auto reason"] and "MiB" in r["prefetch=auto reason"]
     assert len({r["prefetch=auto depths"] for r in out}) == 1  # gathers must pair across ranks
-    measured = out[0]["prefetch=auto measured"]
-    assert all(r["prefetch=auto measured"] == measured for r in out)  # the slowest rank's times, everywhere
+    assert out[0]["prefetch=auto measured"] == {}  # the default keeps the probe's and the model's pick, untimed
+    key = "prefetch=auto, trials"
+    assert len({r[f"{key} depths"] for r in out}) == 1
+    measured = out[0][f"{key} measured"]
+    assert all(r[f"{key} measured"] == measured for r in out)  # the slowest rank's times, everywhere
     if measured:  # the model's pick was timed against its neighbours in 4 paired rounds
-        fd, bd, _ = out[0]["prefetch=auto depths"]
+        fd, bd, _ = out[0][f"{key} depths"]
         # each depth one a candidate had in its pass (chosen pass by pass, the pair need not be a candidate)
-        timed = [tuple(int(d) for d in key.split("/")) for key in measured]
+        timed = [tuple(int(d) for d in k.split("/")) for k in measured]
         assert fd in {f for f, _ in timed} and bd in {b for _, b in timed}, (measured, fd, bd)
-        assert "measured step" in out[0]["prefetch=auto reason"] and "in 4 rounds" in out[0]["prefetch=auto reason"]
+        assert "measured step" in out[0][f"{key} reason"] and "in 4 rounds" in out[0][f"{key} reason"]
 
 
 @pytest.mark.parametrize("world", WORLDS)

@@ -46,10 +46,14 @@ class FullyShardConfig:
     """Deepest prefetch `auto` considers. Each level holds one more block's parameters."""
     probe_step: int = 1
     """The step `auto` measures (0-based; the steps before it warm up caches and connections)."""
-    trials: int = 4
+    trials: int = 0
     """Rounds (after one untimed one) in which `auto` times the model's pick against the neighbouring
     depths the model prices within 10 % of it, one step each; a neighbour displaces the pick only if
-    faster in at least three rounds in four (and by > 1 % in the median ratio); 0 keeps the pick."""
+    faster in at least three rounds in four (and by > 1 % in the median ratio); 0 (the default) keeps
+    the pick of the probe and the cost model. Off by default because measured at 8 gloo ranks, a model
+    that ran trials stayed 1.08-1.12x slower than a fixed model at the same depths afterwards, while
+    auto without them matched its twin (benchmarks/results/fsdp_overlap_cpu16_ws8.md); the cause is
+    not found."""
 
     def __post_init__(self) -> None:
         p = self.prefetch
@@ -99,7 +103,7 @@ class PrefetchPlan:
 
 def fully_shard(model: nn.Module, mesh_or_dim=None, *, dim: str = "dp",
                 prefetch: int | tuple[int, int] | str = "auto", wrap=None, reshard_after_forward: bool = True,
-                memory_budget_mb: float | None = None, max_depth: int = 4, trials: int = 4,
+                memory_budget_mb: float | None = None, max_depth: int = 4, trials: int = 0,
                 mp_policy=None) -> nn.Module:
     """Shard `model` over the data-parallel mesh dim with FSDP2 and set its prefetch; returns `model`.
 
