@@ -49,6 +49,7 @@ FIXED = (1, "ranks", 2, 4, 8)
 ROUTINGS = ("uniform", "skewed")
 MLP = "plain MLP"
 GRAPHED = "uniform chunks=1, CUDA graph"
+SECOND = "uniform chunks=1, a second instance"
 CAPACITY = ("capacity exact", "capacity padded")
 """Uniform routing with the preset's capacity factor at chunks=1: exact counts (a host sync) vs padded (none)."""
 
@@ -90,6 +91,8 @@ def _layers(p: dict, ws: int, rank: int, device, dtype):
         out[f"{routing} auto"] = moe(routing, "auto")
         for c in _fixed(ws):
             out[f"{routing} chunks={c}"] = moe(routing, c)
+    # A second instance of chunks=1: beside it, "auto vs its twin" has a noise floor (two identical layers).
+    out[SECOND] = moe("uniform", 1)
     for name, pad in zip(CAPACITY, (False, True)):
         out[name] = moe("uniform", 1, capacity_factor=p["capacity_factor"], pad_to_capacity=pad)
     if ws == 1:  # the same active parameters per token: top_k experts' worth of inner width
