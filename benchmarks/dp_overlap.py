@@ -39,8 +39,8 @@ from _lib.common import (add_common_args, device_label, line_up, lm_train_step, 
                          world_size, write_results)
 from _lib.presets import DP_PRESETS as PRESETS, SMOKE_DP
 from _lib.ratios import per_round, text, verdict
-from _lib.unexported import measure
-from overlapkit.data_parallel import DataParallel, bucket_auto
+from _lib.unexported import bucket_auto, measure
+from overlapkit.data_parallel import DataParallel
 from overlapkit.models import GPT, GPTConfig
 from overlapkit.timeline import record
 

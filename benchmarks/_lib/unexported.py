@@ -57,6 +57,9 @@ WHERE = {
     # The data-parallel guards timed by themselves: reliability_cost.
     "ParamWatch": "overlapkit.data_parallel.watch", "guard": "overlapkit.data_parallel.zero_guard",
     "release": "overlapkit.data_parallel.zero_guard",
+    # bucket_mb="auto"'s candidate caps and fine-bucket size, which dp_overlap times fixed beside it
+    # (and scales to KiB under --smoke): dp_overlap.
+    "bucket_auto": "overlapkit.data_parallel",
 }
 """name -> the module that defines it (a module's own name: the module itself, as a submodule of that package)."""
 
