@@ -60,15 +60,15 @@ PRESETS = {
 }
 FIXED = ("overlapkit prefetch=0", "overlapkit prefetch=1", "overlapkit prefetch=2")
 AUTO = "overlapkit prefetch=auto"
-AUTO0 = "overlapkit prefetch=auto, no trials"
-"""auto deciding from its probe and the cost model alone (trials=0): beside its pinned twin, it tells a cost
-left by the trials from one left by the probe or auto's hooks."""
+AUTO_TRIALS = "overlapkit prefetch=auto, trials=4"
+"""auto with its opt-in trials (the default, trials=0, decides from the probe and the cost model alone):
+beside the twin pinned at the default's depths, it shows what the trials leave behind."""
 PINNED = "overlapkit fixed at auto's depths"
 """A fixed model at the (forward, backward) depths auto chose, built after the decision: always run."""
-VARIANTS = ("FSDP2 defaults", *FIXED, AUTO, AUTO0, "ShardedOptimizer (ZeRO-2)", "torch DDP")
+VARIANTS = ("FSDP2 defaults", *FIXED, AUTO, AUTO_TRIALS, "ShardedOptimizer (ZeRO-2)", "torch DDP")
 RECORDED = (*FIXED, AUTO, PINNED, "ShardedOptimizer (ZeRO-2)")
-SHORT = dict(zip(("fsdp2", "0", "1", "2", "auto", "auto0", "zero2", "ddp"), VARIANTS))
-"""--variants names: fsdp2, 0, 1, 2, auto, auto0, zero2, ddp (auto, fsdp2 and PINNED always run: the targets compare them)."""
+SHORT = dict(zip(("fsdp2", "0", "1", "2", "auto", "auto_trials", "zero2", "ddp"), VARIANTS))
+"""--variants names: fsdp2, 0, 1, 2, auto, auto_trials, zero2, ddp (auto, fsdp2 and PINNED always run: the targets compare them)."""
 MAX_DECIDE_STEPS = 30
 """auto steps alone after the warm-up at most this often to finish its probe and trials."""
 MIB = 2**20
@@ -116,8 +116,8 @@ def _rank_body(device_type: str, preset: dict, steps: int, warmup: int, recorded
     for name, depth in zip((*FIXED, AUTO), (0, 1, 2, "auto")):
         if name in variants:
             models[name] = fully_shard(fresh(), mesh, prefetch=depth)
-    if AUTO0 in variants:
-        models[AUTO0] = fully_shard(fresh(), mesh, prefetch="auto", trials=0)
+    if AUTO_TRIALS in variants:
+        models[AUTO_TRIALS] = fully_shard(fresh(), mesh, prefetch="auto", trials=4)
     dp = None
     if "ShardedOptimizer (ZeRO-2)" in variants:
         dp = DataParallel(fresh(), group)
@@ -134,16 +134,16 @@ def _rank_body(device_type: str, preset: dict, steps: int, warmup: int, recorded
     time_variants(step, list(variants), 0, warmup, device)
     per_round = torch.tensor([(time.perf_counter() - t0) / warmup], dtype=torch.float64)
     dist.all_reduce(per_round, op=dist.ReduceOp.MAX)
-    decide_steps = 0
-    for name in (k for k in (AUTO, AUTO0) if k in models):
-        n = 0
+    decide = {}  # steps each auto model ran alone until it decided
+    for name in (k for k in (AUTO, AUTO_TRIALS) if k in models):
+        decide[name] = 0
         while not prefetch_plan(models[name]).decided:  # decisions are collective: every rank leaves together
-            if n == MAX_DECIDE_STEPS:
+            if decide[name] == MAX_DECIDE_STEPS:
                 raise RuntimeError(f"{name} did not decide within {MAX_DECIDE_STEPS} steps: "
                                    f"{prefetch_plan(models[name]).reason}")
             step(name)
-            n += 1
-        decide_steps = n if name == AUTO else decide_steps
+            decide[name] += 1
+    decide_steps = decide[AUTO]
     auto_plan = prefetch_plan(models[AUTO])
     models[PINNED] = fully_shard(fresh(), mesh, prefetch=(auto_plan.forward_depth, auto_plan.backward_depth))
     opts[PINNED] = torch.optim.AdamW(models[PINNED].parameters(), lr=1e-4)
@@ -198,7 +198,7 @@ def _rank_body(device_type: str, preset: dict, steps: int, warmup: int, recorded
             dp.check_layout()  # DataParallel's per-forward check that no parameter was re-typed or moved
         check_us = (time.perf_counter() - t0) * 1e3
     plans = {}
-    for name in [k for k in (*FIXED, AUTO, AUTO0, PINNED) if k in variants]:
+    for name in [k for k in (*FIXED, AUTO, AUTO_TRIALS, PINNED) if k in variants]:
         plan = prefetch_plan(models[name])
         plans[name] = dict(vars(plan), held_ahead_mb=plan.prefetch_bytes / MIB)
     return dict(times=times, memory=memory, recorded=rec_rows, plans=plans, check_layout_us=check_us,
@@ -257,7 +257,7 @@ def summarize(per_rank: list[dict]) -> dict:
                     depths=depths, reason=plan["reason"], probe=probe, measured=plan.get("measured", {}),
                     vs_best_fixed=ratio(fastest_fixed), vs_fsdp2=ratio("FSDP2 defaults"), vs_same_depth=ratio(same),
                     vs_pinned=ratio(PINNED), pinned_vs_same_depth=ratio(same, of=PINNED),
-                    no_trials_vs_pinned=ratio(PINNED, of=AUTO0) if AUTO0 in steps else None,
+                    trials_vs_pinned=ratio(PINNED, of=AUTO_TRIALS) if AUTO_TRIALS in steps else None,
                     vs_fixed={k: ratio(k) for k in fixed},
                     layers=per_rank[0]["recorded"][AUTO][-1]["layers"] if per_rank[0]["recorded"].get(AUTO) else []))
 
@@ -331,8 +331,8 @@ def markdown(result: dict) -> str:
             + said("the same fixed depth", a["vs_same_depth"], within=TARGETS["pinned"])
             + said("the fixed depth of the same number (another instance of one configuration: the run's noise "
                    "floor)", a.get("pinned_vs_same_depth"), None)
-            + said("the fixed model pinned at auto's depths (auto without trials: is the cost the trials'?)",
-                   a.get("no_trials_vs_pinned"), None))
+            + said("the fixed model pinned at the default auto's depths (what the trials leave, where they keep those depths)",
+                   a.get("trials_vs_pinned"), None))
     if a["layers"]:
         tail += ("\nPer block under auto (rank 0, last recorded step):\n\n| block | gather fwd ms (exposed) | "
                  "gather bwd ms (exposed) | reduce-scatter ms (exposed) | hidden % |\n|---|---:|---:|---:|---:|\n")

@@ -315,7 +315,7 @@ final2)
       tests/pipeline_parallel/test_pp_split_backward.py tests/context_parallel tests/expert_parallel/test_op_count.py \
       tests/expert_parallel/test_moe_one_rank.py
   step pytest_gpu 100 python3 -m pytest -q -p no:cacheprovider tests/gpu
-  step fsdp_ws8 90 python3 benchmarks/fsdp_overlap.py --world 8 --threads 1 --variants fsdp2,1,auto,auto0 --total-s 75 \
+  step fsdp_ws8 90 python3 benchmarks/fsdp_overlap.py --world 8 --threads 1 --variants fsdp2,1,auto,auto_trials --total-s 75 \
       --budget-s 60 --steps 40 --warmup 1 --recorded 0 --out "$c"
   step user_tp8 110 python3 benchmarks/user_step.py --world 8 --preset cpu16 --threads 2 --rounds 4 --warmup 1 \
       --budget-s 50 --out "$c"
