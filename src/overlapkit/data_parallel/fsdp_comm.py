@@ -21,13 +21,13 @@ and reduce-scatters hid.
 
 from __future__ import annotations
 
-import time
 
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 
-from ..runtime import comm
+from ..runtime import clock, comm
+from ..runtime.clock import elapsed_ms
 from ..runtime.agreement import raise_explained
 from ..timeline.fsdp2 import GATHER_KIND, REDUCE_KIND, LayerComm, layer_report
 
@@ -60,11 +60,7 @@ class Probe:
         self.passes: dict[str, list[list]] = {"forward": [], "backward": []}  # [start, end] of each pass
 
     def stamp(self):
-        if self.cuda:
-            ev = torch.cuda.Event(enable_timing=True)
-            ev.record()
-            return ev
-        return time.perf_counter()
+        return clock.stamp(self.cuda)
 
     def done_stamp(self, work: dist.Work):
         """The completion of `work` (CUDA: an event on a side stream that waits for it; CPU: None, filled at wait)."""
@@ -75,9 +71,6 @@ class Probe:
             work.wait()
             return self.stamp()
 
-    def _ms(self, a, b) -> float:
-        return a.elapsed_time(b) if self.cuda else (b - a) * 1e3
-
     def times(self) -> dict[str, float]:
         """Mean gather_ms and reduce_ms per collective; per phase the wall and stall ms summed over
         its passes and the number of passes (a pipeline stage runs several micro-batches per probe)."""
@@ -86,14 +79,14 @@ class Probe:
         out: dict[str, float] = {}
         for kind, key in ((GATHER_KIND, "gather"), (REDUCE_KIND, "reduce")):
             for phase in ("forward", "backward"):
-                ms = [self._ms(s, e) for k, p, s, e in self.comms if k == kind and p == phase and e is not None]
+                ms = [elapsed_ms(s, e) for k, p, s, e in self.comms if k == kind and p == phase and e is not None]
                 out[f"{phase}_{key}_ms"] = sum(ms) / len(ms) if ms else 0.0
                 out[f"{phase}_{key}_count"] = float(len(ms))
         for phase in ("forward", "backward"):
             done = [(a, b) for a, b in self.passes[phase] if b is not None]
-            out[f"{phase}_wall_ms"] = sum(self._ms(a, b) for a, b in done)
+            out[f"{phase}_wall_ms"] = sum(elapsed_ms(a, b) for a, b in done)
             out[f"{phase}_passes"] = float(len(done))
-            out[f"{phase}_stall_ms"] = sum(self._ms(s, e) for s, e in self.stalls[phase])
+            out[f"{phase}_stall_ms"] = sum(elapsed_ms(s, e) for s, e in self.stalls[phase])
         return out
 
 

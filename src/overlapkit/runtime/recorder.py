@@ -26,6 +26,7 @@ from typing import Iterator
 
 import torch
 
+from . import clock
 from .intervals import subtract, union
 from .spans import COMM_KINDS, COMM_RANGE_PREFIX, COMPUTE, COMPUTE_RANGE_PREFIX, WAIT_RANGE, Span
 
@@ -120,11 +121,7 @@ class Recorder:
     # -- clocks ------------------------------------------------------------------------
     def now(self):
         """A time stamp on the current stream (CUDA) or the host clock (CPU)."""
-        if self.cuda:
-            ev = torch.cuda.Event(enable_timing=True)
-            ev.record()
-            return ev
-        return time.perf_counter()
+        return clock.stamp(self.cuda)
 
     def to_ms(self, stamp) -> float:
         """A stamp of `now()` in ms since the recorder started."""

@@ -16,27 +16,18 @@ from __future__ import annotations
 
 import contextlib
 import statistics
-import time
 from typing import Any, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
 
 from . import comm
+from .clock import elapsed_ms as _ms, stamp
 
 
 def _stamp(device: torch.device):
-    if device.type == "cuda":
-        ev = torch.cuda.Event(enable_timing=True)
-        ev.record()
-        return ev
-    return time.perf_counter()
-
-
-def _ms(a, b) -> float:
-    if isinstance(a, float):
-        return (b - a) * 1e3
-    return a.elapsed_time(b)
+    # The trial clock, by this name: tests replace it to show nothing is timed after a decision.
+    return stamp(device.type == "cuda")
 
 
 class Trial:
