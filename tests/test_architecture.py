@@ -11,8 +11,8 @@ needs no torch) and builds the import graph, function-level imports included. It
   analysis parts (timeline analysis and cost model) importing each other;
 - text about how the package was made ("seed 004", "issue 25") anywhere in the package;
 - an import of an overlapkit module that does not exist (a module moved, an import left behind);
-- a module-level empty dict, set or list (state that outlives a call belongs in runtime.state,
-  which a test can reset).
+- a module-level empty dict, set or list, or a `global` statement rebinding a module name (state
+  that outlives a call belongs in runtime.state, which a test can reset).
 
 docs/architecture.md draws the layers this test enforces.
 """
@@ -345,3 +345,12 @@ def test_no_module_level_state_outside_the_registry():
             if empty:
                 found.append(_where(name, node.lineno))
     assert not found, "module-level mutable state outside runtime.state:\n" + "\n".join(found)
+
+
+def test_no_function_rebinds_a_module_global():
+    """`global x; x = ...` is module state by another spelling (a flag set once, the active recorder):
+    runtime.state holds it, in a registry that names it."""
+    found = [f"{_where(name, node.lineno)}: global {', '.join(node.names)}"
+             for name, path in MODULES.items() if name != "overlapkit.runtime.state"
+             for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.Global)]
+    assert not found, "module globals rebound outside runtime.state:\n" + "\n".join(found)

@@ -3,7 +3,7 @@ import warnings
 import pytest
 import torch
 
-from overlapkit.runtime import comm
+from overlapkit.runtime import comm, state
 from overlapkit.cli import main
 from overlapkit.doctor import advice, facts
 
@@ -29,7 +29,7 @@ def test_max_connections_advice(monkeypatch, value, needle):
 
 
 def test_bulk_warning_only_on_cuda_without_one(monkeypatch):
-    monkeypatch.setattr(comm, "_warned_max_connections", False)
+    state.reset()  # the once-per-process advice is kept in the registry
     assert comm.warn_if_max_connections_unsuited("cpu") is False
     monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     assert comm.warn_if_max_connections_unsuited("cuda") is False

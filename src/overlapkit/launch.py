@@ -24,8 +24,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-_messages = None
-"""In a spawned rank: the queue to the parent (set by _entry), or None outside spawn."""
+from .runtime import state
+
+_WIRING = state.process_dict("launch.parent")
+"""In a spawned rank: the queue to the parent under key "messages" (set by _entry); empty outside spawn."""
 
 
 class RankFailed(RuntimeError):
@@ -44,14 +46,14 @@ def free_port() -> int:
 
 def progress(text: str) -> None:
     """From a rank: send one line of progress to the parent (a no-op outside `spawn`)."""
-    if _messages is not None:
-        _messages.put((int(os.environ.get("RANK", 0)), text))
+    messages = _WIRING.get("messages")
+    if messages is not None:
+        messages.put((int(os.environ.get("RANK", 0)), text))
 
 
 def _entry(rank: int, fn: Callable, world_size: int, port: int, backend: str, timeout_s: float,
            args: tuple, results, messages) -> None:
-    global _messages
-    _messages = messages
+    _WIRING["messages"] = messages
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     if backend == "nccl":

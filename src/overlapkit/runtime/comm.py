@@ -346,18 +346,18 @@ def max_connections_meaning(value: str | None) -> str:
     return f"{value} hardware queues: kernels of different streams may start out of issue order"
 
 
-_warned_max_connections = False
+_WARNED = state.capability_set("comm.warned")
+"""The advice this process has printed once already (its name)."""
 
 
 def warn_if_max_connections_unsuited(device: torch.device | str) -> bool:
     """Warn once when bulk TP overlap runs on CUDA without CUDA_DEVICE_MAX_CONNECTIONS=1. Returns True if it warned."""
-    global _warned_max_connections
-    if torch.device(device).type != "cuda" or _warned_max_connections:
+    if torch.device(device).type != "cuda" or "max_connections" in _WARNED:
         return False
     value = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS")
     if value is not None and value.strip() == "1":
         return False
-    _warned_max_connections = True
+    _WARNED.add("max_connections")
     warnings.warn(MAX_CONNECTIONS_ADVICE.format(value=value, meaning=max_connections_meaning(value)),
                   RuntimeWarning, stacklevel=3)
     return True

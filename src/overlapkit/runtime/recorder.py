@@ -26,7 +26,7 @@ from typing import Iterator
 
 import torch
 
-from . import clock
+from . import clock, state
 from .intervals import subtract, union
 from .spans import COMM_KINDS, COMM_RANGE_PREFIX, COMPUTE, COMPUTE_RANGE_PREFIX, WAIT_RANGE, Span
 
@@ -243,36 +243,38 @@ class Recorder:
         return self._spans
 
 
-_active: Recorder | None = None
+_ACTIVE = state.process_dict("recorder.active")
+"""The recorder in force under key None: set and cleared by `record()` (process-wide, see the module doc)."""
 
 
 def active() -> Recorder | None:
     """The recorder in force, or None (the engines' fast path)."""
-    return _active
+    return _ACTIVE.get(None)
 
 
 @contextlib.contextmanager
-def record(rank: int | None = None, device: str | torch.device | None = None) -> Iterator[Recorder]:
+def record(rank: int | None = None, device: str | torch.device | None = None, *,
+           recorder: type[Recorder] = Recorder) -> Iterator[Recorder]:
     """Record every engine's spans on this rank while the block runs.
 
     `device` picks the clock: a CUDA device records CUDA events, anything else the host clock.
+    `recorder` is the class made (the timeline's `record()` passes one that can report and draw itself).
     """
-    global _active
-    if _active is not None:
+    if _ACTIVE.get(None) is not None:
         raise RuntimeError("a timeline recorder is already active in this process")
-    rec = Recorder(rank=rank, device=device)
-    _active = rec
+    rec = recorder(rank=rank, device=device)
+    _ACTIVE[None] = rec
     try:
         yield rec
     finally:
-        _active = None
+        _ACTIVE.pop(None, None)
         rec.close()
 
 
 @contextlib.contextmanager
 def compute_span(name: str, stream: str = "compute") -> Iterator[None]:
     """Mark a computation (a GEMM) for the active recorder and any running profiler; free when neither is."""
-    rec, traced = _active, profiling()
+    rec, traced = _ACTIVE.get(None), profiling()
     if rec is None and not traced:
         yield
         return

@@ -20,6 +20,9 @@ _CAPABILITY: dict[str, dict | set] = {}
 """What this process found the hardware or the torch build can or cannot do, by name."""
 _CLEARERS: dict[str, Callable[[], None]] = {}
 """Caches kept elsewhere (a functools cache), emptied by a function."""
+_PROCESS: dict[str, dict] = {}
+"""What this process is wired to while a block runs (the active recorder, a spawned rank's queue to its
+parent): set and cleared by the block that owns it, so `reset()` leaves it alone."""
 
 
 def _container(registry: dict, name: str, kind: type):
@@ -51,6 +54,11 @@ def capability_set(name: str) -> set:
     return _container(_CAPABILITY, name, set)
 
 
+def process_dict(name: str) -> dict:
+    """The dict called `name` of process wiring (an active recorder, a queue): its owner sets and clears it."""
+    return _container(_PROCESS, name, dict)
+
+
 def register_clear(name: str, clear: Callable[[], None]) -> None:
     """Have `reset()` call `clear` too (a functools cache's `cache_clear`)."""
     _CLEARERS[name] = clear
@@ -58,7 +66,8 @@ def register_clear(name: str, clear: Callable[[], None]) -> None:
 
 def names() -> dict[str, list[str]]:
     """The registered state, by registry: what `reset()` empties."""
-    return {"group": sorted(_GROUP), "capability": sorted(_CAPABILITY), "cleared": sorted(_CLEARERS)}
+    return {"group": sorted(_GROUP), "capability": sorted(_CAPABILITY), "cleared": sorted(_CLEARERS),
+            "process": sorted(_PROCESS)}
 
 
 def reset() -> None:

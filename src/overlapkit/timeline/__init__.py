@@ -9,7 +9,7 @@ import importlib
 
 _WHERE = {
     "Recorder": "..runtime.recorder", "active": "..runtime.recorder", "comm_range": "..runtime.recorder",
-    "compute_span": "..runtime.recorder", "record": "..runtime.recorder",
+    "compute_span": "..runtime.recorder", "record": "recording", "Recording": "recording",
     "Span": "..runtime.spans", "COMM_KINDS": "..runtime.spans", "COMPUTE": "..runtime.spans",
     "plot_spans": "plot", "write_chrome_trace": "plot",
     "Report": "report", "report_spans": "report", "report_traces": "report",
