@@ -29,12 +29,12 @@ OVERLAP_MEANING: dict[str, dict[str, str]] = {
     "dp": {"none": "gradients all-reduced after backward",
            "bulk": "gradient buckets all-reduced during backward"},
     "zero": {"none": "each block's parameters gathered when it runs",
-             "bulk": "the next blocks' parameter gathers prefetched behind this block's compute",
+             "bulk": "the next blocks' parameter gathers (prefetch_depth of them) prefetched behind this block's compute",
              "auto": "the prefetch depth from the cost model, then measured"},
     "pp": {"none": "sends and receives waited at once",
            "bulk": "sends and receives beside the other micro-batch's compute"},
     "ep": {"none": "dispatch, expert GEMMs and combine one after the other",
-           "pipelined": "tokens in chunks: one chunk's all-to-all under another's expert GEMMs",
+           "pipelined": "tokens in `chunks` chunks: one chunk's all-to-all under another's expert GEMMs",
            "auto": "the chunk count measured on the first calls and kept"},
     "cp": {"none": "each key/value block received before it is attended",
            "bulk": "every key/value block sent to every rank at the start of the pass (all-gather), each "
@@ -47,13 +47,24 @@ for every engine; an engine's own switch, ENGINE_SWITCH, takes the settings list
 
 ENGINE_SWITCH: dict[str, str] = {
     "tp": "ColumnParallelLinear / RowParallelLinear / parallelize(overlap=...)",
-    "dp": "DataParallel(overlap=True | False | 'bulk' | 'none')",
-    "zero": "ShardedOptimizer(overlap_param_gather=...), fully_shard(prefetch=depth | 'auto')",
-    "pp": "PipelineConfig(overlap_p2p=...)",
-    "ep": "MoE(chunks=1 | n | 'ranks' | 'auto')",
-    "cp": "ContextParallelConfig(overlap=...)",
+    "dp": "DataParallel(overlap=...)",
+    "zero": "ShardedOptimizer(overlap=...), fully_shard(overlap=..., prefetch_depth=blocks ahead)",
+    "pp": "PipelineConfig(overlap=...)",
+    "ep": "MoE(overlap=..., chunks=count | 'ranks')",
+    "cp": "ContextParallelConfig(overlap=..., prefetch=blocks in flight)",
 }
-"""Where each engine takes its overlap setting."""
+"""Where each engine takes its overlap setting: always `overlap=` with the engine's modes of
+OVERLAP_MEANING; a depth (how far ahead, how many pieces) is a field of its own beside it."""
+
+RENAMED: dict[str, str] = {
+    "PipelineConfig(overlap_p2p=True | False)": 'PipelineConfig(overlap="bulk" | "none")',
+    "fully_shard(prefetch='auto' | n | (f, b))": 'fully_shard(overlap="auto" | "none" | "bulk", prefetch_depth=n | (f, b))',
+    "ShardedOptimizer(overlap_param_gather=True | False)": 'ShardedOptimizer(overlap="bulk" | "none")',
+    "DataParallel(overlap=True | False)": 'DataParallel(overlap="bulk" | "none")',
+    "MoE(chunks='auto' | 1 | n | 'ranks')": 'MoE(overlap="auto" | "none" | "pipelined", chunks=n | "ranks")',
+    "tensor_parallel.tp_mesh_and_group(x)": "tensor_parallel.tp_mesh(x) (its group: mesh.get_group())",
+}
+"""The earlier spellings, still accepted with a DeprecationWarning once per process, and the current ones."""
 
 
 def is_int_at_least(value, minimum: int = 1) -> bool:

@@ -115,7 +115,7 @@ def test_world_of_one_without_distributed():
 
 
 def test_sharded_optimizer_needs_modules_for_overlapped_gather():
-    with pytest.raises(ValueError, match="overlap_param_gather=True waits .* pass the DataParallel"):
+    with pytest.raises(ValueError, match="overlap='bulk' waits .* pass the DataParallel"):
         ShardedOptimizer(_mlp().parameters(), torch.optim.Adam, None)
     with pytest.raises(ValueError, match="overlap_param_gather must be True or False, got 'yes'"):
         ShardedOptimizer(_mlp().parameters(), torch.optim.Adam, None, overlap_param_gather="yes")

@@ -70,21 +70,15 @@ class Overlap:
 
 
 @dataclass(frozen=True)
-class ParallelConfig:
-    """How the model is split over GPUs, and what overlaps."""
+class ParallelConfig(ParallelSizes):
+    """How the model is split over GPUs, and what overlaps.
 
-    tp: int = 1
-    """Tensor-parallel size (adjacent ranks, inside one node)."""
-    pp: int = 1
-    """Pipeline stages."""
+    The sizes tp, dp, pp, ep and cp are `ParallelSizes`' own fields (declared once, in the vocabulary,
+    for the mesh, the demo and this model alike); what follows is what only a prediction needs.
+    """
+
     vpp: int = 1
     """Virtual stages (model chunks) per pipeline rank: interleaved 1F1B."""
-    dp: int = 1
-    """Data-parallel replicas."""
-    ep: int = 1
-    """Expert-parallel size, carved out of the DP ranks (MoE only)."""
-    cp: int = 1
-    """Context-parallel size: each rank holds seq_len/cp tokens; attention exchanges K/V around a ring."""
     sp: bool = True
     """Sequence parallelism: TP's all-reduces become all-gather + reduce-scatter, which can overlap."""
     micro_batch: int = 1
@@ -133,6 +127,7 @@ class ParallelConfig:
     """Layers per ZeRO-3 / FSDP unit: one all-gather and one reduce-scatter per unit."""
 
     def __post_init__(self) -> None:
+        # ParallelSizes' checks are a subset of these, which name the field as the planner's messages do.
         o = "parallel"
         for f in ("tp", "pp", "vpp", "dp", "ep", "cp", "micro_batch", "moe_chunks", "zero3_wrap"):
             v.positive_int(o, f, getattr(self, f))
@@ -172,12 +167,12 @@ class ParallelConfig:
 
     @property
     def sizes(self) -> ParallelSizes:
-        """The parallel sizes as the mesh (runtime.groups) lays them out."""
+        """The parallel sizes alone, as the mesh (runtime.groups) lays them out."""
         return ParallelSizes(tp=self.tp, dp=self.dp, pp=self.pp, ep=self.ep, cp=self.cp)
 
     @property
     def world(self) -> int:
-        return self.sizes.world_size
+        return self.world_size
 
     @property
     def micro_batches(self) -> int:

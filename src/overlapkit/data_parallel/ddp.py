@@ -17,6 +17,7 @@ from torch.utils._pytree import tree_flatten
 
 from ..runtime import comm
 from ..runtime.agreement import report_problem
+from ..runtime.deprecation import deprecated
 from ..runtime.recorder import compute_span
 from ..tensor_parallel.params import localize_parameters
 from ..runtime.groups import resolve_group
@@ -49,7 +50,8 @@ class DataParallel(nn.Module):
     Parameters and buffers start as group rank 0's (like PyTorch DDP). Parameters' `.grad`
     are views into one buffer: keep them (zero with `zero_grad`; an optimizer's
     `zero_grad(set_to_none=True)` also works, at the cost of a copy per parameter).
-    `overlap` also takes the engine-wide names "none" (False) and "bulk" (True).
+    `overlap`: "bulk" (buckets all-reduced during backward) or "none" (after it); True and False are
+    the earlier spelling (a DeprecationWarning once).
     `sequence_parallel_group` (the TP group of a sequence-parallel model): the gradients of
     parameters marked `sequence_parallel` are summed over it in backward, bucket by bucket,
     before the data-parallel reduction — required with ShardedOptimizer, whose reduce-scatter
@@ -59,13 +61,15 @@ class DataParallel(nn.Module):
     """
 
     def __init__(self, module: nn.Module, group, *, bucket_mb: float | str = "auto", first_bucket_mb: float = 1.0,
-                 overlap: bool | str = True, grad_reduce_dtype: torch.dtype | None = None,
+                 overlap: str = "bulk", grad_reduce_dtype: torch.dtype | None = None,
                  find_unused: bool = False, sequence_parallel_group=None) -> None:
         super().__init__()
-        if isinstance(overlap, str):
-            if overlap not in OVERLAP_MEANING["dp"]:
-                raise ValueError(f"DataParallel overlap={overlap!r}: expected True/False, 'none' or 'bulk'")
+        if isinstance(overlap, bool):
+            deprecated("DataParallel(overlap=True | False)", 'DataParallel(overlap="bulk" | "none")')
+        elif overlap in OVERLAP_MEANING["dp"]:
             overlap = overlap == "bulk"
+        else:
+            raise ValueError(f"DataParallel overlap={overlap!r}: expected 'none' or 'bulk'")
         self.config = DataParallelConfig(bucket_mb=bucket_mb, first_bucket_mb=first_bucket_mb, overlap=overlap,
                                          grad_reduce_dtype=grad_reduce_dtype, find_unused=find_unused)
         self.module = module

@@ -21,7 +21,8 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor
 
 from ..runtime.agreement import agree
-from ..vocabulary import positive_int
+from ..runtime.deprecation import deprecated
+from ..vocabulary import OVERLAP_MEANING, is_int_at_least, positive_int
 from .agree import copy_from_first_rank
 from .fsdp_check import ADVICE, StepCheck
 from .fsdp_prefetch import MIB, ZeroThree
@@ -101,10 +102,10 @@ class PrefetchPlan:
         return self.held_ahead_bytes(max(self.forward_depth, self.backward_depth))
 
 
-def fully_shard(model: nn.Module, mesh_or_dim=None, *, dim: str = "dp",
-                prefetch: int | tuple[int, int] | str = "auto", wrap=None, reshard_after_forward: bool = True,
+def fully_shard(model: nn.Module, mesh_or_dim=None, *, dim: str = "dp", overlap: str = "auto",
+                prefetch_depth: int | tuple[int, int] | None = None, wrap=None, reshard_after_forward: bool = True,
                 memory_budget_mb: float | None = None, max_depth: int = 4, trials: int = 0,
-                mp_policy=None) -> nn.Module:
+                mp_policy=None, prefetch: int | tuple[int, int] | str | None = None) -> nn.Module:
     """Shard `model` over the data-parallel mesh dim with FSDP2 and set its prefetch; returns `model`.
 
     mesh_or_dim: a 1-D DeviceMesh, a DeviceMesh with a `dim` dim (e.g. ("dp", "tp") with TP
@@ -115,15 +116,19 @@ def fully_shard(model: nn.Module, mesh_or_dim=None, *, dim: str = "dp",
     (or tuple of classes).
     Collective: every rank calls it with the same arguments; anything that differs, or a bad
     argument, raises on every rank. Parameters and buffers start as group rank 0's.
-    prefetch: "auto", a depth, or a (forward, backward) pair of depths; a pair pins what auto
-    chose, so that a fixed model issues exactly the gathers, in the same order, as the auto one.
-    `prefetch_plan(model)` says what was chosen, and why.
+    overlap: "auto" (the prefetch depth from a probe step and the cost model), "bulk" (each block's
+    gathers issued `prefetch_depth` blocks ahead: an int >= 1, default 1, or a (forward, backward) pair
+    of depths, which pins what auto chose, so that a fixed model issues exactly the gathers, in the
+    same order, as the auto one) or "none" (each block gathered when it runs).
+    `prefetch_plan(model)` says what was chosen, and why. `prefetch=` ("auto" or depths) is the
+    earlier spelling of both (a DeprecationWarning once).
     """
     mesh = _dp_mesh(mesh_or_dim, dim)
     group = mesh.get_group()
     _rehome_dtensors(model, mesh_or_dim)
     problem = None
     try:
+        prefetch = _prefetch_of(overlap, prefetch_depth, prefetch)
         cfg = FullyShardConfig(prefetch=prefetch, reshard_after_forward=reshard_after_forward,
                                memory_budget_mb=memory_budget_mb, max_depth=max_depth, trials=trials)
         units = _resolve_wrap(model, wrap)
@@ -159,6 +164,29 @@ def fully_shard(model: nn.Module, mesh_or_dim=None, *, dim: str = "dp",
     model._overlapkit_zero3 = ZeroThree(model, [m for _, m in units], [n for n, _ in units], plan, group,
                                         mesh.device_type, cfg, check)
     return model
+
+
+def _prefetch_of(overlap, prefetch_depth, prefetch):
+    """The depth setting ("auto", a depth or a pair) that `overlap` and `prefetch_depth` name, or the old `prefetch`."""
+    if prefetch is not None:
+        deprecated("fully_shard(prefetch=...)", 'fully_shard(overlap="auto" | "bulk" | "none", prefetch_depth=...)')
+        if overlap != "auto" or prefetch_depth is not None:
+            raise ValueError(f"fully_shard: prefetch={prefetch!r} is the earlier spelling of overlap= and "
+                             f"prefetch_depth=; pass one or the other (got overlap={overlap!r}, "
+                             f"prefetch_depth={prefetch_depth!r})")
+        return prefetch
+    if overlap not in OVERLAP_MEANING["zero"]:
+        raise ValueError(f"fully_shard overlap={overlap!r} is not one of {tuple(OVERLAP_MEANING['zero'])}")
+    if overlap == "bulk":
+        depth = 1 if prefetch_depth is None else prefetch_depth
+        if not isinstance(depth, tuple) and not is_int_at_least(depth, 1):  # a pair: FullyShardConfig checks it
+            raise ValueError(f"fully_shard prefetch_depth={prefetch_depth!r} must be an integer >= 1 (blocks ahead) "
+                             "or a (forward, backward) pair of depths under overlap='bulk'")
+        return depth
+    if prefetch_depth is not None:
+        raise ValueError(f"fully_shard prefetch_depth={prefetch_depth!r} is for overlap='bulk'; overlap={overlap!r} "
+                         "sets its own depth")
+    return "auto" if overlap == "auto" else 0
 
 
 def prefetch_plan(model: nn.Module) -> PrefetchPlan:

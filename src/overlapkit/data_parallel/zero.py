@@ -21,6 +21,7 @@ from torch import nn
 from ..runtime import comm
 from ..runtime.groups import resolve_group
 from ..runtime.agreement import raise_explained
+from ..runtime.deprecation import deprecated
 from .agree import raise_if_any
 from .ddp import DataParallel, DataParallelConfig, GradSync
 from .zero_checkpoint import PerParameterCheckpoint
@@ -30,10 +31,11 @@ from .zero_guard import guard, lander, release
 class ShardedOptimizer(PerParameterCheckpoint):
     """Steps `optimizer_cls(**opt_kwargs)` on this rank's shard of the parameters of a DataParallel.
 
-    Pass the DataParallel (its group must be `dp_group`) for overlap_param_gather, which hooks
-    the forward of its modules. Plain parameters also work, with `overlap_param_gather=False`:
-    their gradients are reduce-scattered in backward the same way.
-    Under overlap_param_gather, a read of a parameter before its own module's forward (another
+    Pass the DataParallel (its group must be `dp_group`) for `overlap="bulk"` (the default: the
+    parameter gathers hide behind the next forward), which hooks the forward of its modules. Plain
+    parameters also work, with `overlap="none"`: their gradients are reduce-scattered in backward the
+    same way. (`overlap_param_gather=True | False` is the earlier spelling, a DeprecationWarning once.)
+    Under overlap="bulk", a read of a parameter before its own module's forward (another
     module borrowing it, an EMA copy after `step()`) waits for its gather (zero_guard.py says what
     that does and does not cover).
     Checkpoints: `state_dict()` per rank (torch.save, same world size), or
@@ -41,10 +43,16 @@ class ShardedOptimizer(PerParameterCheckpoint):
     """
 
     def __init__(self, params_or_dp: DataParallel | Iterable[nn.Parameter], optimizer_cls, dp_group, *,
-                 overlap_param_gather: bool = True, **opt_kwargs: Any) -> None:
+                 overlap: str = "bulk", overlap_param_gather: bool | None = None, **opt_kwargs: Any) -> None:
         dp_group = resolve_group(dp_group, "dp")  # None: the default group, as in torch.distributed
-        if not isinstance(overlap_param_gather, bool):
-            raise ValueError(f"ShardedOptimizer overlap_param_gather must be True or False, got {overlap_param_gather!r}")
+        if overlap_param_gather is not None:
+            deprecated("ShardedOptimizer(overlap_param_gather=...)", 'ShardedOptimizer(overlap="bulk" | "none")')
+            if not isinstance(overlap_param_gather, bool):
+                raise ValueError(f"ShardedOptimizer overlap_param_gather must be True or False, got {overlap_param_gather!r}")
+            overlap = "bulk" if overlap_param_gather else "none"
+        if overlap not in ("none", "bulk"):
+            raise ValueError(f"ShardedOptimizer overlap={overlap!r} is not one of ('none', 'bulk')")
+        overlap_param_gather = overlap == "bulk"
         if isinstance(params_or_dp, DataParallel):
             if params_or_dp.group is not dp_group:
                 raise ValueError("ShardedOptimizer dp_group is not the group of the DataParallel it shards")
@@ -53,9 +61,9 @@ class ShardedOptimizer(PerParameterCheckpoint):
             self.sync, module = params_or_dp.sync, params_or_dp.module
         else:
             if overlap_param_gather:
-                raise ValueError("ShardedOptimizer overlap_param_gather=True waits for each bucket's gather in "
+                raise ValueError("ShardedOptimizer overlap='bulk' waits for each bucket's gather in "
                                  "forward pre-hooks of the modules that use it: pass the DataParallel, not "
-                                 "parameters (or set overlap_param_gather=False)")
+                                 "parameters (or set overlap='none')")
             named = [(f"params[{i}]", p) for i, p in enumerate(params_or_dp) if p.requires_grad]
             self.sync, module = GradSync(named, dp_group, DataParallelConfig(bucket_mb=25.0)), None
         self.group, self.overlap_param_gather = dp_group, overlap_param_gather

@@ -64,7 +64,7 @@ class DemoConfig:
     """Context-parallel size: ranks that split each sequence (zigzag) and run ring attention over it;
     gradients then average over dp x cp ranks."""
     pp: int = 1
-    """Pipeline-parallel size: > 1 cuts the GPT into pp stages run with `schedule` and overlap_p2p (CPU
+    """Pipeline-parallel size: > 1 cuts the GPT into pp stages run with `schedule` and overlap="bulk" (CPU
     only; with tp and dp inside every stage; not combined with ep or cp). See overlapkit.demos.pipeline."""
     schedule: str = "1f1b"
     """The pipeline schedule with pp > 1: 1f1b, interleaved (two chunks a rank), zb1p (ZB-H1), zbv (ZB-V)

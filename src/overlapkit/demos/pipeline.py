@@ -1,5 +1,5 @@
 """`overlapkit demo --pp N --schedule S`: the tiny GPT cut into N pipeline stages (1F1B, interleaved,
-ZB-H1, ZB-V or DualPipeV, overlap_p2p), with TP+SP and DP inside every stage, checked against one
+ZB-H1, ZB-V or DualPipeV, overlap="bulk"), with TP+SP and DP inside every stage, checked against one
 process every step; each stage's bubble (next to what the timetable prices) and exposed p2p printed
 from the timeline.
 
@@ -41,7 +41,7 @@ def run_rank(cfg) -> dict:
     chunks, layout = gpt_chunks(model, cfg.pp, groups.pp_rank, v, style=placement(schedule))
     if cfg.zero == 3:  # ZeRO-3: every chunk sharded over its stage's dp ranks (FSDP2 + overlapkit prefetch)
         from ..data_parallel import fully_shard
-        chunks = [fully_shard(c, groups, prefetch="auto") for c in chunks]
+        chunks = [fully_shard(c, groups, overlap="auto") for c in chunks]
     elif cfg.dp > 1:
         chunks = [DataParallel(c, groups.dp, sequence_parallel_group=groups.tp if cfg.tp > 1 else None)
                   for c in chunks]
@@ -56,7 +56,7 @@ def run_rank(cfg) -> dict:
     speaker = groups.tp_rank == 0 and groups.dp_rank == 0
     if groups.rank == 0:
         progress(f"model cut into pp={cfg.pp} stages (tp={cfg.tp} dp={cfg.dp} inside each), {schedule} with "
-                 f"overlap_p2p, m={m} micro-batches:\n" + layout.describe())
+                 f"overlap=bulk, m={m} micro-batches:\n" + layout.describe())
     steps = []
     with record() as rec:
         for step in range(cfg.steps):

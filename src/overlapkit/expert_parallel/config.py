@@ -5,11 +5,44 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ..vocabulary import is_int_at_least, positive_int
+from ..runtime.deprecation import deprecated
+from ..vocabulary import OVERLAP_MEANING, is_int_at_least, positive_int
 
 
 CHUNK_CANDIDATES = (1, "ranks", 2, 4, 8)
 """What `chunks="auto"` times on more than one EP rank, in order of preference on a tie (less machinery first)."""
+
+PIPELINED_CHUNKS = 4
+"""The chunk count of `overlap="pipelined"` when none is given (the cost model's `moe_chunks` default)."""
+
+
+def overlap_of_chunks(chunks: int | str) -> dict:
+    """The `overlap=` / `chunks=` keywords that mean what an earlier `chunks=` alone meant."""
+    if chunks == "auto":
+        return {"overlap": "auto"}
+    return {"overlap": "none"} if chunks == 1 else {"overlap": "pipelined", "chunks": chunks}
+
+
+def chunks_for(overlap: str | None, chunks: int | str | None) -> int | str:
+    """MoEConfig.chunks for the layer's `overlap` ("none": 1; "pipelined": `chunks`, default
+    PIPELINED_CHUNKS; "auto": timed) and its depth knob `chunks`; ValueError naming both when they clash.
+    `chunks=` without `overlap=` is the earlier spelling (a DeprecationWarning once)."""
+    if overlap is None:
+        if chunks is None:
+            return "auto"
+        deprecated("MoE(chunks=...) without overlap=", f"MoE(**{overlap_of_chunks(chunks)!r})", stacklevel=4)
+        return chunks
+    if overlap not in OVERLAP_MEANING["ep"]:
+        raise ValueError(f"MoE overlap={overlap!r} is not one of {tuple(OVERLAP_MEANING['ep'])}")
+    if overlap == "pipelined":
+        chunks = PIPELINED_CHUNKS if chunks is None else chunks
+        if chunks != "ranks" and not is_int_at_least(chunks, 2):
+            raise ValueError(f"MoE chunks={chunks!r} under overlap='pipelined' must be an integer >= 2 or 'ranks' "
+                             "(1 chunk is overlap='none')")
+        return chunks
+    if chunks is not None and not (overlap == "none" and chunks == 1):
+        raise ValueError(f"MoE chunks={chunks!r} is for overlap='pipelined'; overlap={overlap!r} sets its own")
+    return 1 if overlap == "none" else "auto"
 
 
 @dataclass(frozen=True)

@@ -4,8 +4,8 @@
 split over the expert-parallel group (num_experts / ep whole experts a rank), and optionally each
 expert's MLP over a tensor-parallel group (`tp_group`, ranks that hold the same tokens). The
 schedule lives in dispatch.py (exact split sizes) and padded.py (padded to a capacity: no host
-sync), the expert arithmetic in experts.py. `chunks="auto"` (the default) times the chunk counts
-on the layer's first calls and keeps the fastest (overlapkit.runtime.tuning); after that the layer runs
+sync), the expert arithmetic in experts.py. `overlap="auto"` (the default) times the chunk counts
+on the layer's first calls and keeps the fastest; "pipelined" runs `chunks` chunks, "none" one (overlapkit.runtime.tuning); after that the layer runs
 exactly as with that count fixed.
 """
 
@@ -23,7 +23,7 @@ from ..runtime.groups import resolve_group
 from ..runtime.tuning import MeasuredChoice, timed
 from ..tensor_parallel.mappings import copy_to_tp, reduce_from_tp
 from ..tensor_parallel.precision import autocast_dtype, autocast_off, cast
-from .config import CHUNK_CANDIDATES, MoEConfig
+from .config import CHUNK_CANDIDATES, MoEConfig, chunks_for
 from .dispatch import ExpertsA2A, plan_dispatch
 from .experts import Experts, init_full_experts
 from .padded import PaddedExpertsA2A, plan_padded, received_per_expert
@@ -82,7 +82,7 @@ class MoE(nn.Module):
     """
 
     def __init__(self, hidden: int, ffn_hidden: int, num_experts: int, top_k: int = 1, mesh_or_group=None, *,
-                 chunks: int | str = "auto", capacity_factor: float | None = None,
+                 overlap: str | None = None, chunks: int | str | None = None, capacity_factor: float | None = None,
                  pad_to_capacity: bool | None = None, normalize_top_k: bool = True,
                  tp_group=None, name: str = "moe", generator: torch.Generator | None = None,
                  device=None, dtype=None) -> None:
@@ -90,13 +90,19 @@ class MoE(nn.Module):
         self.group = resolve_group(mesh_or_group, "ep")
         self.tp_group = resolve_group(tp_group, "tp") if tp_group is not None else None
         ep, tp = comm.group_size(self.group), comm.group_size(self.tp_group)
-        fields = dict(hidden=hidden, ffn_hidden=ffn_hidden, num_experts=num_experts, top_k=top_k, chunks=chunks,
+        try:
+            chunks, problem = chunks_for(overlap, chunks), None
+        except ValueError as e:
+            chunks, problem = repr((overlap, chunks)), str(e)
+        fields = dict(problem=problem, hidden=hidden, ffn_hidden=ffn_hidden, num_experts=num_experts, top_k=top_k, chunks=chunks,
                       capacity_factor=capacity_factor, pad_to_capacity=pad_to_capacity,
                       normalize_top_k=normalize_top_k, ep=ep, tp=tp)
         # Compare before validating: a value bad on one rank only must fail on all of them.
         agree(self.group, f"MoE {name}", **fields)
         if self.tp_group is not None:
             agree(self.tp_group, f"MoE {name} (tensor-parallel group)", **fields)
+        if problem is not None:
+            raise ValueError(problem)
         self.config = MoEConfig(hidden=hidden, ffn_hidden=ffn_hidden, num_experts=num_experts, top_k=top_k,
                                 chunks=chunks, capacity_factor=capacity_factor, pad_to_capacity=pad_to_capacity,
                                 normalize_top_k=normalize_top_k)

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from ..expert_parallel import MoE
+from ..expert_parallel.config import overlap_of_chunks
 from ..runtime.groups import ParallelGroups
 from .gpt import GPT, GPTConfig
 from .parallelize import expected_local, parallelize
@@ -36,8 +37,8 @@ def moe_gpts(cfg: GPTConfig, groups: ParallelGroups, seed: int, *, experts_per_r
     def build(moe_group, tp_group):
         torch.manual_seed(seed)  # both draw the same weights, in the same order
         return GPT(cfg, moe_every=2, moe=lambda i: MoE(
-            cfg.hidden, cfg.ffn_hidden, experts_per_rank * ep, top_k, moe_group, tp_group=tp_group, chunks=chunks,
-            name=f"blocks.{i}.moe")).to(device)
+            cfg.hidden, cfg.ffn_hidden, experts_per_rank * ep, top_k, moe_group, tp_group=tp_group,
+            **overlap_of_chunks(chunks), name=f"blocks.{i}.moe")).to(device)
     reference = build(solo, None)
     model = build(groups, groups.tp if groups.sizes.tp > 1 else None)
     if groups.sizes.tp > 1:

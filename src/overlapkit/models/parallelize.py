@@ -23,13 +23,13 @@ from __future__ import annotations
 
 from fnmatch import fnmatch
 
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
 from ..runtime.agreement import agree
-from ..runtime.groups import ParallelGroups, resolve_group
+from ..runtime.groups import resolve_group
 from ..tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from ..tensor_parallel.params import tp_mesh
 from ..tensor_parallel.region import attach_region
 from ..tensor_parallel.replicated import replicate_parameters
 from ..tensor_parallel.vocab import VocabParallelEmbedding
@@ -37,30 +37,6 @@ from . import plans
 from .gpt import GPT
 from .hf_plans import translate_hf_plan
 from .tied import check_tied_plan, find_tied, retie
-
-
-def tp_mesh(mesh):
-    """The 1-D tensor-parallel DeviceMesh of a DeviceMesh (its "tp" dim), a ParallelGroups or a ProcessGroup."""
-    from torch.distributed.device_mesh import DeviceMesh
-
-    if isinstance(mesh, ParallelGroups):
-        if mesh.mesh is None:
-            raise ValueError("parallelize: this ParallelGroups has no DeviceMesh; build it with ParallelGroups.build "
-                             "or overlapkit.init")
-        mesh = mesh.mesh
-    if isinstance(mesh, dist.ProcessGroup):
-        device = "cuda" if dist.get_backend(mesh) == "nccl" else "cpu"
-        return DeviceMesh.from_group(mesh, device, mesh_dim_names=("tp",))
-    if not isinstance(mesh, DeviceMesh):
-        raise TypeError(f"parallelize: expected a DeviceMesh with a 'tp' dim, a ParallelGroups or a ProcessGroup, "
-                        f"got {type(mesh).__name__}")
-    names = tuple(mesh.mesh_dim_names or ())
-    if "tp" in names:
-        return mesh["tp"] if mesh.ndim > 1 else mesh
-    if mesh.ndim == 1 and not names:
-        return mesh  # an unnamed 1-D mesh is the TP mesh, as parallelize_module takes it
-    raise ValueError(f"parallelize: the DeviceMesh has dims {names or '(unnamed)'} of sizes {tuple(mesh.shape)}; "
-                     "tensor parallelism needs a dim named 'tp' (e.g. init_device_mesh(..., mesh_dim_names=('dp', 'tp')))")
 
 
 def builtin_plan(model: nn.Module, tp: int, *, overlap: str, sequence_parallel: bool | None,

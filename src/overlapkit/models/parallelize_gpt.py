@@ -34,7 +34,7 @@ def parallelize_gpt(model: nn.Module, groups: ParallelGroups, *, overlap: str = 
     if sizes.cp > 1:  # ring attention over the CP ranks; parameters are replicated over dp x cp
         model, replicas = apply_to_gpt(model, groups.cp), replicas_group(groups)
     if zero == 3:
-        model = fully_shard(model, groups, prefetch="auto")
+        model = fully_shard(model, groups, overlap="auto")
     elif (sizes.dp > 1 or sizes.cp > 1) and sizes.ep == 1:
         # Sequence-parallel grads (layer norms, row biases) are summed over TP in backward,
         # bucket by bucket, before their data-parallel all-reduce.

@@ -117,7 +117,7 @@ class SlotActions:
             def send_early(g, a=a):
                 # The previous chunk's gradient leaves now, before any end-of-backward wait (DataParallel's).
                 st.results[("B", a.chunk, a.mb)] = g
-                if early and self.config.overlap_p2p:
+                if early and self.config.overlap == "bulk":
                     st.tc.post(tick, st.results)
             x.register_hook(send_early)
         store = st.stores.get((a.chunk, a.mb))

@@ -1,5 +1,5 @@
 """A pipeline-parallel training step whose stage-to-stage transfers run under the compute of other
-micro-batches (1F1B, interleaved 1F1B, zero-bubble, DualPipeV; overlap_p2p), whose weight-gradient
+micro-batches (1F1B, interleaved 1F1B, zero-bubble, DualPipeV; overlap="bulk"), whose weight-gradient
 GEMMs fill what was the bubble (ZB-H1, ZB-V, DualPipeV), and whose data-parallel gradient reduction
 starts inside the pipeline's cool-down, as soon as a chunk's last gradients are done.
 
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 from typing import Callable, Sequence
 
 import torch
@@ -29,9 +29,10 @@ from torch import nn
 
 from ..runtime import comm
 from ..runtime.agreement import RankMismatchError, agree
+from ..runtime.deprecation import deprecated
 from ..data_parallel import DataParallel
 from ..runtime import recorder as _rec
-from ..vocabulary import positive_int
+from ..vocabulary import OVERLAP_MEANING, positive_int
 from .actions import SlotActions, StepState
 from .p2p import TickComm, producer_key, record_bubbles, recording, restamp_receives
 from .schedules import SCHEDULES, SPLIT_SCHEDULES, check_costs, check_schedule, chunks_of, placement
@@ -57,9 +58,9 @@ class PipelineConfig:
     dualpipev m >= 2·pp."""
     virtual_stages: int = 1
     """Chunks per rank (v). More chunks: a smaller bubble, v times the transfers. zbv and dualpipev: 2."""
-    overlap_p2p: bool = True
-    """Post the next receive before computing and never wait for a send, so transfers run under
-    compute. False waits for every tick's transfers at once: the synchronous reference."""
+    overlap: str = "bulk"
+    """"bulk": post the next receive before computing and never wait for a send, so transfers run under
+    compute. "none" waits for every tick's transfers at once: the synchronous reference."""
     broadcast_loss: bool = False
     """Return the loss on every pipeline rank (one small all-reduce), not only on the last."""
     overlap_pairs: bool = True
@@ -74,13 +75,25 @@ class PipelineConfig:
     its gradient a weight-gradient's time sooner, which shortens every backward hop of the pipeline;
     the order, the micro-batches in flight and the peak memory stay the schedule's. Costs a
     TorchFunctionMode over the chunk's forward (the linears are routed to split their backward)."""
+    overlap_p2p: InitVar[bool | None] = None
+    """The earlier spelling of `overlap`: True is "bulk", False "none" (a DeprecationWarning once).
+    Read back, `config.overlap_p2p` is whether overlap is on."""
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, overlap_p2p: bool | None) -> None:
+        if isinstance(self.overlap, bool) and overlap_p2p is None:  # the old field's place, given positionally
+            overlap_p2p = self.overlap
+        if overlap_p2p is not None:
+            deprecated("PipelineConfig(overlap_p2p=...)", 'PipelineConfig(overlap="bulk" | "none")')
+            if not isinstance(overlap_p2p, bool):
+                raise ValueError(f"PipelineConfig.overlap_p2p must be True or False, got {overlap_p2p!r}")
+            object.__setattr__(self, "overlap", "bulk" if overlap_p2p else "none")
+        if self.overlap not in OVERLAP_MEANING["pp"]:
+            raise ValueError(f"PipelineConfig.overlap={self.overlap!r} is not one of {tuple(OVERLAP_MEANING['pp'])}")
         if self.schedule not in SCHEDULES:
             raise ValueError(f"PipelineConfig.schedule={self.schedule!r} is not one of {SCHEDULES}")
         for name in ("microbatches", "virtual_stages"):
             positive_int(getattr(self, name), f"PipelineConfig.{name}")
-        for name in ("overlap_p2p", "broadcast_loss", "overlap_pairs", "split_backward"):
+        for name in ("broadcast_loss", "overlap_pairs", "split_backward"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"PipelineConfig.{name} must be True or False, got {getattr(self, name)!r}")
         if self.schedule in ("1f1b", "zb1p") and self.virtual_stages != 1:
@@ -96,6 +109,11 @@ class PipelineConfig:
             check_costs(self.costs)
         except ValueError as e:
             raise ValueError(f"PipelineConfig.{e}") from None
+
+
+# The old field read back: a property over the one stored setting (the InitVar left its default here).
+PipelineConfig.overlap_p2p = property(lambda self: self.overlap == "bulk",
+                                      doc='Whether overlap is "bulk" (the earlier spelling of the setting).')
 
 
 @dataclass
@@ -134,7 +152,7 @@ class PipelineEngine(SlotActions):
         self.pp, self.rank = comm.group_size(group), comm.group_rank(group)
         cfg = config
         agree(group, "PipelineEngine", schedule=cfg.schedule, microbatches=cfg.microbatches,
-              virtual_stages=cfg.virtual_stages, overlap_p2p=cfg.overlap_p2p, broadcast_loss=cfg.broadcast_loss,
+              virtual_stages=cfg.virtual_stages, overlap=cfg.overlap, broadcast_loss=cfg.broadcast_loss,
               overlap_pairs=cfg.overlap_pairs, costs=list(cfg.costs), split_backward=cfg.split_backward,
               chunks_here=len(self.chunks))
         if len(self.chunks) != cfg.virtual_stages:
@@ -207,7 +225,7 @@ class PipelineEngine(SlotActions):
         if key not in self._shapes:
             self._shapes[key] = infer_shapes(self, key[0])
         shapes = self._shapes[key]
-        tc = TickComm(self.table, self.rank, self.group, self.config.overlap_p2p, shapes, self.device,
+        tc = TickComm(self.table, self.rank, self.group, self.config.overlap == "bulk", shapes, self.device,
                       self._sends, self._recvs)
         timing = StepTiming(step=_rec.active().step) if recording() else None
         st = StepState(tc=tc, inputs=inputs, targets=targets, shapes=shapes,

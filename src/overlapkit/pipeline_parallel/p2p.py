@@ -1,4 +1,4 @@
-"""The transfers of one pipeline rank, tick by tick: with overlap_p2p the receive of what a
+"""The transfers of one pipeline rank, tick by tick: with overlap="bulk" the receive of what a
 neighbour produces next is posted before this rank computes, and sends never wait, so a
 transfer runs under the compute of another micro-batch; without it every tick's transfers are
 waited for at once (the synchronous reference).

@@ -17,7 +17,7 @@ from ..runtime.agreement import Agreement, agree
 from ..vocabulary import OVERLAP_MODES, check_bool, positive_int
 from . import layout, ops
 from .mappings import check_divisible
-from .params import LocalShardParams, make_param, tp_mesh_and_group
+from .params import LocalShardParams, make_param, mesh_and_group
 from .pipelined import _check_transport, _chunks_per_rank, check_layer_options
 from .precision import autocast_dtype, autocast_off, cast
 from .region import SequenceRegion
@@ -70,7 +70,7 @@ class ParallelLinear(LocalShardParams, nn.Module):
                  transport: str = "p2p", chunks: int | None = None, save_gathered_input: bool = False,
                  hardware: str = "h200-sxm", **flags: bool) -> None:
         super().__init__()
-        self.mesh, self.group = tp_mesh_and_group(mesh_or_group)
+        self.mesh, self.group = mesh_and_group(mesh_or_group)
         self.tp_size, self.tp_rank = comm.group_size(self.group), comm.group_rank(self.group)
         label = name or type(self).__name__
         # Ranks built with different arguments would pair unrelated collectives later: compare

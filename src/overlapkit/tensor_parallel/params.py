@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..runtime import state
+from ..runtime.deprecation import deprecated
 
 _meshes: dict[str, object] = state.cache_dict("tp.meshes_of_groups")
 """1-D DeviceMeshes built from bare ProcessGroups, by group name: one per group, shared by layers."""
@@ -39,8 +40,44 @@ def is_dtensor(t) -> bool:
     return isinstance(t, _dtensor()[0])
 
 
+def tp_mesh(mesh):
+    """The 1-D tensor-parallel DeviceMesh of a DeviceMesh (its "tp" dim), a ParallelGroups or a ProcessGroup.
+
+    What `parallelize` and a `parallelize_module` plan take; its group is `tp_mesh(x).get_group()`.
+    """
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from ..runtime.groups import ParallelGroups
+
+    if isinstance(mesh, ParallelGroups):
+        if mesh.mesh is None:
+            raise ValueError("tp_mesh: this ParallelGroups has no DeviceMesh; build it with ParallelGroups.build "
+                             "or overlapkit.init")
+        mesh = mesh.mesh
+    if isinstance(mesh, dist.ProcessGroup):
+        device = "cuda" if dist.get_backend(mesh) == "nccl" else "cpu"
+        return DeviceMesh.from_group(mesh, device, mesh_dim_names=("tp",))
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"tp_mesh: expected a DeviceMesh with a 'tp' dim, a ParallelGroups or a ProcessGroup, "
+                        f"got {type(mesh).__name__}")
+    names = tuple(mesh.mesh_dim_names or ())
+    if "tp" in names:
+        return mesh["tp"] if mesh.ndim > 1 else mesh
+    if mesh.ndim == 1 and not names:
+        return mesh  # an unnamed 1-D mesh is the TP mesh, as parallelize_module takes it
+    raise ValueError(f"tp_mesh: the DeviceMesh has dims {names or '(unnamed)'} of sizes {tuple(mesh.shape)}; "
+                     "tensor parallelism needs a dim named 'tp' (e.g. init_device_mesh(..., mesh_dim_names=('dp', 'tp')))")
+
+
 def tp_mesh_and_group(mesh_or_group):
-    """(1-D TP DeviceMesh or None, ProcessGroup or None) for a mesh, a mesh with a "tp" dim, groups or a group.
+    """The earlier spelling (a DeprecationWarning once): (the layers' TP mesh or None, their group or None).
+    Use `tp_mesh(x)`, and `tp_mesh(x).get_group()` for the group."""
+    deprecated("tensor_parallel.tp_mesh_and_group(x)", "tensor_parallel.tp_mesh(x) (its group: mesh.get_group())")
+    return mesh_and_group(mesh_or_group)
+
+
+def mesh_and_group(mesh_or_group):
+    """The TP layers' (1-D TP DeviceMesh or None, ProcessGroup or None) for a mesh, a mesh with a "tp" dim, groups or a group.
 
     A ParallelGroups or an N-D mesh gives its "tp" sub-mesh, so that DTensors of the TP layers
     share a root mesh with FSDP2's `mesh["dp"]` (FSDP2 requires it for 2-D). A bare

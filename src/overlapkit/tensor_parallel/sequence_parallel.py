@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..runtime import comm
-from .params import tp_mesh_and_group
+from .params import mesh_and_group
 from .replicated import replicate_module, sums_gradients
 
 
@@ -27,7 +27,7 @@ def mark_sequence_parallel(module: nn.Module, mesh_or_group, *, name: str = "") 
     DTensors `Replicate()` on the TP mesh (plain tensors when `mesh_or_group` is a bare group in
     a world without a mesh); DTensors with other placements are refused. Idempotent.
     """
-    mesh, group = tp_mesh_and_group(mesh_or_group)
+    mesh, group = mesh_and_group(mesh_or_group)
     label = name or type(module).__name__
     if comm.group_size(group) == 1:
         return module

@@ -23,7 +23,7 @@ from ..runtime.agreement import Agreement
 from ..runtime.groups import resolve_group
 from .collectives import all_reduce_copy
 from .mappings import check_divisible, reduce_from_tp
-from .params import LocalShardParams, is_dtensor, make_param, tp_mesh_and_group
+from .params import LocalShardParams, is_dtensor, make_param, mesh_and_group
 
 REDUCTIONS = ("mean", "sum", "none")
 """Accepted values of vocab_parallel_cross_entropy's `reduction` (as torch's cross_entropy)."""
@@ -59,7 +59,7 @@ class VocabParallelEmbedding(LocalShardParams, nn.Module):
         super().__init__()
         from torch.distributed.tensor import Shard
 
-        self.mesh, self.group = tp_mesh_and_group(mesh_or_group)
+        self.mesh, self.group = mesh_and_group(mesh_or_group)
         self.tp_size, self.tp_rank = comm.group_size(self.group), comm.group_rank(self.group)
         self.num_embeddings, self.embedding_dim, self.name = num_embeddings, embedding_dim, name
         self.vocab_start, self.vocab_end = vocab_range(num_embeddings, self.group)

@@ -64,7 +64,7 @@ def switch(phase: str, kind: str, bound: str | None, job: Job, hidden_pct: float
             return ("FSDP2 already prefetches forward gathers explicitly: prefetch more modules ahead "
                     "(set_modules_to_forward_prefetch with two or more)")
         return ("ZeRO/FSDP: prefetch parameter gathers behind earlier layers (" + _fw(
-            job, overlapkit="overlap.zero=pipelined, fully_shard(prefetch=...)",
+            job, overlapkit="fully_shard(overlap='auto' | 'bulk', prefetch_depth=...)",
             megatron="Megatron overlap_param_gather", deepspeed="DeepSpeed overlap_comm",
             torch="FSDP2 set_modules_to_forward_prefetch") + ")")
     return "overlap mode of the engine that issues it (overlap='bulk' or 'auto')"
