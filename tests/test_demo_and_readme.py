@@ -54,6 +54,13 @@ def _readme_example():
     return scope["loss"].item(), len(scope["rec"].spans)
 
 
+def test_readme_use_reaches_a_report_in_twelve_lines():
+    code = re.search(r"```python\n(.*?)```", README.read_text(), re.S).group(1)
+    lines = [line for line in code.splitlines() if line.strip()]
+    upto = next(i for i, line in enumerate(lines, 1) if line.startswith("rec.report()"))
+    assert upto <= 12, f"the README's Use takes {upto} lines to its report"
+
+
 def test_readme_example_runs_on_four_ranks():
     out = spawn(_readme_example, 4)
     assert all(n > 0 for _, n in out)

@@ -20,12 +20,12 @@ LAYERS = [
     ("engines", [("tensor_parallel", "chunks < ops < layers"), ("data_parallel", "DDP, ZeRO, FSDP2"),
                  ("expert_parallel", "MoE all-to-all"), ("context_parallel", "ring attention"),
                  ("pipeline_parallel", "1F1B … DualPipeV")]),
-    ("analysis", [("timeline/", "trace reading, report, diagnosis,\ncritical path, plots"),
-                  ("costmodel/", "predict T_compute, T_comm, T_exposed;\nchoose overlap")]),
+    ("analysis", [("timeline/", "record() → rec.report(), rec.plot(); trace reading,\ndiagnosis, critical path, plots"),
+                  ("costmodel/", "predict T_compute, T_comm, T_exposed;\nchoose overlap (ParallelConfig is a ParallelSizes)")]),
     ("runtime", [("runtime/", "comm (collectives → Handle) · recorder, spans, intervals · groups · agreement ·\n"
-                              "timeouts · tuning · state (per-group caches, capability verdicts)")]),
-    ("vocabulary", [("vocabulary.py", "ParallelSizes · OVERLAP_MODES and their meaning per engine · "
-                                      "positive_int  (torch-free)")]),
+                              "timeouts · tuning · deprecation · state (caches, verdicts, the active recorder)")]),
+    ("vocabulary", [("vocabulary.py", "ParallelSizes · overlap= modes, their meaning and switch per engine ·\n"
+                                      "RENAMED (old spellings) · positive_int  (torch-free)")]),
 ]
 COLORS = {"tools": "#f4d35e", "models": "#ee964b", "engines": "#83c5be", "analysis": "#b8c0ff",
           "runtime": "#adb5bd", "vocabulary": "#dee2e6"}
