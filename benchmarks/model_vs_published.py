@@ -25,11 +25,11 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # _lib, the settings and deepspeed_pipe.py live beside it
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # _lib (with the settings and deepspeed_pipe.py) lives beside it
 from _lib.common import ROOT as _ROOT, SMOKE_HELP, TEST_DATA, out_dir  # noqa: E402
 from _lib.unexported import POWER_LIMIT_CLOCK, SUSTAINED_CLOCK, hardware, step_flops  # noqa: E402
 from overlapkit.costmodel import ModelConfig, Overlap, ParallelConfig, predict, preset  # noqa: E402
-from published_settings import SOURCE_SETTINGS  # noqa: E402
+from _lib.published_settings import SOURCE_SETTINGS  # noqa: E402
 
 ROOT = Path(_ROOT)
 DOCS_BEGIN, DOCS_END = "<!-- model_vs_published:begin -->", "<!-- model_vs_published:end -->"
@@ -210,7 +210,7 @@ def deepspeed_schedule_rows(cases: list[dict]) -> list[dict]:
     """MT-NLG's pipeline replayed under DeepSpeed's own TrainSchedule (deepspeed_pipe) with the model's
     stage times, beside the model's 1F1B pricing of the same: the schedule's cost, not assumed."""
     from _lib.unexported import p2p_ms
-    from deepspeed_pipe import makespan_ms
+    from _lib.deepspeed_pipe import makespan_ms
     from overlapkit.costmodel import Collectives
 
     rows = []
@@ -295,7 +295,7 @@ def markdown(rows: list[dict], summary: dict, extra: list[dict], fp32: list[dict
         out += ["", "The Megatron README rows with fp32 gradient reduction instead (r0.8's default): "
                 + ", ".join(f"{r['case']} {r['error_pct']:+.1f}%" for r in fp32) + "."]
     if deepspeed:
-        out += ["", "MT-NLG's pipeline replayed under DeepSpeed's TrainSchedule (benchmarks/deepspeed_pipe.py: step-paired, "
+        out += ["", "MT-NLG's pipeline replayed under DeepSpeed's TrainSchedule (benchmarks/_lib/deepspeed_pipe.py: step-paired, "
                 "blocking, unbatched sends) with the model's stage times, against the model's 1F1B pricing of the "
                 "same (slowest stage x m + fill/drain + exposed p2p): "
                 + ", ".join(f"{r['case']} {r['deepspeed_s']:.2f} s vs {r['model_1f1b_s']:.2f} s" for r in deepspeed)

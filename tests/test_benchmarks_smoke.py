@@ -45,16 +45,25 @@ twice, pp_zero_bubble 2 then 4, teardown_repeat forks six runs, pp_overlap times
 probes whose paths another script in the default set covers (the agreement checks run in every layer;
 compiled_step_profile builds user_step's variants). The rest, about 300 s of CPU, is the default: a few
 minutes on two cores, most of it interpreters starting (~4 s each with torch and DTensor)."""
-MODULES = {"deepspeed_pipe", "published_settings"}
-"""Files of benchmarks/ that are not scripts (no __main__): imported by model_vs_published and its tests."""
+PROBES = {"agreement_cost", "calibrate_validation", "compiled_step_profile", "cp_kernel_probe", "dp_host_cost",
+          "dp_overhead_probe", "ep_grouped_probe", "ep_host_cost", "ep_profile", "hbm_add_probe", "lm_head_probe",
+          "pp_zero_bubble", "profile_step", "replicated_params_probe", "straggler_path", "teardown_repeat",
+          "tp_agreement_cost", "tp_chunk_profile", "tp_host_cost", "tp_step_gaps"}
+"""The scripts in benchmarks/probes/: experiments that answered a question (the docs that cite them keep the
+answer); the rest, at the top level, are the benchmarks of record."""
+MAX_TOP_LEVEL = 12
 PUBLIC_PACKAGES = ("tensor_parallel", "data_parallel", "pipeline_parallel", "expert_parallel", "context_parallel",
                    "models", "timeline", "costmodel")
 TIMEOUT_S = 300
 
 
+def _folder(name: str) -> Path:
+    return BENCH / "probes" if name in PROBES else BENCH
+
+
 def _run(name: str, args: list[str], out: Path) -> subprocess.CompletedProcess:
-    argv = [str(BENCH / f"{name}.py"), "--smoke", "--out", str(out), *args]
-    code = (f"import sys; sys.path.insert(0, {str(BENCH)!r}); sys.argv = {argv!r}; "
+    argv = [str(_folder(name) / f"{name}.py"), "--smoke", "--out", str(out), *args]
+    code = (f"import sys; sys.path[:0] = [{str(_folder(name))!r}, {str(BENCH)!r}]; sys.argv = {argv!r}; "
             f"import {name}; raise SystemExit({name}.main())")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]))
     return subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
@@ -91,11 +100,25 @@ def _python_files() -> list[Path]:
 
 
 def test_every_script_has_a_smoke_run():
-    scripts = {p.stem for p in BENCH.glob("*.py") if "__main__" in p.read_text()}
+    files = [*BENCH.glob("*.py"), *(BENCH / "probes").glob("*.py")]
+    scripts = {p.stem for p in files if "__main__" in p.read_text()}
     assert scripts == set(SMOKE), (f"scripts without a smoke entry: {sorted(scripts - set(SMOKE))}; "
                                    f"entries without a script: {sorted(set(SMOKE) - scripts)}")
-    assert {p.stem for p in BENCH.glob("*.py")} - scripts == MODULES
+    assert {p.stem for p in files} == scripts, "a module that is not a script belongs in benchmarks/_lib"
+    assert {p.stem for p in (BENCH / "probes").glob("*.py")} == PROBES
     assert SLOW <= set(SMOKE) | set(EXTRA) and CUDA <= set(SMOKE)
+
+
+def test_the_top_level_holds_the_benchmarks_of_record_each_cited():
+    """A newcomer sees the product: at most MAX_TOP_LEVEL scripts, each in docs/results.md and in
+    benchmarks/README.md (what it measures, the command behind each committed table)."""
+    top = sorted(p.stem for p in BENCH.glob("*.py"))
+    assert len(top) <= MAX_TOP_LEVEL, f"{len(top)} scripts at the top of benchmarks/: {top}"
+    results = (ROOT / "docs" / "results.md").read_text()
+    readme = (BENCH / "README.md").read_text()
+    assert not [s for s in top if f"benchmarks/{s}.py" not in results], "not cited by docs/results.md"
+    assert not [s for s in top if f"{s}.py" not in readme], "not listed in benchmarks/README.md"
+    assert [p.name for p in BENCH.glob("*.sh")] == ["device.sh"], "the device runs are benchmarks/device.sh's parts"
 
 
 def _public(module: str) -> set[str]:
@@ -179,6 +202,20 @@ def test_shell_script_parses_and_names_only_files_that_exist(script):
     named = set(re.findall(r"\b((?:benchmarks|tests)/[A-Za-z0-9_./-]*[A-Za-z0-9_])", text))
     named |= {f"benchmarks/{m}" for m in re.findall(r'\$\(dirname "\$0"\)/([A-Za-z0-9_.-]+)', text)}
     named = {n for n in named if not n.startswith(("benchmarks/results", "tests/data"))}
-    assert named or script.name == "gpu_env.sh", f"{script.name} names no script: the pattern no longer finds them"
+    assert named, f"{script.name} names no script: the pattern no longer finds them"
     missing = sorted(n for n in named if not (ROOT / n).exists())
     assert not missing, f"{script.name} names what does not exist: {missing}"
+
+
+def test_every_result_the_docs_cite_exists():
+    """results/ keeps what the docs cite: a table deleted (or renamed) while a doc still links it fails here.
+    A name with a placeholder (`<device>`, `{json,md}`, `*`) is a pattern for what a script writes."""
+    texts = [ROOT / "README.md", BENCH / "README.md", *(ROOT / "docs").glob("*.md"), *(ROOT / "src").rglob("*.py")]
+    missing = []
+    for path in texts:
+        for i, line in enumerate(path.read_text().splitlines(), 1):
+            for name in re.findall(r"results/([A-Za-z0-9_.\-/]+[A-Za-z0-9_])", line):
+                target = BENCH / "results" / name
+                if not any(c in line for c in "{*<") and not target.exists() and not list(target.parent.glob(target.name + "*")):
+                    missing.append(f"{path.relative_to(ROOT)}:{i}: results/{name}")
+    assert not missing, "cited but not in benchmarks/results:\n" + "\n".join(missing)

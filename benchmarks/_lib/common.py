@@ -183,11 +183,15 @@ def device_label(device: str) -> str:
 
 
 def write_results(result: dict, stem: str, markdown: Callable[[dict], str]) -> None:
-    """stem.json and stem.md (the table), and the table on stdout."""
+    """stem.json and stem.md (the table), and the table on stdout. The JSON records the command line that
+    produced it (`command`), so a committed table always says how to make it again."""
     os.makedirs(os.path.dirname(stem) or ".", exist_ok=True)
+    table = markdown(result)  # before `command` joins the result: a table reads only what it measured
+    if isinstance(result, dict):
+        script = os.path.relpath(os.path.abspath(sys.argv[0]), ROOT) if sys.argv and sys.argv[0] else "?"
+        result = {**result, "command": result.get("command") or " ".join(["python", script, *sys.argv[1:]])}
     with open(stem + ".json", "w") as f:
         json.dump(result, f, indent=2)
-    table = markdown(result)
     with open(stem + ".md", "w") as f:
         f.write(table)
     print(table)

@@ -1,4 +1,4 @@
-"""benchmarks/deepspeed_pipe.py: DeepSpeed's TrainSchedule replayed: its step order, and what its paired blocking sends cost."""
+"""benchmarks/_lib/deepspeed_pipe.py: DeepSpeed's TrainSchedule replayed: its step order, and what its paired blocking sends cost."""
 
 import sys
 from pathlib import Path
@@ -7,8 +7,8 @@ import pytest
 
 from overlapkit.costmodel import ConfigError
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))  # benchmarks/deepspeed_pipe.py
-from deepspeed_pipe import instructions, makespan_ms, steps  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))  # benchmarks/_lib/deepspeed_pipe.py
+from _lib.deepspeed_pipe import instructions, makespan_ms, steps  # noqa: E402
 
 # The PP4 / 6 micro-batch table of DeepSpeed's own TrainSchedule docstring (IF/IB: idle steps).
 DEEPSPEED_PP4_MB6 = (

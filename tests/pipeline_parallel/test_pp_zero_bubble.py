@@ -143,7 +143,7 @@ def test_data_parallel_buckets_reduce_inside_each_chunks_last_w():
 def test_dualpipev_pair_runs_each_sides_experts_while_the_others_all_to_all_is_outstanding():
     # In a pair, one side issues its dispatch or combine and hands the thread over: the other side's
     # expert GEMMs run before the first side's next expert GEMM (which needs that transfer). How much
-    # of the transfer is then hidden depends on its size (benchmarks/pp_zero_bubble.py measures it;
+    # of the transfer is then hidden depends on its size (benchmarks/probes/pp_zero_bubble.py measures it;
     # these transfers are a few hundred bytes and often land before the hand-over).
     for rank, res in enumerate(_results()):
         spans = res["moe"]["spans"]

@@ -68,7 +68,7 @@ def memory_curve(grid: dict, hidden: int = FITTED_HIDDEN) -> dict:
     The elementwise bandwidth prices a binary op of two distinct tensors (a residual add, SwiGLU's
     product) at three DRAM accesses, so it is fitted on such an op: `x_plus_y_ms`, x + y counted as two
     reads and a write. Not on `add_ms`, x + x: both operands are one tensor, the second read hits in
-    cache and DRAM moves two tensors (benchmarks/hbm_add_probe.py). Counted as three it gave the H200
+    cache and DRAM moves two tensors (benchmarks/probes/hbm_add_probe.py). Counted as three it gave the H200
     5.69 TB/s, above its 4.8 TB/s HBM peak, and priced every memory-bound op ~25% too cheap; counted as
     two it gives 3.97 TB/s, but a two-stream op reaches less than a three-stream one (x + y: 4.28 TB/s),
     so x + x would misprice the ops the model has. The norm is counted as what layer_norm must move: x

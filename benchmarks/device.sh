@@ -1,0 +1,171 @@
+#!/usr/bin/env bash
+# Every measurement overlapkit makes on a device machine, one entry with parts:
+#   bash benchmarks/device.sh PART [OUTDIR]        OUTDIR: $OUT where the device tool sets it, else /tmp/overlapkit_device
+# PART
+#   checks  doctor; the GPU tests (NCCL layers, CUDA graphs, the MoE and ring CUDA paths); the engines' CPU
+#           tests under the image's torch (the code must run on 2.11 and 2.13)
+#   h200    one GPU, world size 1: user_step (1.1 B, eager then compiled), tp_overlap (Llama-3 GEMMs at tp 8's
+#           shapes), ep/cp/dp_overlap's fixed costs, the demo with its profiler trace and both pictures
+#   cpu16   the 16 CPU cores, gloo (transfers really run beside compute): user_step at tp 4, tp 8, dp 2 x tp 2 and
+#           one rank; dp_overlap, pp_overlap, ep_overlap, cp_overlap at 4 ranks; fsdp_overlap at 8
+#   record  h200 and cpu16 in one call, in two lanes that never share a core (GPU lane on cores 0-2, gloo on 3-15)
+#   multi   2, 4 or 8 GPUs of one host: the GPU tests over NCCL, tp_overlap at tp 2/4/8, dp_overlap (1 B GPT),
+#           fsdp/ep/cp_overlap over every GPU, a TP x DP demo trace read by `overlapkit analyze`
+#   gemm    this GPU's GEMM-efficiency curve for the cost model (`overlapkit bench gemm`)
+#   probes  the probes' device runs (benchmarks/probes/): host cost per call, kernel and chunk profiles, the
+#           LM-head and HBM probes, the cost model calibrated on a trace, agreement cost, a straggler's path
+#   ab SCRIPT ARGS...   the source in OLD_SRC and this checkout's, alternated twice (old, new, old, new) in one
+#           call, so a no-regression check compares like with like: e.g.
+#           OLD_SRC=/tmp/old/src bash benchmarks/device.sh ab benchmarks/tp_overlap.py --device cuda --shape-tp 8 --layers-only
+# Each step runs under its own time limit (`step`; a failing step is reported, never fatal), so a call always
+# reaches its end; results land in OUTDIR/results/<machine>/ (h200, cpu16, multi), logs in OUTDIR/logs/, and
+# both are packed into OUTDIR/PART.tgz. Results of the 16 cores are named *_cpu16_* as committed.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+part=${1:?"part: checks | h200 | cpu16 | record | multi | gemm | probes | ab SCRIPT ARGS..."}; shift
+if [ "$part" = ab ]; then out=${OUT:-/tmp/overlapkit_device}; else out=${1:-${OUT:-/tmp/overlapkit_device}}; fi
+
+# NVLink multicast off (it can take a shared host's GPUs down); overlapkit from this checkout; the wheels of
+# packages the GPU image may lack appended *after* the image's own site-packages, so the image's versions win.
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+if [ -d .whl ] && [ ! -d /tmp/site ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
+  echo /tmp/site > "$(python3 -c 'import site; print(site.getsitepackages()[0])')/zz_overlapkit_extra.pth"
+fi
+mkdir -p "$out/logs" "$out/results"
+r="$out/results" g="$out/results/h200" c="$out/results/cpu16"
+PIN=(env)  # a command prefix (`timeout` runs a command, not a shell function): taskset in the record lanes
+TP=(env CUDA_DEVICE_MAX_CONNECTIONS=1)  # bulk TP overlap wants one hardware queue
+
+# step NAME SECONDS COMMAND...: one measurement under its own limit, logged to $out/logs/NAME.log, its tail shown.
+step() {
+  local name=$1 limit=$2; shift 2
+  echo "=== $name ($(date +%T), limit ${limit}s)"
+  timeout "$limit" "$@" > "$out/logs/$name.log" 2>&1
+  local rc=$?
+  echo "=== $name rc=$rc"; tail -n 15 "$out/logs/$name.log"
+}
+
+checks() {
+  step doctor 60 python3 -m overlapkit doctor
+  step pytest_gpu 200 python3 -m pytest -q -p no:cacheprovider tests/gpu tests/context_parallel/test_cp_cuda.py \
+      tests/expert_parallel/test_moe_one_rank.py
+  step pytest_cpu_image_torch 300 python3 -m pytest -q -p no:cacheprovider tests/test_groups.py tests/test_agreement.py \
+      tests/test_tuning.py tests/test_deprecations.py tests/tensor_parallel tests/pipeline_parallel tests/data_parallel
+}
+
+h200() {
+  mkdir -p "$g"
+  step user_smoke 40 "${PIN[@]}" python3 benchmarks/user_step.py --device cuda --world 1 --rounds 1 --warmup 1 \
+      --out "$g/smoke"
+  step user_eager 110 "${PIN[@]}" python3 benchmarks/user_step.py --device cuda --world 1 --preset 1b --out "$g"
+  step user_compiled 280 "${PIN[@]}" python3 benchmarks/user_step.py --device cuda --world 1 --preset 1b --set compiled \
+      --rounds 6 --variants plain_compiled,ok_none_compiled,ok_bulk_compiled,ok_pipelined_compiled,ok_auto_compiled \
+      --out "$g"
+  step tp_overlap 200 "${PIN[@]}" "${TP[@]}" python3 benchmarks/tp_overlap.py --device cuda --shape-tp 8 --out "$g"
+  step ep_cuda_ws1 60 "${PIN[@]}" python3 benchmarks/ep_overlap.py --device cuda --world 1 --steps 6 --out "$g"
+  step cp_cuda_ws1 60 "${PIN[@]}" python3 benchmarks/cp_overlap.py --device cuda --world 1 --rounds 6 --out "$g"
+  step dp_cuda_ws1 60 "${PIN[@]}" python3 benchmarks/dp_overlap.py --device cuda --steps 30 --budget-s 15 --out "$g"
+  step demo_cuda 90 "${PIN[@]}" "${TP[@]}" python3 -m overlapkit demo --tp 1 --dp 1 --device cuda --overlap auto \
+      --plot "$g/demo_cuda_timeline.png" --trace "$out/demo_trace"
+  step analyze_demo 60 "${PIN[@]}" python3 -m overlapkit analyze "$out/demo_trace/rank0.json" \
+      --plot "$g/demo_cuda_trace.png"
+  rm -rf "$out/demo_trace"
+}
+
+cpu16() {
+  mkdir -p "$c"
+  step user_tp4 110 "${PIN[@]}" python3 benchmarks/user_step.py --world 4 --preset cpu16 --threads 3 --rounds 6 \
+      --warmup 1 --budget-s 35 --out "$c"
+  step user_tp8 110 "${PIN[@]}" python3 benchmarks/user_step.py --world 8 --preset cpu16 --threads 2 --rounds 4 \
+      --warmup 1 --budget-s 50 --out "$c"
+  step user_dp2tp2 60 "${PIN[@]}" python3 benchmarks/user_step.py --world 4 --dp 2 --preset cpu16 --seq 256 \
+      --threads 3 --rounds 6 --warmup 1 --budget-s 20 --out "$c"
+  step user_tiny 30 "${PIN[@]}" python3 benchmarks/user_step.py --world 1 --threads 2 --rounds 8 --budget-s 12 --out "$c"
+  step dp_ws4 95 "${PIN[@]}" python3 benchmarks/dp_overlap.py --world 4 --threads 3 --budget-s 60 --out "$c"
+  step pp_ws4 90 "${PIN[@]}" python3 benchmarks/pp_overlap.py --world 4 --threads 3 --schedules 1f1b,interleaved \
+      --steps 16 --warmup 2 --recorded 1 --out "$c"
+  step ep_ws4 60 "${PIN[@]}" python3 benchmarks/ep_overlap.py --world 4 --threads 3 --out "$c"
+  step cp_ws4 45 "${PIN[@]}" python3 benchmarks/cp_overlap.py --world 4 --threads 3 --out "$c"
+  step fsdp_ws8 90 "${PIN[@]}" python3 benchmarks/fsdp_overlap.py --world 8 --threads 1 --variants fsdp2,1,2,auto \
+      --total-s 70 --budget-s 60 --steps 40 --warmup 1 --recorded 0 --out "$c"
+}
+
+multi() {
+  local n tp m="$r/multi"
+  mkdir -p "$m"
+  n=$(python3 -c 'import torch; print(torch.cuda.device_count())')
+  echo "GPUs: $n"
+  nvidia-smi topo -m > "$out/logs/topology.txt" 2>&1
+  step doctor 60 python3 -m overlapkit doctor
+  step pytest_gpu 400 python3 -m pytest -q -p no:cacheprovider tests/gpu
+  for tp in 2 4 8; do
+    [ "$tp" -le "$n" ] || continue
+    step "tp_overlap_tp$tp" 300 "${TP[@]}" python3 benchmarks/tp_overlap.py --device cuda --world "$tp" --out "$m"
+  done
+  step dp_overlap_1b 400 python3 benchmarks/dp_overlap.py --device cuda --preset cuda-1b --steps 20 --out "$m"
+  step fsdp_overlap 300 python3 benchmarks/fsdp_overlap.py --device cuda --world "$n" --out "$m"
+  step ep_overlap 200 python3 benchmarks/ep_overlap.py --device cuda --world "$n" --out "$m"
+  step cp_overlap 300 python3 benchmarks/cp_overlap.py --device cuda --world "$n" --out "$m"
+  if [ "$n" -ge 4 ]; then
+    step demo_tp_dp 200 "${TP[@]}" python3 -m overlapkit demo --device cuda --tp 2 --dp $((n / 2)) \
+        --overlap pipelined --plot "$m/demo_tp_dp_recorder.png" --trace "$out/traces"
+    step analyze_tp_dp 120 python3 -m overlapkit analyze "$out"/traces/rank*.json --plot "$m/demo_tp_dp_trace.png" --json
+    cp "$out/logs/analyze_tp_dp.log" "$m/demo_tp_dp_analyze.json"
+    rm -rf "$out/traces"
+  fi
+}
+
+probes() {
+  mkdir -p "$g" "$c"
+  step tp_host_cost 330 "${TP[@]}" python3 benchmarks/probes/tp_host_cost.py --device cuda --world 1 --shape-tp 8 \
+      --reps 40 --out "$g"
+  step tp_chunk_profile 60 python3 benchmarks/probes/tp_chunk_profile.py --device cuda --world 1 --shape-tp 8 --out "$g"
+  step tp_step_gaps 90 python3 benchmarks/probes/tp_step_gaps.py --device cuda --world 1 --shape-tp 8 --out "$g"
+  step compiled_step_profile 100 python3 benchmarks/probes/compiled_step_profile.py --device cuda --layers 4 --out "$g"
+  step dp_host_cost 45 python3 benchmarks/probes/dp_host_cost.py --device cuda --world 1 --budget-s 12 --out "$g"
+  step dp_overhead_probe 150 python3 benchmarks/probes/dp_overhead_probe.py --device cuda --out "$g"
+  step ep_host_cost 45 python3 benchmarks/probes/ep_host_cost.py --device cuda --out "$g"
+  step ep_profile 60 python3 benchmarks/probes/ep_profile.py --out "$g"
+  step ep_grouped_probe 90 python3 benchmarks/probes/ep_grouped_probe.py --device cuda --out "$g"
+  step cp_kernel_probe 120 python3 benchmarks/probes/cp_kernel_probe.py --out "$g"
+  step lm_head_probe 60 python3 benchmarks/probes/lm_head_probe.py --device cuda --out "$g"
+  step hbm_add_probe 60 python3 benchmarks/probes/hbm_add_probe.py --out "$g"
+  step profile_step 90 python3 benchmarks/probes/profile_step.py --device cuda --out "$g"
+  step calibrate_cuda 45 python3 benchmarks/probes/calibrate_validation.py --device cuda --out "$g"
+  step calibrate_cpu 70 python3 benchmarks/probes/calibrate_validation.py --device cpu --out "$c"
+  step pp_zero_bubble 60 python3 benchmarks/probes/pp_zero_bubble.py --world 4 --threads 4 --steps 20 --out "$c"
+  step straggler 50 python3 benchmarks/probes/straggler_path.py --world 16 --straggler 5 --sleep-ms 30 --out "$c"
+  step agreement_ws8 30 python3 benchmarks/probes/agreement_cost.py --world 8 --out "$c"
+  step tp_agreement_ws4 40 python3 benchmarks/probes/tp_agreement_cost.py --world 4 --threads 2 --out "$c"
+}
+
+ab() {
+  local script=${1:?"ab SCRIPT ARGS..."}; shift
+  local name i; name=$(basename "$script" .py)
+  for i in 1 2; do
+    step "${name}_old$i" 300 env PYTHONPATH="${OLD_SRC:?OLD_SRC: the old src folder}" "${TP[@]}" python3 "$script" "$@" \
+        --out "$r/old$i"
+    step "${name}_new$i" 300 "${TP[@]}" python3 "$script" "$@" --out "$r/new$i"
+  done
+}
+
+case "$part" in
+checks | h200 | cpu16 | multi | probes) "$part" ;;
+gemm) mkdir -p "$g"; step bench_gemm 240 python3 -m overlapkit bench gemm --out "$g/h200_measured.json" ;;
+record)
+  A=(env) B=(env)
+  if command -v taskset > /dev/null; then A=(taskset -c 0-2) B=(taskset -c 3-15); fi
+  ( PIN=("${A[@]}"); h200 ) > "$out/logs/lane_gpu.txt" 2>&1 &
+  lane=$!
+  PIN=("${B[@]}"); cpu16
+  wait "$lane"; cat "$out/logs/lane_gpu.txt"
+  ;;
+ab) ab "$@" ;;
+*) echo "unknown part $part (checks | h200 | cpu16 | record | multi | gemm | probes | ab SCRIPT ARGS...)"; exit 2 ;;
+esac
+if [ -d "$c" ]; then  # the scripts name a CPU result *_cpu_*; the committed 16-core tables are *_cpu16_*
+  for f in "$c"/*_cpu_*; do [ -e "$f" ] && mv "$f" "$c/$(basename "$f" | sed 's/_cpu_/_cpu16_/')"; done
+fi
+tar czf "$out/$part.tgz" -C "$out" results logs && rm -rf "$out/results" "$out/logs"

@@ -1,0 +1,261 @@
+"""`overlapkit plan --calibrate` validated on runs made here: trace one layout, predict others, measure them.
+
+CPU mode (gloo ranks): overlapkit's GPT is traced at dp 2 x tp 2; the cost model is calibrated on that
+trace alone (plan_tools.read_measured + costmodel.calibrate.fit, what `plan --calibrate` runs) and predicts
+tp 4, dp 4, pp 2 x tp 2 and dp 2 x tp 2 at twice the micro-batch; each of those is then run and traced the
+same way in the same invocation and its measured step set beside the prediction. Every layout processes the
+same sequences per step except the micro-batch row (twice as many). CUDA mode (one GPU, world size 1): the
+GPT traced at one micro-batch size predicts the others (no collective runs at world size 1, so the TP
+overlap modes are the same program there; the rows say so).
+
+    python benchmarks/probes/calibrate_validation.py --device cpu                  # the 16-core host, overlapkit's GPT
+    python benchmarks/probes/calibrate_validation.py --device cpu --model llama    # HF Llama through parallelize (no pp)
+    python benchmarks/probes/calibrate_validation.py --device cuda                 # the H200, world size 1
+    python benchmarks/probes/calibrate_validation.py --device cpu --smoke          # tiny sizes, two steps, two layouts
+
+Writes benchmarks/results/calibrate_validation_<device>_<model>[_smoke].{json,md}. Targets: every predicted
+layout within 10 % (16 cores) and 5 % (H200, world size 1) of its measured step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: _lib
+from _lib.common import SMOKE_HELP, add_out_arg, out_dir  # noqa: E402
+
+SIZES = {"smoke": dict(hidden=64, num_heads=8, ffn_hidden=256, num_layers=2, seq_len=32, vocab_size=256, batch=4),
+         "cpu": dict(hidden=512, num_heads=8, ffn_hidden=2048, num_layers=4, seq_len=256, vocab_size=4096, batch=8),
+         "cuda": dict(hidden=2048, num_heads=16, ffn_hidden=8192, num_layers=8, seq_len=2048, vocab_size=32768,
+                      batch=4)}
+"""GPT sizes and sequences per step of each run kind."""
+
+
+def layouts(batch: int, arch: str = "gpt") -> dict:
+    """name -> (tp, pp, dp, micro_batch, micro-batches): the traced layout first, then the predicted ones
+    (no pipeline for the HF Llama: overlapkit's stage cutter knows its own GPT only)."""
+    out = {"dp2 x tp2 (traced)": (2, 1, 2, batch // 2, 1), "tp4": (4, 1, 1, batch, 1),
+           "dp4": (1, 1, 4, batch // 4, 1), "pp2 x tp2": (2, 2, 1, batch // 2, 2),
+           "dp2 x tp2, micro-batch x2": (2, 1, 2, batch, 1)}
+    if arch == "llama":
+        del out["pp2 x tp2"]
+    return out
+
+
+def build(arch: str, sizes: dict):
+    """The model of one run: overlapkit's GPT, or a Hugging Face Llama of the same widths (SwiGLU, GQA 2:1)."""
+    if arch == "gpt":
+        from overlapkit.models import GPT, GPTConfig
+
+        return GPT(GPTConfig(**{k: v for k, v in sizes.items() if k != "batch"}))
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return LlamaForCausalLM(LlamaConfig(
+        hidden_size=sizes["hidden"], intermediate_size=sizes["ffn_hidden"], num_hidden_layers=sizes["num_layers"],
+        num_attention_heads=sizes["num_heads"], num_key_value_heads=sizes["num_heads"] // 2,
+        vocab_size=sizes["vocab_size"], max_position_embeddings=sizes["seq_len"], attn_implementation="sdpa"))
+
+
+def run_rank(sizes: dict, layout: tuple, steps: int, trace_dir: str, overlap: str, device: str,
+             arch: str = "gpt") -> dict:
+    """One rank of one layout: train `steps` steps under the profiler (one warm-up step first)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile, schedule
+
+    from overlapkit import ParallelGroups, optim_param_groups
+    from overlapkit.data_parallel import DataParallel
+    from overlapkit.models import lm_loss, parallelize
+    from overlapkit.timeline import record
+
+    tp, pp, dp, mb, m = layout
+    world = tp * pp * dp
+    if device == "cpu":
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    groups = ParallelGroups.build(tp=tp, dp=dp, pp=pp)
+    dev = torch.device("cuda" if device == "cuda" else "cpu")
+    torch.manual_seed(0)
+    model = build(arch, sizes).to(dev)
+    vocab, seq = sizes["vocab_size"], sizes["seq_len"]
+    if tp > 1:
+        model = parallelize(model, groups, sequence_parallel=True, overlap=overlap)
+    if pp > 1:
+        from overlapkit.models import gpt_chunks
+        from overlapkit.pipeline_parallel import PipelineConfig, PipelineEngine
+
+        chunks, _ = gpt_chunks(model, pp, groups.pp_rank)
+        engine = PipelineEngine(chunks, groups.pp, PipelineConfig("1f1b", m), lm_loss)
+        params = [p for c in chunks for p in c.parameters()]
+    else:
+        if dp > 1:
+            model = DataParallel(model, groups.dp, sequence_parallel_group=groups.tp if tp > 1 else None)
+        chunks, params = [model], list(model.parameters())
+    opt = torch.optim.SGD(optim_param_groups(params), lr=0.01, foreach=True)
+    gen = torch.Generator().manual_seed(1)
+    path = os.path.join(trace_dir, f"rank{groups.rank}.json")
+    prof = profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else []),
+                   schedule=schedule(wait=0, warmup=1, active=steps + 1, repeat=1),
+                   on_trace_ready=lambda p: p.export_chrome_trace(path))
+    with record(device=dev), prof:
+        for _ in range(steps + 2):  # warm-up, the measured steps, one the reader drops
+            idx = torch.randint(0, vocab, (mb * m, seq), generator=gen).to(dev)
+            tgt = torch.randint(0, vocab, (mb * m, seq), generator=gen).to(dev)
+            for c in chunks:
+                c.zero_grad(set_to_none=False)
+            # bf16 autocast on the GPU (what the cost model prices); fp32 on the CPU, whose bf16 GEMMs are slow
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device == "cuda"):
+                if pp > 1:
+                    engine.step(idx, tgt)
+                elif arch == "llama":
+                    model(input_ids=idx, labels=tgt).loss.backward()
+                else:
+                    lm_loss(model(idx), tgt).backward()
+            opt.step()
+            if device == "cuda":
+                torch.cuda.synchronize()
+            prof.step()
+    return {"rank": groups.rank}
+
+
+def measure(sizes: dict, layout: tuple, steps: int, overlap: str, device: str, timeout_s: float,
+            folder: str | None = None, arch: str = "gpt") -> str:
+    """Run one layout on its ranks (unless `folder` already holds its traces); returns the traces' folder."""
+    from _lib.unexported import spawn
+
+    tp, pp, dp, _, _ = layout
+    if folder and Path(folder).is_dir() and any(Path(folder).glob("rank*.json")):
+        return folder  # --reuse: traced before
+    folder = folder or tempfile.mkdtemp(prefix="calibrate_validation_")
+    os.makedirs(folder, exist_ok=True)
+    if device == "cuda":
+        spawn(run_rank, 1, sizes, layout, steps, folder, overlap, device, arch, backend="nccl", timeout_s=timeout_s)
+    else:
+        spawn(run_rank, tp * pp * dp, sizes, layout, steps, folder, overlap, device, arch, timeout_s=timeout_s)
+    return folder
+
+
+def model_json(sizes: dict, arch: str = "gpt") -> dict:
+    """The run's model in the cost model's keys."""
+    llama = arch == "llama"
+    return {"hidden": sizes["hidden"], "ffn_hidden": sizes["ffn_hidden"], "num_layers": sizes["num_layers"],
+            "num_heads": sizes["num_heads"], "num_kv_heads": sizes["num_heads"] // 2 if llama else 0,
+            "seq_len": sizes["seq_len"], "vocab_size": sizes["vocab_size"], "gated_mlp": llama,
+            "tied_embeddings": False, "name": "HF Llama" if llama else "overlapkit GPT"}
+
+
+def par_of(layout: tuple, overlap: str):
+    from overlapkit.costmodel import Overlap, ParallelConfig
+
+    tp, pp, dp, mb, m = layout
+    return ParallelConfig(tp=tp, pp=pp, dp=dp, micro_batch=mb, global_batch=mb * m * dp, sp=tp > 1,
+                          overlap=Overlap(tp=overlap, dp="bulk", pp="bulk"))
+
+
+def run(device: str, kind: str, steps: int, overlap: str, timeout_s: float, traces: str | None = None,
+        arch: str = "gpt") -> dict:
+    from _lib.unexported import RankFailed, fit, predict_calibrated, read_measured
+    from overlapkit.costmodel import ModelConfig, predict, preset
+
+    sizes = SIZES[kind]
+    model = ModelConfig(**model_json(sizes, arch))
+    if device == "cuda":
+        b = sizes["batch"]
+        plan = {f"micro-batch {b} (traced)": (1, 1, 1, b, 1), **{f"micro-batch {x}": (1, 1, 1, x, 1)
+                                                                 for x in (b // 4, b // 2, 2 * b) if x >= 1}}
+    else:
+        plan = layouts(sizes["batch"], arch)
+    if kind == "smoke":  # the traced layout and one predicted at another split
+        first, other = next(iter(plan)), "tp4"
+        plan = {first: plan[first], other: plan[other]}
+
+    rows, cal, failed = [], None, []
+    for i, (name, layout) in enumerate(plan.items()):
+        keep = os.path.join(traces, "".join(c if c.isalnum() else "_" for c in name)) if traces else None
+        try:
+            measured = read_measured(measure(sizes, layout, steps, overlap, device, timeout_s, keep, arch))
+        except RankFailed as e:  # one layout that cannot run does not void the others: say so in the results
+            if i == 0:
+                raise
+            failed.append({"layout": name, "error": e.summary})
+            print(f"{name}: FAILED to run: {e.summary}", flush=True)
+            continue
+        par = par_of(layout, overlap)
+        if i == 0:
+            cal = fit(measured, model, par, preset("h200-sxm"))
+        r = predict_calibrated(cal, model, par)
+        err = 100 * (r.step_ms - measured.step_ms) / measured.step_ms
+        # the H200 preset as shipped, uncalibrated: how far its short-run curves (sustained clock 1.0) are
+        # from a real step on our H200 (CUDA rows only; a CPU run has no preset)
+        preset_ms = predict(model, par, preset("h200-sxm")).step_ms if device == "cuda" else None
+        rows.append({"preset_ms": preset_ms, "layout": name, "tp": layout[0], "pp": layout[1], "dp": layout[2], "micro_batch": layout[3],
+                     "micro_batches": layout[4], "measured_ms": measured.step_ms, "predicted_ms": r.step_ms,
+                     "error_pct": err, "measured_compute_ms": measured.compute_ms, "predicted_compute_ms": r.compute_ms,
+                     "predicted_exposed_ms": r.exposed_ms, "predicted_bubble_ms": r.bubble_ms,
+                     "predicted_host_ms": r.host_ms, "traced": i == 0, "measured_idle_ms": measured.idle_ms,
+                     # kind -> [comm ms, exposed ms, calls] per step: where a miss comes from
+                     "measured_comm": {k: list(v[:3]) for k, v in measured.comm.items()},
+                     "predicted_comm": {k: [c, r.exposed_by_kind.get(k, 0.0)] for k, c in r.comm_by_kind.items()}})
+        print(f"{name}: measured {measured.step_ms:.1f} ms, predicted {r.step_ms:.1f} ms ({err:+.1f}%)", flush=True)
+    others = [abs(r["error_pct"]) for r in rows[1:]] or [float("nan")]
+    return {"failed": failed, "device": device, "kind": kind, "arch": arch, "model": model_json(sizes, arch), "steps": steps, "overlap": overlap,
+            "cores": os.cpu_count(), "calibration": cal.to_dict(), "rows": rows,
+            "summary": {"mean_abs_pct": statistics.mean(others), "max_abs_pct": max(others),
+                        "target_pct": 5.0 if device == "cuda" else 10.0}}
+
+
+def markdown(res: dict) -> str:
+    s = res["summary"]
+    out = [f"Calibrated on one traced layout ({res['rows'][0]['layout']}), {res['device']}, {res['cores']} cores, "
+           f"{res['model']['name']} {res['model']['hidden']} wide x {res['model']['num_layers']} layers, seq {res['model']['seq_len']}, "
+           f"TP overlap {res['overlap']}, {res['steps']} measured steps per layout: the other layouts' |error| "
+           f"mean {s['mean_abs_pct']:.1f}%, max {s['max_abs_pct']:.1f}% (target: each within {s['target_pct']:.0f}%).", "",
+           "| layout | tp | pp | dp | micro-batch x count | measured ms | predicted ms | error % | compute ms measured / predicted |",
+           "|---|---:|---:|---:|---|---:|---:|---:|---|"]
+    out += [f"| {r['layout']} | {r['tp']} | {r['pp']} | {r['dp']} | {r['micro_batch']} x {r['micro_batches']} | "
+            f"{r['measured_ms']:.1f} | {r['predicted_ms']:.1f} | {r['error_pct']:+.1f} | "
+            f"{r['measured_compute_ms']:.1f} / {r['predicted_compute_ms']:.1f} |" for r in res["rows"]]
+    out += [f"| {f['layout']} | | | | | failed to run: {f['error']} | | | |" for f in res["failed"]]
+    if res["device"] == "cuda":
+        out += ["", "World size 1: no collective runs, so the TP overlap modes are one program here. The h200-sxm "
+                "preset as shipped (uncalibrated, sustained clock 1.0) against the same steps: "
+                + ", ".join(f"{r['layout']} {100 * (r['preset_ms'] - r['measured_ms']) / r['measured_ms']:+.1f}%"
+                            for r in res["rows"]) + "."]
+    return "\n".join(out) + "\n"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    ap.add_argument("--world", type=int, default=4, help="ranks of the CPU layouts (4: the layouts above)")
+    ap.add_argument("--model", choices=("gpt", "llama"), default="gpt",
+                    help="overlapkit's GPT, or a Hugging Face Llama through overlapkit.parallelize")
+    ap.add_argument("--smoke", action="store_true", help=SMOKE_HELP)
+    ap.add_argument("--steps", type=int, default=None, help="measured steps per layout (default 5; smoke 2)")
+    ap.add_argument("--overlap", default="bulk", choices=("none", "bulk", "pipelined"))
+    ap.add_argument("--timeout", type=float, default=300.0, help="process-group timeout per layout, s")
+    ap.add_argument("--traces", metavar="DIR", help="keep each layout's traces in DIR/<layout>; a layout whose "
+                    "folder already holds traces is not run again (re-analysis)")
+    add_out_arg(ap)
+    args = ap.parse_args(argv)
+    if args.device == "cpu" and args.world != 4:
+        print("--world: the CPU layouts (dp2 x tp2, tp4, dp4, pp2 x tp2) need 4 ranks", file=sys.stderr)
+        return 2
+    kind = "smoke" if args.smoke else args.device
+    res = run(args.device, kind, args.steps or (2 if args.smoke else 5), args.overlap, args.timeout, args.traces,
+              args.model)
+    out = Path(out_dir(args))
+    out.mkdir(parents=True, exist_ok=True)
+    stem = f"calibrate_validation_{args.device}_{args.model}" + ("_smoke" if args.smoke else "")
+    (out / f"{stem}.json").write_text(json.dumps(res, indent=1))
+    (out / f"{stem}.md").write_text(markdown(res))
+    print(markdown(res))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
