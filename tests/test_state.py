@@ -49,3 +49,16 @@ def test_a_name_keeps_its_kind_and_clearers_run():
     state.register_clear("test.clear", lambda: cleared.append(1))
     state.reset()
     assert cleared == [1]
+
+
+def test_process_wiring_lives_in_the_registry_and_survives_reset():
+    """The active recorder and a spawned rank's queue to its parent are process wiring, not caches:
+    registered (no module global holds them) and left alone by reset(), which runs between tests."""
+    import overlapkit.launch  # noqa: F401 (registers its wiring)
+    from overlapkit.timeline import record
+
+    assert {"recorder.active", "launch.parent"} <= set(state.names()["process"])
+    with record() as rec:
+        state.reset()
+        from overlapkit.runtime import recorder
+        assert recorder.active() is rec
