@@ -14,7 +14,7 @@ def test_demo_dualpipev_on_three_stages_matches_one_process():
                           "--schedule", "dualpipev", "--steps", "2", "--plot", "", "--timeout", "60"],
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
-    assert "pp=3 dualpipev" in out.stdout and "dualpipev with overlap_p2p, m=6" in out.stderr
+    assert "pp=3 dualpipev" in out.stdout and "dualpipev with overlap=bulk, m=6" in out.stderr
     assert "weight-gradient inputs kept" in out.stderr
 
 
