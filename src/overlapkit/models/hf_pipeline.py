@@ -36,7 +36,10 @@ class HFPipeline(nn.Module):
                  shape: StepShape) -> None:
         super().__init__()
         self.config, self.layout = model.config, layout
-        self._shape, self._lm_loss, self._m = shape, model.loss_function, config.microbatches
+        self.shape, self.loss_function, self._m = shape, model.loss_function, config.microbatches
+        """`shape`: the step's sequence length every chunk reads (set by `step`; set it by hand to run the
+        chunks under another schedule). `loss_function`: the model's labels= loss (vocabulary-parallel
+        under tensor parallelism)."""
         parts = stages[0].module.parts if isinstance(stages[0], DataParallel) else stages[0].parts
         self.add_module(parts.prefix, getattr(model, parts.prefix))
         if any(_stage(s).last for s in stages):
@@ -65,15 +68,15 @@ class HFPipeline(nn.Module):
                              "differ in shape")
         # The model's loss scores token t by label t+1: every row's last label scores nothing.
         self._num_items = int((labels[..., 1:] != -100).sum())
-        self._shape.seq_len = int(input_ids.shape[1])
+        self.shape.seq_len = int(input_ids.shape[1])
         try:
             return self.engine.step(input_ids, labels)
         finally:
-            self._shape.seq_len = 0
+            self.shape.seq_len = 0
 
     def _loss(self, logits, labels):
         # This micro-batch's token losses summed over the step's count; the engine divides by m.
-        loss = self._lm_loss(logits=logits, labels=labels, vocab_size=self.config.vocab_size,
+        loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size,
                              num_items_in_batch=self._num_items)
         return loss * self._m
 

@@ -138,27 +138,23 @@ def balanced_counts(n_layers: int, n_chunks: int, layer_cost: float, first_extra
                     last_extra: float = 0.0) -> tuple[int, ...]:
     """Layers per chunk that make the slowest chunk as fast as it can be, each chunk costing its
     layers times `layer_cost`, plus `first_extra` on chunk 0 (the embeddings) and `last_extra` on the
-    last (the head and loss); every chunk keeps at least one layer. Ties go to the even cut."""
+    last (the head and loss); every chunk keeps at least one layer. Among the cuts as slow as the best,
+    the most even one (least sum of squared chunk costs)."""
     if n_layers < n_chunks:
         raise ValueError(f"cannot split {n_layers} layers into {n_chunks} chunks of at least one layer")
     extra = [0.0] * n_chunks
     extra[0] += first_extra
     extra[-1] += last_extra
-    even = split_layers(n_layers, n_chunks)
-
-    def fits(limit: float):
-        # Greedy from the last chunk (the heavy head) back: each takes as many layers as fit under
-        # `limit`, leaving one for every chunk before it; chunk 0 takes the rest, if they fit.
-        counts, left = [0] * n_chunks, n_layers
-        for c in range(n_chunks - 1, 0, -1):
-            k = min(left - c, int((limit - extra[c]) / layer_cost + 1e-9) if layer_cost > 0 else left - c)
-            if k < 1:
-                return None
-            counts[c], left = k, left - k
-        counts[0] = left
-        return tuple(counts) if extra[0] + left * layer_cost <= limit * (1 + 1e-9) else None
-
-    cost = lambda counts: max(e + k * layer_cost for e, k in zip(extra, counts))  # noqa: E731
-    candidates = sorted({e + k * layer_cost for e in extra for k in range(1, n_layers + 1)})
-    best = next((c for c in (fits(limit) for limit in candidates) if c is not None), even)
-    return even if cost(even) <= cost(best) else best
+    # best[k]: (slowest, sum of squares, counts) of the chunks so far holding k layers in all.
+    best = {0: (0.0, 0.0, ())}
+    for c in range(n_chunks):
+        nxt = {}
+        for used, (slow, sq, counts) in best.items():
+            for k in range(1, n_layers - used - (n_chunks - 1 - c) + 1):
+                cost = extra[c] + k * layer_cost
+                cand = (max(slow, cost), sq + cost * cost, counts + (k,))
+                key = used + k
+                if key not in nxt or cand[:2] < nxt[key][:2]:
+                    nxt[key] = cand
+        best = nxt
+    return best[n_layers][2]
