@@ -1,6 +1,6 @@
 """A transformers causal LM cut by `pipeline()` from its base_model_pp_plan equals one process: the
 model's own labels= loss (some labels -100) and every gradient, fp32, rel <= 1e-5, on Llama, Qwen2,
-Qwen3 and Mistral (Gemma 2 with its tied head and logit soft-capping on the V schedules) at pp 2 and
+Qwen3 and Mistral (and Gemma 2: its head tied to the embeddings, its logits soft-capped) at pp 2 and
 3 under every schedule, at pp 2 x tp 2 and pp 2 x dp 2; torch.distributed.pipelining's schedule of
 the same name on the same cut gives the same loss and gradients; what cannot be cut is refused.
 
@@ -68,7 +68,11 @@ def case(groups, family: str, schedule: str, m: int, *, layers: int, tp: int = 1
     (sum(losses) / dp).backward()
     mine_ref = losses[groups.dp_rank]
     errs = [abs(loss.item() - mine_ref.item()) / abs(mine_ref.item())]
-    errs += [rel(local, full) for _, local, full in expected_local(pipe, ref, "grad")]
+    if tp == 1:  # by every name: a tied weight is "lm_head.weight" on the rank that holds only the head
+        full = dict(ref.named_parameters(remove_duplicate=False))
+        errs += [rel(p.grad, full[n].grad) for n, p in pipe.named_parameters()]
+    else:
+        errs += [rel(local, full) for _, local, full in expected_local(pipe, ref, "grad")]
     assert len(errs) > 1
     return max(errs)
 
@@ -109,16 +113,6 @@ def torch_peer(groups, family: str, schedule: str, m: int, layers: int) -> float
     return max(errs)
 
 
-def refusal(groups, family: str, schedule: str) -> str:
-    from overlapkit.models.hf_pipeline import pipeline
-
-    try:
-        pipeline(build(family, 4), groups, schedule=schedule, microbatches=4)
-    except ValueError as e:
-        return str(e)
-    return "no error"
-
-
 @distributed(world_size=2, timeout_s=120)
 def _pp2():
     import overlapkit
@@ -128,10 +122,9 @@ def _pp2():
     for family in DENSE:
         for schedule in SCHEDULES:
             out[(family, schedule)] = case(groups, family, schedule, 4, layers=4)
-    for schedule in ("zbv", "dualpipev"):
+    for schedule in SCHEDULES:  # tied head: on one rank under zbv / dualpipev, summed over two otherwise
         out[("gemma2", schedule)] = case(groups, "gemma2", schedule, 4, layers=4)
-    peers = {s: torch_peer(groups, "llama", s, 4, 4) for s in SCHEDULES}
-    return out, peers, refusal(groups, "gemma2", "1f1b")
+    return out, {s: torch_peer(groups, "llama", s, 4, 4) for s in SCHEDULES}
 
 
 @distributed(world_size=3, timeout_s=180)
@@ -142,6 +135,7 @@ def _pp3():
     return {(family, schedule): case(groups, family, schedule, 6, layers=6)
             for family in ("llama", "qwen3") for schedule in SCHEDULES} | \
         {("qwen2", "1f1b"): case(groups, "qwen2", "1f1b", 3, layers=5),
+         ("gemma2", "1f1b"): case(groups, "gemma2", "1f1b", 3, layers=3),
          ("mistral", "dualpipev"): case(groups, "mistral", "dualpipev", 6, layers=6)}
 
 
@@ -166,10 +160,9 @@ def _check(per_rank):
 def test_every_schedule_and_dense_family_at_pp2_matches_one_process_and_torch():
     results = _pp2()
     _check([r[0] for r in results])
-    for rank, (_, peers, refused) in enumerate(results):
+    for rank, (_, peers) in enumerate(results):
         for schedule, err in peers.items():
             assert isinstance(err, str) or err <= 1e-5, (rank, schedule, err)
-        assert "tie_word_embeddings" in refused, refused
 
 
 def test_every_schedule_at_pp3_matches_one_process():

@@ -16,8 +16,10 @@ from torch import nn
 from ..data_parallel import DataParallel
 from ..pipeline_parallel import PipelineConfig, PipelineEngine, chunks_of, placement
 from ..pipeline_parallel.stages import StageLayout, balanced_counts, split_layers
+from ..runtime import comm
 from ..runtime.comm import group_rank, group_size
-from ..runtime.groups import ParallelGroups, resolve_group
+from ..runtime.groups import ParallelGroups, group_timeout_s, resolve_group
+from .hf_ring_attention import dim_size
 from .hf_stages import HFStage, StepShape, check_cut_matches, pp_parts
 
 BALANCES = ("even", "cost")
@@ -46,6 +48,7 @@ class HFPipeline(nn.Module):
             self.add_module(parts.head, getattr(model, parts.head))
         self.__dict__["stages"] = list(stages)  # not children: their modules are this one's already
         self._num_items = 0
+        self._tied = None
         self.engine = PipelineEngine(stages, group, config, self._loss)
         """The engine running this rank's chunks (its `timings` under a timeline recorder)."""
 
@@ -70,9 +73,19 @@ class HFPipeline(nn.Module):
         self._num_items = int((labels[..., 1:] != -100).sum())
         self.shape.seq_len = int(input_ids.shape[1])
         try:
-            return self.engine.step(input_ids, labels)
+            loss = self.engine.step(input_ids, labels)
         finally:
             self.shape.seq_len = 0
+        if self._tied is not None:
+            grad = self._tied[0].grad
+            grad = grad.to_local() if hasattr(grad, "to_local") else grad
+            comm.all_reduce(grad, self._tied[1], kind="pp_send", name="tied embedding grad", async_op=False)
+        return loss
+
+    def tie_over(self, weight, group) -> None:
+        """Sum `weight`'s gradient over `group` after every step: the input embeddings' weight that the
+        head shares, held by the first and the last pipeline rank."""
+        self._tied = (weight, group)
 
     def _loss(self, logits, labels):
         # This micro-batch's token losses summed over the step's count; the engine divides by m.
@@ -86,17 +99,12 @@ def _stage(chunk):
 
 
 def _dim(mesh, name: str):
-    """(group, size) of a mesh dim; (None, 1) when the mesh lacks it."""
+    """(group, size) of a mesh dim; (None, 1) when the mesh lacks it (a bare ProcessGroup is the pp group)."""
     from torch.distributed.device_mesh import DeviceMesh
 
-    if isinstance(mesh, ParallelGroups):
-        size = getattr(mesh.sizes, name)
-        return (mesh.group(name) if size > 1 else None), size
-    if isinstance(mesh, DeviceMesh):
-        names = tuple(mesh.mesh_dim_names or ())
-        if name not in names:
-            return None, 1
-        return mesh.get_group(name), mesh.size(names.index(name))
+    if isinstance(mesh, (ParallelGroups, DeviceMesh)):
+        size = dim_size(mesh, name)
+        return (resolve_group(mesh, name) if size > 1 or name == "pp" else None), size
     if name == "pp":
         group = resolve_group(mesh, "pp")
         return group, group_size(group)
@@ -142,7 +150,7 @@ def pipeline(model: nn.Module, mesh, *, schedule: str = "1f1b", microbatches: in
     counts = split_layers(n_layers, pp, v, layer_counts)
     layout = StageLayout(pp=pp, virtual_stages=v, counts=counts, first_extra=" + ".join(parts.before),
                          last_extra=" + ".join((*parts.after, parts.head)), style=style)
-    _refuse_tied_across(model, parts, layout)
+    tied, tied_group = _tied_ends(model, parts, layout, mesh, pp_group)
     shape = StepShape()
     stages = [HFStage(model, parts, layout.layers_of(c), c == 0, c == n_chunks - 1, shape) for c in range(n_chunks)]
     if check:
@@ -154,7 +162,10 @@ def pipeline(model: nn.Module, mesh, *, schedule: str = "1f1b", microbatches: in
         stage.pipeline_chunk = c
         mine.append(DataParallel(stage, dp_group) if dp > 1 else stage)
     _prune(model, parts, [_stage(c) for c in mine])
-    return HFPipeline(model, mine, pp_group, config, layout, shape)
+    pipe = HFPipeline(model, mine, pp_group, config, layout, shape)
+    if tied_group is not None:
+        pipe.tie_over(tied, tied_group)
+    return pipe
 
 
 def _prune(model: nn.Module, parts, held: list[HFStage]) -> None:
@@ -172,15 +183,45 @@ def _prune(model: nn.Module, parts, held: list[HFStage]) -> None:
         setattr(model, parts.head, None)
 
 
-def _refuse_tied_across(model: nn.Module, parts, layout: StageLayout) -> None:
+def _tied_ends(model: nn.Module, parts, layout: StageLayout, mesh, pp_group):
+    """(the tied parameter, the group of the two pipeline ranks holding the embeddings and the head) when
+    the head shares the input embeddings' weight and the two ends sit on different ranks; else (None, None).
+
+    Each end computes only its use's gradient; summing them over the two ranks gives both copies the
+    whole gradient, so they stay equal under any optimizer (Megatron's embedding group). Collective over
+    the world: every rank creates every pipeline's pair, in the same order."""
+    import datetime
+
+    import torch.distributed as dist
+
     head = getattr(model, parts.head)
     emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-    tied = emb is not None and getattr(head, "weight", None) is getattr(emb, "weight", None)
-    if tied and layout.rank_of(0) != layout.rank_of(layout.n_chunks - 1):
-        raise ValueError(f"pipeline: {type(model).__name__} ties its output head to its input embeddings "
-                         f"({type(model.config).__name__}.tie_word_embeddings=True), and the first and last chunks "
-                         "sit on different pipeline ranks under this schedule; use a V schedule (zbv, dualpipev: "
-                         "both ends on rank 0) or a model with tie_word_embeddings=False")
+    weight = getattr(head, "weight", None)
+    if emb is None or weight is None or weight is not getattr(emb, "weight", None):
+        return None, None
+    first, last = layout.rank_of(0), layout.rank_of(layout.n_chunks - 1)
+    if first == last:
+        return None, None
+    timeout = datetime.timedelta(seconds=group_timeout_s(pp_group))
+    mine = None
+    for ranks in _pipelines(mesh, pp_group):
+        pair = dist.new_group([ranks[first], ranks[last]], timeout=timeout)
+        if dist.get_rank() in (ranks[first], ranks[last]):
+            mine = pair
+    return weight, mine
+
+
+def _pipelines(mesh, pp_group) -> list[list[int]]:
+    """The global ranks of every pipeline of the mesh, each in pipeline order."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
+    device_mesh = mesh.mesh if isinstance(mesh, ParallelGroups) else mesh
+    if isinstance(device_mesh, DeviceMesh):
+        names = tuple(device_mesh.mesh_dim_names or ())
+        t = device_mesh.mesh.movedim(names.index("pp"), -1)
+        return t.reshape(-1, t.shape[-1]).tolist()
+    return [dist.get_process_group_ranks(pp_group)]
 
 
 def _cost_ms(model: nn.Module, tp: int, seq_len: int = 4096) -> tuple[float, float]:

@@ -111,16 +111,22 @@ def _require_global_positions(module, args, kwargs):
                          "tokens, which are not consecutive; pass shift_labels=shard_labels(labels, group) too")
 
 
-def cp_dim(mesh) -> object | None:
-    """The cp group of a mesh (DeviceMesh or ParallelGroups) whose cp dim has size > 1, else None."""
+def dim_size(mesh, name: str) -> int:
+    """The size of a dim of a DeviceMesh or ParallelGroups (1 when it has none)."""
     from torch.distributed.device_mesh import DeviceMesh
 
     from ..runtime.groups import ParallelGroups
 
     if isinstance(mesh, ParallelGroups):
-        return mesh.cp if mesh.sizes.cp > 1 else None
+        return getattr(mesh.sizes, name)
     if isinstance(mesh, DeviceMesh):
         names = tuple(mesh.mesh_dim_names or ())
-        if "cp" in names and mesh.size(names.index("cp")) > 1:
-            return mesh.get_group("cp")
-    return None
+        return mesh.size(names.index(name)) if name in names else 1
+    return 1
+
+
+def cp_dim(mesh):
+    """The cp group of a mesh (DeviceMesh or ParallelGroups) whose cp dim has size > 1, else None."""
+    if dim_size(mesh, "cp") == 1:
+        return None
+    return resolve_group(mesh, "cp")

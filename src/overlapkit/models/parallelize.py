@@ -150,10 +150,8 @@ def parallelize(model: nn.Module, mesh, *, overlap: str | None = None, sequence_
 
 def context_parallel(model: nn.Module, mesh) -> bool:
     """A mesh with a cp dim of size > 1: ring attention in a transformers model's attention (hf_ring_attention).
-    True when the mesh has no tp dim, so that there is nothing more to apply."""
-    from torch.distributed.device_mesh import DeviceMesh
-
-    from .hf_ring_attention import apply_to_hf, cp_dim
+    True when the mesh has no tp dim of size > 1, so that there is nothing more to apply."""
+    from .hf_ring_attention import apply_to_hf, cp_dim, dim_size
 
     cp = cp_dim(mesh)
     if cp is None:
@@ -162,7 +160,7 @@ def context_parallel(model: nn.Module, mesh) -> bool:
         raise ValueError(f"parallelize: the mesh has a cp dim, and context parallelism reaches transformers models "
                          f"here, not {type(model).__name__} (our GPT: models.ring_attention.apply_to_gpt)")
     apply_to_hf(model, cp)
-    return isinstance(mesh, DeviceMesh) and "tp" not in (mesh.mesh_dim_names or ())
+    return dim_size(mesh, "tp") == 1
 
 
 def _local(t):
