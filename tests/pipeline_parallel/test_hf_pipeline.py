@@ -52,13 +52,14 @@ def rel(a, b) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
 
 
-def case(groups, family: str, schedule: str, m: int, *, layers: int, tp: int = 1, rows: int | None = None) -> float:
+def case(groups, family: str, schedule: str, m: int, *, layers: int, tp: int = 1, rows: int | None = None,
+         **options) -> float:
     """Worst relative error of the loss and every gradient of this rank's stages against one process."""
     from overlapkit.models import expected_local
     from overlapkit.models.hf_pipeline import pipeline
 
     ref = build(family, layers, tp)
-    pipe = pipeline(copy.deepcopy(ref), groups, schedule=schedule, microbatches=m)
+    pipe = pipeline(copy.deepcopy(ref), groups, schedule=schedule, microbatches=m, **options)
     rows, dp = rows or m, groups.sizes.dp
     ids, labels = batch(ref.config.vocab_size, rows * dp, 4 * tp)
     part = [slice(r * rows, (r + 1) * rows) for r in range(dp)]
@@ -136,6 +137,7 @@ def _pp3():
             for family in ("llama", "qwen3") for schedule in SCHEDULES} | \
         {("qwen2", "1f1b"): case(groups, "qwen2", "1f1b", 3, layers=5),
          ("gemma2", "1f1b"): case(groups, "gemma2", "1f1b", 3, layers=3),
+         ("llama", "1f1b", "balance=cost"): case(groups, "llama", "1f1b", 3, layers=7, balance="cost"),
          ("mistral", "dualpipev"): case(groups, "mistral", "dualpipev", 6, layers=6)}
 
 
@@ -183,6 +185,10 @@ def test_balanced_counts_weigh_the_head():
     assert balanced_counts(8, 4, 1.0, 0.0, 10.0) == (2, 2, 3, 1)  # the rest as even as it goes
     with pytest.raises(ValueError, match="cannot split 2 layers"):
         balanced_counts(2, 3, 1.0)
+    from overlapkit.models.hf_pipeline import layer_and_head_ms
+
+    layer_ms, head_ms = layer_and_head_ms(build("llama", 2), 1)
+    assert layer_ms > 0 and head_ms > 0
 
 
 def test_models_without_a_pp_plan_are_refused_naming_the_field():

@@ -145,7 +145,7 @@ def pipeline(model: nn.Module, mesh, *, schedule: str = "1f1b", microbatches: in
     n_chunks = pp * v
     n_layers = len(getattr(getattr(model, parts.prefix), parts.layers))
     if layer_counts is None and balance == "cost":
-        layer_ms, head_ms = _cost_ms(model, tp)
+        layer_ms, head_ms = layer_and_head_ms(model, tp)
         layer_counts = balanced_counts(n_layers, n_chunks, layer_ms, 0.0, head_ms)
     counts = split_layers(n_layers, pp, v, layer_counts)
     layout = StageLayout(pp=pp, virtual_stages=v, counts=counts, first_extra=" + ".join(parts.before),
@@ -224,7 +224,7 @@ def _pipelines(mesh, pp_group) -> list[list[int]]:
     return [dist.get_process_group_ranks(pp_group)]
 
 
-def _cost_ms(model: nn.Module, tp: int, seq_len: int = 4096) -> tuple[float, float]:
+def layer_and_head_ms(model: nn.Module, tp: int, seq_len: int = 4096) -> tuple[float, float]:
     """(one decoder layer's, the head and loss's) forward + backward time as the cost model predicts them."""
     from ..costmodel.hardware import load_hardware
     from ..costmodel.hf import from_hf_config

@@ -108,6 +108,8 @@ class HFStage(nn.Module):
         h = x
         for name in self.parts.before if self.first else ():
             h = getattr(holder, name)(h)
+        if self.first and getattr(self.config, "embedding_multiplier", None) is not None:
+            h = h * self.config.embedding_multiplier  # Granite scales the embeddings in its base forward
         seq = self.shape.seq_len or h.shape[1]
         pos = torch.arange(seq, device=h.device).unsqueeze(0)
         layers = getattr(holder, self.parts.layers)

@@ -108,8 +108,8 @@ def parallelize(model: nn.Module, mesh, *, overlap: str | None = None, sequence_
     built-in plans, on where the model allows it for a translated one); any extra keyword (transport=, chunks=, hardware=)
     goes to every parallel linear layer. A plan you pass carries its options in its styles,
     so `overlap`, `sequence_parallel` and layer keywords are refused with it.
-    A mesh with a "cp" dim of size > 1 also gets ring attention over it (transformers models:
-    hf_ring_attention.apply_to_hf), before the TP plan.
+    On a mesh with a "cp" dim of size > 1 a transformers model also gets ring attention over it
+    (hf_ring_attention.apply_to_hf), before the TP plan.
     Collective over the TP group (one store round trip to compare the plan across ranks).
     """
     if context_parallel(model, mesh):
@@ -154,11 +154,8 @@ def context_parallel(model: nn.Module, mesh) -> bool:
     from .hf_ring_attention import apply_to_hf, cp_dim, dim_size
 
     cp = cp_dim(mesh)
-    if cp is None:
+    if cp is None or not plans.is_hf(model):  # our GPT takes its ring by models.ring_attention.apply_to_gpt
         return False
-    if not plans.is_hf(model):
-        raise ValueError(f"parallelize: the mesh has a cp dim, and context parallelism reaches transformers models "
-                         f"here, not {type(model).__name__} (our GPT: models.ring_attention.apply_to_gpt)")
     apply_to_hf(model, cp)
     return dim_size(mesh, "tp") == 1
 
