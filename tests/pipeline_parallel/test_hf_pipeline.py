@@ -18,6 +18,9 @@ from distributed import distributed
 pytest.importorskip("transformers")
 
 DENSE = ("llama", "qwen2", "qwen3", "mistral")
+MORE = ("granite", "cohere", "phi3", "olmo2", "starcoder2", "gemma", "gemma3_text", "gpt_neox", "phi")
+"""Families whose base forward or head differ from Llama's (embedding and logit scales, tied heads, other
+module names, per-layer-type rotary), each under 1f1b at pp 2."""
 SCHEDULES = ("1f1b", "interleaved-1f1b", "zb1p", "zbv", "dualpipev")
 TORCH_PEERS = {"1f1b": "Schedule1F1B", "interleaved-1f1b": "ScheduleInterleaved1F1B",
                "zb1p": "ScheduleInterleavedZeroBubble", "zbv": "ScheduleZBVZeroBubble", "dualpipev": "ScheduleDualPipeV"}
@@ -125,6 +128,8 @@ def _pp2():
             out[(family, schedule)] = case(groups, family, schedule, 4, layers=4)
     for schedule in SCHEDULES:  # tied head: on one rank under zbv / dualpipev, summed over two otherwise
         out[("gemma2", schedule)] = case(groups, "gemma2", schedule, 4, layers=4)
+    for family in MORE:
+        out[(family, "1f1b")] = case(groups, family, "1f1b", 4, layers=4)
     return out, {s: torch_peer(groups, "llama", s, 4, 4) for s in SCHEDULES}
 
 
