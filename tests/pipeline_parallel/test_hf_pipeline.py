@@ -202,3 +202,21 @@ def test_models_without_a_pp_plan_are_refused_naming_the_field():
 
     with pytest.raises(ValueError, match="base_model_pp_plan"):
         pp_parts(nn.Linear(2, 2))
+
+
+@distributed(world_size=1)
+def _held_dtensor_bytes() -> int:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    from overlapkit.pipeline_parallel import WeightGradStore
+
+    store = WeightGradStore()
+    store.extra[torch.nn.Parameter(torch.zeros(1))] = distribute_tensor(torch.ones(4, 4), init_device_mesh("cpu", (1,)),
+                                                                        [Replicate()])
+    return store.nbytes
+
+
+def test_held_gradient_of_a_tensor_parallel_parameter_is_counted_by_its_local_tensor():
+    # zbv with DataParallel over TP stages holds DTensor gradients for the last micro-batch's W.
+    assert _held_dtensor_bytes() == [64]
