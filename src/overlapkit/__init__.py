@@ -18,6 +18,7 @@ _LAZY = {
     "RankMismatchError": ("overlapkit.runtime.agreement", "RankMismatchError"),
     "timeline": ("overlapkit.timeline", None),
     "parallelize": ("overlapkit.models.parallelize", "parallelize"),
+    "pipeline": ("overlapkit.models.hf_pipeline", "pipeline"),
     "vocab_parallel_cross_entropy": ("overlapkit.tensor_parallel.vocab", "vocab_parallel_cross_entropy"),
     "optim_param_groups": ("overlapkit.optim", "optim_param_groups"),
 }

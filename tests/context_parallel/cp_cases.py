@@ -139,14 +139,14 @@ def llama_errors(group, kernel: str = "math") -> float:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from overlapkit.context_parallel import shard_batch
-    from overlapkit.models.ring_attention import apply_to_hf_llama
+    from overlapkit.models.hf_ring_attention import apply_to_hf
 
     size, rank = dist.get_world_size(group), dist.get_rank(group)
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, attention_dropout=0.0)
     ref = LlamaForCausalLM(cfg)
-    model = apply_to_hf_llama(copy.deepcopy(ref), group, ContextParallelConfig(kernel=kernel))
+    model = apply_to_hf(copy.deepcopy(ref), group, ContextParallelConfig(kernel=kernel))
     ids = torch.randint(0, 64, (2, 8 * size), generator=torch.Generator().manual_seed(2))
     tgt = torch.randint(0, 64, (2, 8 * size), generator=torch.Generator().manual_seed(3))
     ref_logits = ref(ids).logits

@@ -24,6 +24,15 @@ def shard_batch(tokens: torch.Tensor, mesh_or_group, layout: str = "zigzag"):
     return local, pos.unsqueeze(0).expand(tokens.shape[0], -1)
 
 
+def shard_labels(labels: torch.Tensor, mesh_or_group, layout: str = "zigzag", ignore_index: int = -100):
+    """This rank's causal-LM targets [b, s_local] of `labels` [b, s]: each local token's label is the next
+    token's of the whole sequence (`ignore_index` for the last), as transformers' `shift_labels=` takes
+    them; shifting the local tokens instead would pair tokens that are not neighbours under the zigzag cut."""
+    group = resolve_group(mesh_or_group, "cp")
+    shifted = torch.nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    return shard(shifted, 1, group_rank(group), group_size(group), layout)
+
+
 def replicas_group(groups: ParallelGroups, timeout_s: float | None = None) -> dist.ProcessGroup:
     """The ranks holding the same parameters under CP: this rank's dp × cp ranks (gradients average over them).
 

@@ -84,8 +84,12 @@ def parallelize(model: nn.Module, mesh, *, overlap: str | None = None, sequence_
     built-in plans, on where the model allows it for a translated one); any extra keyword (transport=, chunks=, hardware=)
     goes to every parallel linear layer. A plan you pass carries its options in its styles,
     so `overlap`, `sequence_parallel` and layer keywords are refused with it.
+    On a mesh with a "cp" dim of size > 1 a transformers model also gets ring attention over it
+    (hf_ring_attention.apply_to_hf), before the TP plan.
     Collective over the TP group (one store round trip to compare the plan across ranks).
     """
+    if context_parallel(model, mesh):
+        return model
     mesh_1d = tp_mesh(mesh)
     group = resolve_group(mesh_1d, "tp")
     tp = mesh_1d.size()
@@ -118,6 +122,18 @@ def parallelize(model: nn.Module, mesh, *, overlap: str | None = None, sequence_
         plans.after_hf(model, group)
     attach_region(model)  # sequence parallelism steps aside where a forward's sequence does not split
     return model
+
+
+def context_parallel(model: nn.Module, mesh) -> bool:
+    """A mesh with a cp dim of size > 1: ring attention in a transformers model's attention (hf_ring_attention).
+    True when the mesh has no tp dim of size > 1, so that there is nothing more to apply."""
+    from .hf_ring_attention import apply_to_hf, cp_dim, dim_size
+
+    cp = cp_dim(mesh)
+    if cp is None or not plans.is_hf(model):  # our GPT takes its ring by models.ring_attention.apply_to_gpt
+        return False
+    apply_to_hf(model, cp)
+    return dim_size(mesh, "tp") == 1
 
 
 def _local(t):

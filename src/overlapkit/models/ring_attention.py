@@ -1,4 +1,5 @@
-"""Ring attention swapped into whole models (our GPT, HF Llama): the K/V ring hides behind each layer's attention.
+"""Ring attention swapped into our GPT: the K/V ring hides behind each layer's attention (transformers
+models: hf_ring_attention.py).
 
 After the fact, like `models.parallelize`: parameters and their names are untouched, only the
 attention computation (and, for the GPT, which positions the local tokens get) changes. Each
@@ -62,57 +63,3 @@ def apply_to_gpt(model: nn.Module, mesh_or_group, config: ContextParallelConfig 
     for i, block in enumerate(model.blocks):
         block.attn = RingGPTAttention(block.attn, RingAttention(group, config, causal=True, name=f"blocks.{i}.attn.cp"))
     return model
-
-
-# -- Hugging Face Llama (transformers 5.x) ----------------------------------------------------
-
-HF_ATTENTION = "overlapkit_ring"
-"""The attention implementation name registered with transformers' AttentionInterface."""
-
-
-def _hf_ring_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    # transformers passes q [b, h, s, d] and k, v [b, h_kv, s, d] (rotated by the positions given) and
-    # wants [b, s, h, d] back. No mask was built for this implementation: the ring masks causally itself.
-    ring = getattr(module, "cp_attention", None)
-    if ring is None:
-        raise RuntimeError(f"{type(module).__name__} runs attn_implementation={HF_ATTENTION!r} but was not prepared "
-                           "by overlapkit.context_parallel.apply_to_hf_llama")
-    if dropout:
-        raise ValueError(f"ring attention has no attention dropout; got dropout={dropout} (set attention_dropout=0)")
-    if attention_mask is not None:
-        raise ValueError("ring attention is causal over whole sequences; a padding mask is not supported")
-    return ring(query.contiguous(), key.contiguous(), value.contiguous(), scale=scaling).transpose(1, 2), None
-
-
-def apply_to_hf_llama(model: nn.Module, mesh_or_group, config: ContextParallelConfig = ContextParallelConfig()) -> nn.Module:
-    """Swap ring attention into a transformers Llama-family model in place.
-
-    Call the model with `input_ids, position_ids = shard_batch(ids, group)`: the position ids
-    give RoPE each local token's global position. Works with the attention split over TP heads
-    (the ring sees whatever heads are local).
-    """
-    from transformers import AttentionInterface
-
-    group = resolve_group(mesh_or_group, "cp")
-    AttentionInterface.register(HF_ATTENTION, _hf_ring_attention)
-    found = 0
-    for name, module in model.named_modules():
-        if getattr(module, "is_causal", False) and hasattr(module, "o_proj"):
-            module.cp_attention = RingAttention(group, config, causal=True, name=f"{name}.cp")
-            found += 1
-    if not found:
-        raise ValueError(f"no causal attention module (with o_proj) found in {type(model).__name__}")
-    for module in model.modules():
-        cfg = getattr(module, "config", None)
-        if cfg is not None and hasattr(cfg, "_attn_implementation"):
-            cfg._attn_implementation = HF_ATTENTION
-    if group_size(group) > 1:
-        model.register_forward_pre_hook(_require_position_ids, with_kwargs=True)
-    return model
-
-
-def _require_position_ids(module, args, kwargs):
-    # Without them transformers numbers the local tokens 0..s_local-1: RoPE would be silently wrong.
-    if kwargs.get("position_ids") is None:
-        raise ValueError(f"{type(module).__name__} is context parallel: pass position_ids (the global positions of "
-                         "this rank's tokens), e.g. input_ids, position_ids = shard_batch(ids, group)")

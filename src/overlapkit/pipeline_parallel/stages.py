@@ -132,3 +132,29 @@ def check_rank(pp: int, rank: int, virtual_stages: int, style: str) -> None:
         raise ValueError(f"style={style!r} must be 'loop' or 'v'")
     if style == "v" and virtual_stages != 2:
         raise ValueError(f"style='v' places two chunks a rank: virtual_stages={virtual_stages} must be 2")
+
+
+def balanced_counts(n_layers: int, n_chunks: int, layer_cost: float, first_extra: float = 0.0,
+                    last_extra: float = 0.0) -> tuple[int, ...]:
+    """Layers per chunk that make the slowest chunk as fast as it can be, each chunk costing its
+    layers times `layer_cost`, plus `first_extra` on chunk 0 (the embeddings) and `last_extra` on the
+    last (the head and loss); every chunk keeps at least one layer. Among the cuts as slow as the best,
+    the most even one (least sum of squared chunk costs)."""
+    if n_layers < n_chunks:
+        raise ValueError(f"cannot split {n_layers} layers into {n_chunks} chunks of at least one layer")
+    extra = [0.0] * n_chunks
+    extra[0] += first_extra
+    extra[-1] += last_extra
+    # best[k]: (slowest, sum of squares, counts) of the chunks so far holding k layers in all.
+    best = {0: (0.0, 0.0, ())}
+    for c in range(n_chunks):
+        nxt = {}
+        for used, (slow, sq, counts) in best.items():
+            for k in range(1, n_layers - used - (n_chunks - 1 - c) + 1):
+                cost = extra[c] + k * layer_cost
+                cand = (max(slow, cost), sq + cost * cost, counts + (k,))
+                key = used + k
+                if key not in nxt or cand[:2] < nxt[key][:2]:
+                    nxt[key] = cand
+        best = nxt
+    return best[n_layers][2]

@@ -51,6 +51,7 @@ class WeightGradStore:
         """Bytes this store keeps alive: the GEMMs' inputs (each distinct storage once) and held gradients."""
         seen, total = set(), 0
         for t in [t for _, dy, x, _ in self._items for t in (dy, x)] + list(self.extra.values()):
+            t = t.to_local() if hasattr(t, "to_local") else t  # a held gradient of a tensor-parallel parameter
             key = (t.untyped_storage().data_ptr(), t.storage_offset(), t.numel())
             if key not in seen:
                 seen.add(key)
