@@ -18,6 +18,7 @@ import json
 import os
 import sys
 
+from .bandwidth import check_peak
 from .trace import TraceError, label, read_traces, trace_files
 
 PLOT_FORMATS = ("png", "pdf", "svg", "svgz", "jpg", "jpeg", "eps", "ps", "tif", "tiff", "webp", "pgf")
@@ -119,9 +120,11 @@ def _analysis(args, traces):
     return analysis
 
 
-def _what_ifs(args, analysis) -> list[dict]:
+def _what_ifs(args, analysis, traces) -> list[dict]:
     from . import whatif
 
+    ranks = {t.rank for t in traces}
+    kinds = {s.kind for t in traces for s in t.spans if s.is_comm}
     out = []
     for q in args.what_if or ():
         if q.startswith("overlap"):
@@ -129,7 +132,7 @@ def _what_ifs(args, analysis) -> list[dict]:
                 raise ValueError(f"--what-if {q}: a cost-model question needs --config (the job's configuration)")
             out.append(args.tools.what_if(args.config, args.hardware or analysis.hardware, q, analysis.paths))
         else:
-            out.append(whatif.answer(analysis.paths, q))
+            out.append(whatif.answer(analysis.paths, q, ranks=ranks, kinds=kinds))
     return out
 
 
@@ -144,6 +147,10 @@ def run(args) -> int:
     for out in (args.html, args.plot):
         if out and not os.path.isdir(os.path.dirname(os.path.abspath(out))):
             return _fail(f"{out}: the folder {os.path.dirname(os.path.abspath(out))} does not exist")
+    try:
+        check_peak(args.peak_gbps)  # before reading: a bad flag should not cost a large trace's read
+    except ValueError as e:
+        return _fail(str(e))
     if args.compare:
         if args.traces:
             return _fail("--compare A B takes the two runs; give no other traces")
@@ -153,7 +160,7 @@ def run(args) -> int:
     try:
         traces = _read(args, args.traces)
         analysis = _analysis(args, traces)
-        asked = _what_ifs(args, analysis)
+        asked = _what_ifs(args, analysis, traces)
     except (TraceError, ValueError) as e:
         return _fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
     diagnosis = walk(analysis)

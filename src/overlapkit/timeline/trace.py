@@ -35,7 +35,9 @@ from .jsonstream import UNSUPPORTED_DEVICES, TraceEvents, TraceFileError, unsupp
 from .kinds import collective_kind
 from .messages import dtype_bytes, keep
 from .phases import marker_phase, span_phase
+from . import validate
 from .ranges import Ranges
+from .validate import BadTrace
 from ..runtime.spans import COMM_RANGE_PREFIX, COMPUTE_RANGE_PREFIX, WAIT_RANGE, Span
 
 __all__ = ["Trace", "TraceError", "collective_kind", "dtype_bytes", "read_trace", "read_traces", "trace_files"]
@@ -113,21 +115,15 @@ class Trace:
         self.step_ranges = {n: (a - offset_ms, b - offset_ms) for n, (a, b) in self.step_ranges.items()}
 
 
-def _number(path: Path, i: int, e: dict, key: str) -> float:
-    value = e.get(key, 0) or 0
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        try:
-            value = float(value)
-        except (TypeError, ValueError):
-            raise TraceError(f"{path}: event {i} ({str(e.get('name', '?'))[:60]!r}) has a non-numeric "
-                             f"{key}: {str(value)[:40]!r}") from None
-    return float(value)
-
-
-def _bad_time(path: Path, i: int, e: dict, ts: float, dur: float) -> TraceError:
-    what = ("a NaN or infinite ts" if not -_INF < ts < _INF else
-            "a NaN or infinite dur" if dur != dur or dur == _INF else f"a negative dur ({dur:g} µs)")
-    return TraceError(f"{path}: event {i} ({str(e.get('name', '?'))[:60]!r}) has {what}: a corrupt trace")
+def _used(cat: str, name: str) -> bool:
+    """Whether the reader reads an X event's times (validate.py checks only those)."""
+    if cat in GPU_CATEGORIES or cat in LAUNCH_CATEGORIES:
+        return True
+    if cat.startswith("gpu_"):
+        return False
+    return (name.startswith((_STEP_PREFIX, COMM_RANGE_PREFIX, COMPUTE_RANGE_PREFIX, "gloo:")) or name == WAIT_RANGE
+            or name == "record_param_comms" or is_fsdp_range(name) or cat in CPU_OP_CATEGORIES
+            or (cat in MARKER_CATEGORIES and marker_phase(name) is not None))
 
 
 def _gpu_name(meta: dict) -> str | None:
@@ -166,26 +162,37 @@ def read_trace(path: str | Path, rank: int | None = None, last_step: bool = Fals
     gpu, launches, steps, categories, syncs, evidence = [], {}, [], set(), [], {}
     ranges, param_comms, param_by_ext, markers, fsdp = Ranges(), Ranges(), {}, Ranges(), Ranges()
     gloo, ops = [], []
+    first, last, starts = (_INF, -1, None), (-_INF, -1, None), []  # the used events' earliest start, latest end
+    lowered, named = {}, {}  # per category its lower case, per name (tag, phase): both repeat 10^5 times
     try:
         for i, e in enumerate(source):
-            if not isinstance(e, dict):
-                if i < 100:
-                    raise TraceError(f"{path}: not a trace: no traceEvents list of events")
+            if type(e) is not dict:
+                raise validate.not_an_event(i, e)
+            if e.get("ph") != "X":
                 continue
-            if e.get("ph") != "X" or "ts" not in e:
-                continue
-            cat, name, args = str(e.get("cat", "")).lower(), str(e.get("name", "")), e.get("args") or {}
-            ts, dur = e["ts"], e.get("dur", 0)
+            cat, name = e.get("cat", ""), e.get("name", "")
+            if (low := lowered.get(cat)) is None:
+                low = lowered[cat] = str(cat).lower()
+            cat = low
+            if type(name) is not str:
+                name = str(name)
+            ts, dur = e.get("ts"), e.get("dur")
             if type(ts) not in (int, float) or type(dur) not in (int, float):  # the rare case, checked in full
-                ts, dur = _number(path, i, e, "ts"), _number(path, i, e, "dur")
-            if not (-_INF < ts < _INF and 0 <= dur < _INF):
-                raise _bad_time(path, i, e, ts, dur)
+                if not _used(cat, name):
+                    continue  # an odd field no number is read from
+                ts, dur = validate.number(i, e, "ts"), validate.number(i, e, "dur")
+            if not (-_INF < ts < _INF and 0 <= dur <= validate.DAY_US):
+                if not _used(cat, name):
+                    continue
+                validate.check_time(i, e, ts, dur)
             if cat not in categories:
                 categories.add(cat)
                 if (device := cat.split("_", 1)[0]) in UNSUPPORTED_DEVICES:
                     raise unsupported(device)
-            tid = e.get("tid")
-            if cat in TAGGED_CATEGORIES and (t := tag(name)) is not None:
+            tid, args = e.get("tid"), e.get("args") or {}
+            if (known := named.get(name)) is None:
+                known = named[name] = (tag(name), marker_phase(name))
+            if cat in TAGGED_CATEGORIES and (t := known[0]) is not None:
                 evidence[t] = evidence.get(t, 0) + 1
             if cat in GPU_CATEGORIES:
                 gpu.append((GPU_CATEGORIES[cat], name, ts, ts + dur, keep_gpu(args)))
@@ -210,9 +217,18 @@ def read_trace(path: str | Path, rank: int | None = None, last_step: bool = Fals
                 gloo.append((tid, ts, ts + dur, name, keep(args)))
             elif cat in CPU_OP_CATEGORIES:
                 ops.append((tid, ts, ts + dur, intern(name)))  # op names repeat: keep one copy of each
-            if cat in MARKER_CATEGORIES and (phase := marker_phase(name)) is not None:
+            elif not (cat in MARKER_CATEGORIES and known[1] is not None):
+                continue  # a range that marks nothing: its times are not read
+            if cat in MARKER_CATEGORIES and (phase := known[1]) is not None:
                 markers.add(tid, ts, ts + dur, {"phase": phase})
-    except TraceFileError as e:
+            starts.append(ts)
+            if ts < first[0]:
+                first = (ts, i, e)
+            if ts + dur > last[0]:
+                last = (ts + dur, i, e)
+        validate.check_span(first, last, starts)
+        del starts
+    except (TraceFileError, BadTrace) as e:
         raise TraceError(f"{path}: {e}") from None
     meta = source.meta
     base_us = float(meta.get("baseTimeNanoseconds", 0) or 0) / 1e3
@@ -241,6 +257,8 @@ def read_trace(path: str | Path, rank: int | None = None, last_step: bool = Fals
             raise TraceError(f"{path}: no rank: the trace has no distributedInfo.rank "
                              f"(profile with torch.distributed initialized, or give the rank)")
         rank = info["rank"]
+    if (problem := validate.check_rank(rank, info.get("world_size"))) is not None:
+        raise TraceError(f"{path}: {problem}")
 
     step_starts = [s[0] for s in steps]
     dropped = None
