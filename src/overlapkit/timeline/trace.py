@@ -23,7 +23,6 @@ import bisect
 import gc
 import math
 import os
-from sys import intern
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -115,15 +114,36 @@ class Trace:
         self.step_ranges = {n: (a - offset_ms, b - offset_ms) for n, (a, b) in self.step_ranges.items()}
 
 
-def _used(cat: str, name: str) -> bool:
-    """Whether the reader reads an X event's times (validate.py checks only those)."""
-    if cat in GPU_CATEGORIES or cat in LAUNCH_CATEGORIES:
-        return True
-    if cat.startswith("gpu_"):
-        return False
-    return (name.startswith((_STEP_PREFIX, COMM_RANGE_PREFIX, COMPUTE_RANGE_PREFIX, "gloo:")) or name == WAIT_RANGE
-            or name == "record_param_comms" or is_fsdp_range(name) or cat in CPU_OP_CATEGORIES
-            or (cat in MARKER_CATEGORIES and marker_phase(name) is not None))
+def _role(cat: str, name: str) -> tuple:
+    """(lower-case category, what the reader does with an X event of it and this name, its framework tag,
+    the phase it marks). The role is None for events whose times no number is read from (Python frames,
+    GPU images of CPU ranges, ranges that mark nothing): those are neither kept nor checked (validate.py).
+    Refuses a category of a device overlapkit cannot read."""
+    if (device := cat.split("_", 1)[0]) in UNSUPPORTED_DEVICES:
+        raise unsupported(device)
+    marker = marker_phase(name) if cat in MARKER_CATEGORIES else None
+    t = tag(name) if cat in TAGGED_CATEGORIES else None
+    if cat in GPU_CATEGORIES:
+        role = "gpu"
+    elif cat in LAUNCH_CATEGORIES:
+        role = "launch"
+    elif cat.startswith("gpu_"):
+        return cat, None, t, None  # gpu_user_annotation: GPU images of CPU ranges, not work of their own
+    elif name.startswith(_STEP_PREFIX) and name[len(_STEP_PREFIX):].isdigit():
+        role = "step"
+    elif name.startswith((COMM_RANGE_PREFIX, COMPUTE_RANGE_PREFIX)) or name == WAIT_RANGE:
+        role = "range"
+    elif is_fsdp_range(name):
+        role = "fsdp"
+    elif name == "record_param_comms":
+        role = "param"
+    elif name.startswith("gloo:"):
+        role = "gloo"
+    elif cat in CPU_OP_CATEGORIES:
+        role = "op"
+    else:
+        role = "marker" if marker is not None else None
+    return cat, role, t, marker
 
 
 def _gpu_name(meta: dict) -> str | None:
@@ -159,11 +179,11 @@ def read_trace(path: str | Path, rank: int | None = None, last_step: bool = Fals
         source = TraceEvents(path, stream=stream, on_bytes=on_bytes)
     except TraceFileError as e:
         raise TraceError(f"{path}: {e}") from None
-    gpu, launches, steps, categories, syncs, evidence = [], {}, [], set(), [], {}
+    gpu, launches, steps, syncs, evidence = [], {}, [], [], {}
     ranges, param_comms, param_by_ext, markers, fsdp = Ranges(), Ranges(), {}, Ranges(), Ranges()
     gloo, ops = [], []
     first, last, starts = (_INF, -1, None), (-_INF, -1, None), []  # the used events' earliest start, latest end
-    lowered, named = {}, {}  # per category its lower case, per name (tag, phase): both repeat 10^5 times
+    roles = {}  # (cat, name) -> _role(...): names repeat 10^5 times, so each is classified once
     try:
         for i, e in enumerate(source):
             if type(e) is not dict:
@@ -171,55 +191,45 @@ def read_trace(path: str | Path, rank: int | None = None, last_step: bool = Fals
             if e.get("ph") != "X":
                 continue
             cat, name = e.get("cat", ""), e.get("name", "")
-            if (low := lowered.get(cat)) is None:
-                low = lowered[cat] = str(cat).lower()
-            cat = low
-            if type(name) is not str:
-                name = str(name)
+            if type(cat) is not str or type(name) is not str:
+                cat, name = str(cat), str(name)
+            if (known := roles.get((cat, name))) is None:
+                known = roles[(cat, name)] = (*_role(cat.lower(), name), name)
+            cat, role, t, phase, name = known  # the first event's name: one str kept per distinct name
+            if t is not None:
+                evidence[t] = evidence.get(t, 0) + 1
+            if role is None:
+                continue  # a Python frame, a range that marks nothing: no time of it is read
             ts, dur = e.get("ts"), e.get("dur")
             if type(ts) not in (int, float) or type(dur) not in (int, float):  # the rare case, checked in full
-                if not _used(cat, name):
-                    continue  # an odd field no number is read from
                 ts, dur = validate.number(i, e, "ts"), validate.number(i, e, "dur")
             if not (-_INF < ts < _INF and 0 <= dur <= validate.DAY_US):
-                if not _used(cat, name):
-                    continue
                 validate.check_time(i, e, ts, dur)
-            if cat not in categories:
-                categories.add(cat)
-                if (device := cat.split("_", 1)[0]) in UNSUPPORTED_DEVICES:
-                    raise unsupported(device)
-            tid, args = e.get("tid"), e.get("args") or {}
-            if (known := named.get(name)) is None:
-                known = named[name] = (tag(name), marker_phase(name))
-            if cat in TAGGED_CATEGORIES and (t := known[0]) is not None:
-                evidence[t] = evidence.get(t, 0) + 1
-            if cat in GPU_CATEGORIES:
-                gpu.append((GPU_CATEGORIES[cat], name, ts, ts + dur, keep_gpu(args)))
-            elif cat in LAUNCH_CATEGORIES:
+            tid = e.get("tid")
+            if role == "gpu":
+                gpu.append((GPU_CATEGORIES[cat], name, ts, ts + dur, keep_gpu(e.get("args") or {})))
+            elif role == "op":
+                ops.append((tid, ts, ts + dur, name))
+            elif role == "launch":
+                args = e.get("args") or {}
                 if "correlation" in args:
                     launches[args["correlation"]] = (tid, ts, name)
                 if name in HOST_SYNCS:
                     syncs.append((tid, ts, ts + dur))
-            elif cat.startswith("gpu_"):
-                continue  # gpu_user_annotation: GPU images of CPU ranges, not work of their own
-            elif name.startswith(_STEP_PREFIX) and name[len(_STEP_PREFIX):].isdigit():
+            elif role == "step":
                 steps.append((ts, ts + dur, int(name[len(_STEP_PREFIX):])))
-            elif name.startswith((COMM_RANGE_PREFIX, COMPUTE_RANGE_PREFIX)) or name == WAIT_RANGE:
+            elif role == "range":
                 ranges.add(tid, ts, ts + dur, {"name": name, "ts": ts})
-            elif is_fsdp_range(name):
+            elif role == "fsdp":
                 fsdp.add(tid, ts, ts + dur, {"name": name})
-            elif name == "record_param_comms":
+            elif role == "param":
+                args = e.get("args") or {}
                 param_comms.add(tid, ts, ts + dur, keep(args))
                 if "External id" in args:
                     param_by_ext[args["External id"]] = keep(args)
-            elif name.startswith("gloo:"):
-                gloo.append((tid, ts, ts + dur, name, keep(args)))
-            elif cat in CPU_OP_CATEGORIES:
-                ops.append((tid, ts, ts + dur, intern(name)))  # op names repeat: keep one copy of each
-            elif not (cat in MARKER_CATEGORIES and known[1] is not None):
-                continue  # a range that marks nothing: its times are not read
-            if cat in MARKER_CATEGORIES and (phase := known[1]) is not None:
+            elif role == "gloo":
+                gloo.append((tid, ts, ts + dur, name, keep(e.get("args") or {})))
+            if phase is not None:
                 markers.add(tid, ts, ts + dur, {"phase": phase})
             starts.append(ts)
             if ts < first[0]:
