@@ -10,7 +10,10 @@ the phase (forward/backward/optimizer/pipeline) from `timeline/phases.py`. A col
 FSDP2 issued inside its `FSDP::all_gather` / `FSDP::post_backward_reduce` range is
 `zero_all_gather` / `zero_reduce_scatter`, named by module (`timeline/fsdp2.py`).
 
-A CPU-only trace (gloo) is read by `timeline/cpu_trace.py`. Traces of other devices (MTIA)
+An event whose times the reader uses must carry them as real numbers within a day of the others,
+and the trace's rank must lie in its world: anything else is refused in one line naming the event
+and the field (`timeline/validate.py`), never read as 0. A CPU-only trace (gloo) is read by
+`timeline/cpu_trace.py`. Traces of other devices (MTIA)
 are refused as unsupported rather than misread as CPU traces.
 
 The last `ProfilerStep` is dropped when a trace holds two or more (a profiler usually stops
