@@ -32,6 +32,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -140,10 +141,7 @@ def _measure_lines(argv: list[str], env: dict | None = None, timeout_s: float = 
     t0 = time.perf_counter()
     proc = subprocess.Popen([sys.executable, "-c", _PEAK + argv[0], *argv[1:]], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=env)
-    first, err = None, []
-    out_chunks = []
-    import threading
-
+    first, err, out_chunks = None, [], []
     reader = threading.Thread(target=lambda: out_chunks.append(proc.stdout.read()), daemon=True)
     reader.start()
     for line in proc.stderr:  # the progress lines arrive while the child reads
@@ -182,7 +180,8 @@ def one_rank(args) -> None:
         raise RuntimeError(f"analyze failed: {ours['stderr'][-3:]}")
     doc = json.loads(ours["stdout"])
     rank = doc["ranks"][0]
-    result = dict(machine=_machine(), file_mb=size / 1e6, generate_s=made_s, analyze_s=ours["s"], analyze_cpu_s=ours["cpu_s"],
+    result = dict(machine=_machine(), file_mb=size / 1e6, generate_s=made_s, analyze_s=ours["s"],
+                  analyze_cpu_s=ours["cpu_s"],
                   analyze_max_rss_mb=ours["max_rss_mb"], first_progress_line_s=ours["first_line_s"],
                   progress_lines=len(ours["stderr"]), steps=len(rank["steps"]), overlap_pct=rank["overlap_pct"],
                   hta=None)

@@ -101,6 +101,8 @@ def _read(args, paths):
     with Progress(trace_files(paths), show=args.progress) as bar:
         traces = read_traces(paths, rank=args.rank, last_step=args.last_step, progress=bar)
     check_one_job(traces)
+    bar.note(f"analyzing {sum(len(t.spans) for t in traces)} spans of {len(traces)} rank(s): the report, "
+             f"the critical path and the diagnosis")
     return traces
 
 

@@ -57,6 +57,11 @@ class Progress:
         if self.lines and exc[0] is None:
             self._line(f"read {self.total / 1e6:.1f} MB in {time.monotonic() - self.started:.1f} s")
 
+    def note(self, text: str) -> None:
+        """One more line (off a terminal, when lines are on): what runs after the read, which has no bar."""
+        if self.lines:
+            self._line(text)
+
     def _line(self, text: str) -> None:
         print(f"overlapkit analyze: {text}", file=self.stream, flush=True)
 
