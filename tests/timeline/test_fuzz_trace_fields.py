@@ -46,4 +46,7 @@ def test_an_odd_time_is_refused_by_event_and_field_or_changes_nothing(tmp_path_f
         return
     err = captured.err.strip()
     assert code == 2 and err.count("\n") == 0 and str(path) in err, err
+    if value == -1.0 and field == "ts":  # a real time that moves a step: a named error of its own, never a crash
+        assert "min() arg" not in err and "empty" not in err, err
+        return
     assert f"event {index} (" in err, (index, field, value, err)

@@ -149,3 +149,16 @@ def test_the_library_refuses_the_same_peaks(tmp_path, peak):
     trace = read_trace(_builder().write(tmp_path / "ok.json"))
     with pytest.raises(ValueError, match="a link's peak is a finite number of GB/s > 0"):
         analyze([trace], peak_gbps=peak)
+
+
+def test_work_all_in_the_dropped_last_step_is_named_not_a_crash(tmp_path, capsys):
+    # found by the fuzz test: a step moved before the others left nothing outside the last step, and the
+    # report died on min() of nothing
+    b = _builder()
+    b.cpu("ProfilerStep#2", -1, 200)
+    b.cpu("ProfilerStep#1", 990, 200)
+    path = b.write(tmp_path / "steps.json")
+    assert _run(path) == 2
+    err = _one_line(capsys)
+    assert "all work was issued in the last ProfilerStep (#1)" in err and "--last-step" in err, err
+    assert _run(path, "--last-step") == 0

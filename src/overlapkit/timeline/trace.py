@@ -278,6 +278,9 @@ def read_trace(path: str | Path, rank: int | None = None, last_step: bool = Fals
     if len(steps) >= 2 and not last_step:
         dropped = steps[-1][2]
         raw = [r for r in raw if r[0] < steps[-1][0]]
+        if not raw:
+            raise TraceError(f"{path}: all work was issued in the last ProfilerStep (#{dropped}), which is left out "
+                             f"(a profiler usually stops inside it): give --last-step to keep it")
 
     def step_of(t: float | None) -> int | None:
         if t is None:
