@@ -12,6 +12,15 @@ size gives it; what it drops (args, flows, python functions) is what makes real 
     python benchmarks/analyze_large.py --smoke                  # 2 ranks x 0.5 MB, results in a temporary folder
 
 Writes benchmarks/results/analyze_large.json and .md (or under --out).
+
+`--one-rank-mb MB` is the test of record for one large file: one rank's trace of MB megabytes shaped like
+what `torch.profiler` writes (`_lib/kineto_trace.py`: Python frame stacks, CPU ops, launches and flows, GEMMs
+on two streams, NCCL all-gathers and reduce-scatters on two more, ProfilerStep#N), analyzed by
+`overlapkit analyze --json --progress` in a child process: wall time, the child's max RSS, and when its
+first progress line came; with `--hta-path` (a `pip install --target` of HolisticTraceAnalysis), HTA's
+`get_comm_comp_overlap` on the same file beside it (capped at --hta-timeout s and --hta-max-gb GB).
+
+    python benchmarks/analyze_large.py --one-rank-mb 200 --hta-path /tmp/hta   # analyze_large_one_rank_<host>.md
 """
 
 from __future__ import annotations
@@ -23,6 +32,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -111,7 +121,8 @@ def write_trace(path: Path, rank: int, world: int, mb: float, slow_rank: int | N
 
 
 _PEAK = ("import atexit, resource, sys; atexit.register(lambda: sys.stderr.write("
-         "'MAXRSS_KB %d\\n' % resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)); ")
+         "'MAXRSS_KB %d %.3f\\n' % (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, "
+         "resource.getrusage(resource.RUSAGE_SELF).ru_utime + resource.getrusage(resource.RUSAGE_SELF).ru_stime))); ")
 
 
 def _measure(code: str, *argv: str) -> tuple[float, float, str]:
@@ -125,8 +136,98 @@ def _measure(code: str, *argv: str) -> tuple[float, float, str]:
     return seconds, kb / 1024, run.stdout
 
 
+def _measure_lines(argv: list[str], env: dict | None = None, timeout_s: float = 3600.0) -> dict:
+    """Run `python -c _PEAK... argv` and time it: wall s, max RSS MB, s to the first stderr line, stdout."""
+    t0 = time.perf_counter()
+    proc = subprocess.Popen([sys.executable, "-c", _PEAK + argv[0], *argv[1:]], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env)
+    first, err, out_chunks = None, [], []
+    reader = threading.Thread(target=lambda: out_chunks.append(proc.stdout.read()), daemon=True)
+    reader.start()
+    for line in proc.stderr:  # the progress lines arrive while the child reads
+        if first is None and not line.startswith("MAXRSS_KB"):
+            first = time.perf_counter() - t0
+        err.append(line)
+    code = proc.wait(timeout=timeout_s)
+    reader.join()
+    seconds = time.perf_counter() - t0
+    kb = [x.split()[1:] for x in err if x.startswith("MAXRSS_KB")]
+    return dict(code=code, s=seconds, max_rss_mb=int(kb[0][0]) / 1024 if kb else None,
+                cpu_s=float(kb[0][1]) if kb else None, first_line_s=first,
+                stderr=[x.rstrip() for x in err if not x.startswith("MAXRSS_KB")], stdout="".join(out_chunks))
+
+
+_HTA = ("import resource; cap = int(float(sys.argv[2]) * 2**30); resource.setrlimit(resource.RLIMIT_AS, (cap, cap)); "
+        "sys.path.insert(0, sys.argv[3]); from hta.trace_analysis import TraceAnalysis; "
+        "df = TraceAnalysis(trace_dir=sys.argv[1]).get_comm_comp_overlap(); print(df.to_json(orient='records'))")
+
+
+def one_rank(args) -> None:
+    """The test of record for one large file (module docstring)."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from _lib.kineto_trace import write_trace as write_kineto
+
+    folder = Path(args.dir or tempfile.mkdtemp(prefix="analyze_one_rank_"))
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "rank0.pt.trace.json"
+    t0 = time.perf_counter()
+    size = write_kineto(path, args.one_rank_mb)
+    made_s = time.perf_counter() - t0
+    print(f"wrote {path} ({size / 1e6:.0f} MB) in {made_s:.1f} s", file=sys.stderr)
+    analyze = "import runpy; sys.argv[0] = 'overlapkit'; runpy.run_module('overlapkit', run_name='__main__')"
+    ours = _measure_lines([analyze, "analyze", str(path), "--json", "--progress"])
+    if ours["code"] != 0:
+        raise RuntimeError(f"analyze failed: {ours['stderr'][-3:]}")
+    doc = json.loads(ours["stdout"])
+    rank = doc["ranks"][0]
+    result = dict(machine=_machine(), file_mb=size / 1e6, generate_s=made_s, analyze_s=ours["s"],
+                  analyze_cpu_s=ours["cpu_s"],
+                  analyze_max_rss_mb=ours["max_rss_mb"], first_progress_line_s=ours["first_line_s"],
+                  progress_lines=len(ours["stderr"]), steps=len(rank["steps"]), overlap_pct=rank["overlap_pct"],
+                  hta=None)
+    if args.hta_path:
+        hta = _measure_lines([_HTA, str(folder), str(args.hta_max_gb), args.hta_path], timeout_s=args.hta_timeout)
+        result["hta"] = dict(code=hta["code"], s=hta["s"], cpu_s=hta["cpu_s"], max_rss_mb=hta["max_rss_mb"],
+                             error=None if hta["code"] == 0 else (hta["stderr"] or ["?"])[-1][:300],
+                             overlap_pct=json.loads(hta["stdout"])[0].get("comp_comm_overlap_pctg")
+                             if hta["code"] == 0 else None)
+    from _lib.common import out_dir, write_results
+
+    write_results(result, os.path.join(out_dir(args), f"analyze_large_one_rank_{result['machine']['host']}"),
+                  _one_rank_markdown)
+    if not args.dir:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _machine() -> dict:
+    import platform
+
+    return dict(host=platform.node().split(".")[0] or "host", cpus=os.cpu_count(), python=platform.python_version(),
+                date=time.strftime("%Y-%m-%d"), load_1min=os.getloadavg()[0])
+
+
+def _one_rank_markdown(r: dict) -> str:
+    m, h = r["machine"], r["hta"]
+    hta = ("not run (no --hta-path)" if h is None else
+           f"{h['s']:.1f} | {h['cpu_s']:.1f} | {h['max_rss_mb']:.0f} | | | {h['overlap_pct']:.1f}" if h["code"] == 0 else
+           f"failed after {h['s']:.1f} s (max RSS {h['max_rss_mb'] or 0:.0f} MB): {h['error']}")
+    return "\n".join([
+        f"One rank's {r['file_mb']:.0f} MB profiler-shaped trace (`benchmarks/analyze_large.py --one-rank-mb`), "
+        f"{m['host']}, {m['cpus']} CPUs, Python {m['python']}, {m['date']}, load {m['load_1min']:.1f} at the end:", "",
+        "| | wall s | CPU s | max RSS MB | first progress line s | steps | overlap % |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+        f"| overlapkit analyze --json --progress | {r['analyze_s']:.1f} | {r['analyze_cpu_s']:.1f} | "
+        f"{r['analyze_max_rss_mb']:.0f} | "
+        f"{r['first_progress_line_s']:.2f} | {r['steps']} | {r['overlap_pct']:.1f} |",
+        f"| HolisticTraceAnalysis 0.5.0 get_comm_comp_overlap | {hta} |", ""])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--one-rank-mb", type=float, help="one rank's profiler-shaped trace of this many MB instead")
+    ap.add_argument("--hta-path", help="with --one-rank-mb: HolisticTraceAnalysis installed here (pip --target)")
+    ap.add_argument("--hta-timeout", type=float, default=600.0, help="seconds HTA may take")
+    ap.add_argument("--hta-max-gb", type=float, default=10.0, help="address space HTA may take, GB")
     ap.add_argument("--ranks", type=int, default=16)
     ap.add_argument("--mb", type=float, default=32.0, help="MB of JSON per rank")
     ap.add_argument("--slow-rank", type=int, default=3)
@@ -135,6 +236,10 @@ def main() -> None:
                                                 "temporary folder)")
     ap.add_argument("--smoke", action="store_true", help="2 ranks of 0.5 MB: shows the script runs, measures nothing")
     args = ap.parse_args()
+    if args.one_rank_mb:
+        if args.smoke:
+            args.one_rank_mb = 1.0
+        return one_rank(args)
     if args.smoke:
         args.ranks, args.mb, args.slow_rank = 2, 0.5, 1
     folder = Path(args.dir or tempfile.mkdtemp(prefix="analyze_large_"))

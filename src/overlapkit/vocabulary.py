@@ -86,6 +86,34 @@ def check_bool(value, what: str, *, error: type[Exception] = ValueError) -> bool
     return value
 
 
+def check_prefetch(value, what: str, *, pairs: bool = False, error: type[Exception] = ValueError):
+    """`value`, or `error` naming `what` unless it is 'auto' or an integer >= 0 (blocks gathered ahead), or with
+    `pairs` a (forward, backward) pair of such integers: the ZeRO-3 / FSDP prefetch depth, as fully_shard and
+    `overlapkit plan --zero3-prefetch` take it."""
+    depths = value if pairs and isinstance(value, tuple) and len(value) == 2 else (value, value)
+    if value != "auto" and not all(is_int_at_least(d, 0) for d in depths):
+        pair = " or a (forward, backward) pair of them" if pairs else ""
+        raise error(f"{what} must be 'auto', an integer >= 0 (blocks ahead){pair}, got {value!r}")
+    return value
+
+
+MAX_BUCKET_MB = float(2**20)
+"""Largest bucket cap accepted (1 TiB): more than any device holds, and far from the int64 byte counts overflowing."""
+
+
+def check_bucket_mb(value, what: str, *, auto: bool = False, error: type[Exception] = ValueError):
+    """`value`, or `error` naming `what` unless it is a finite number of MiB in (0, MAX_BUCKET_MB] (or, with
+    `auto`, the word "auto"): the data-parallel bucket size, as DataParallelConfig and `overlapkit plan
+    --bucket-mb` take it."""
+    if auto and value == "auto":
+        return value
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= MAX_BUCKET_MB:
+        word = '"auto" or ' if auto else ""
+        raise error(f"{what} must be {word}a finite number of MiB > 0 and <= {MAX_BUCKET_MB:.0f} (1 TiB), "
+                    f"got {value!r}")
+    return value
+
+
 DIMS = ("pp", "dp", "cp", "tp")
 """Mesh dimension names, outermost first (the order ranks are laid out in)."""
 

@@ -181,7 +181,7 @@ def test_bad_model_files_are_one_line(tmp_path, capsys, content, field):
 
 @pytest.mark.parametrize("argv,field", [
     (["--tp", "abc"], "argument --tp/--tensor-model-parallel-size: invalid int value"),
-    (["--bucket-mb", "1e14", "--dp", "2"], "bucket_mib=100000000000000.0: must be <="),
+    (["--bucket-mb", "1e14", "--dp", "2"], "--bucket-mb must be a finite number of MiB > 0 and <= 1048576"),
     (["--tp", str(10**12)], "tp=1000000000000: must be <="),
     (["--attention", "sdpa"], "argument --attention: invalid choice"),
     (["--first-stage-layers", "3"], "first_stage_layers=3 needs pp > 1"),
@@ -195,10 +195,24 @@ def test_bad_flags_are_one_line(argv, field, capsys):
 
 
 @pytest.mark.parametrize("argv,field", [
-    (["--global-batch", "0"], "--global-batch 0: must be >= 1"),
-    (["--seq-len", "0"], "--seq-len 0: must be >= 1"),
-    (["--seq-len", "-5"], "--seq-len -5: must be >= 1"),
-    (["--experts", "0"], "--experts 0: must be >= 1"),
+    (["--global-batch", "0"], "--global-batch=0 must be an integer >= 1"),
+    (["--seq-len", "0"], "--seq-len=0 must be an integer >= 1"),
+    (["--seq-len", "-5"], "--seq-len=-5 must be an integer >= 1"),
+    (["--experts", "0"], "--experts=0 must be an integer >= 1"),
+    (["--top-k", "0"], "--top-k=0 must be an integer >= 1"),
+    (["--gpus", "0"], "--gpus=0 must be an integer >= 1"),
+    (["--gpus", "-1"], "--gpus=-1 must be an integer >= 1"),
+    (["--moe-chunks", "0"], "--moe-chunks=0 must be an integer >= 1"),
+    (["--zero3-wrap", "0"], "--zero3-wrap=0 must be an integer >= 1"),
+    (["--tp", "0"], "--tp=0 must be an integer >= 1"),
+    (["--micro-batch", "-2"], "--micro-batch=-2 must be an integer >= 1"),
+    (["--first-stage-layers", "-1"], "--first-stage-layers=-1 must be an integer >= 0"),
+    (["--bucket-mb", "-5"], "--bucket-mb must be a finite number of MiB > 0 and <= 1048576 (1 TiB), got -5.0"),
+    (["--bucket-mb", "0"], "--bucket-mb must be a finite number of MiB > 0"),
+    (["--bucket-mb", "nan"], "--bucket-mb must be a finite number of MiB > 0 and <= 1048576 (1 TiB), got nan"),
+    (["--bucket-mb", "inf"], "got inf"),
+    (["--zero3-prefetch", "-1"], "--zero3-prefetch must be 'auto', an integer >= 0 (blocks ahead), got -1"),
+    (["--zero3-prefetch", "soon"], "--zero3-prefetch must be 'auto', an integer >= 0 (blocks ahead), got 'soon'"),
     (["--global-batch", str(10**21)], "global_batch=1000000000000000000000: must be <="),
 ])
 def test_zero_and_absurd_sizes_are_errors_not_defaults(argv, field, capsys):
@@ -222,3 +236,38 @@ def test_version_prints_the_package_version(capsys):
     with pytest.raises(SystemExit) as e:
         main(["--version"])
     assert e.value.code == 0 and capsys.readouterr().out.strip() == f"overlapkit {__version__}"
+
+
+@pytest.mark.parametrize("engine, plan_argv", [
+    (lambda: __import__("overlapkit.data_parallel.fsdp", fromlist=["x"]).FullyShardConfig(prefetch=-1),
+     ["--zero3-prefetch", "-1"]),
+    (lambda: __import__("overlapkit.data_parallel.ddp", fromlist=["x"]).DataParallelConfig(bucket_mb=-5.0),
+     ["--bucket-mb", "-5"]),
+])
+def test_plan_refuses_what_the_engine_refuses_in_its_words(engine, plan_argv, capsys):
+    # one validator (vocabulary.check_prefetch / check_bucket_mb) for the engine's config and plan's flag
+    with pytest.raises(ValueError) as refused:
+        engine()
+    code, _, err = run(["plan", "--model", "llama3-8b", *plan_argv], capsys)
+    words = str(refused.value).split(" must be ", 1)[1]
+    for engine_only in (" or a (forward, backward) pair of them", '"auto" or '):  # what plan's flag cannot take
+        words = words.replace(engine_only, "")
+    assert code == 2 and words in err, (err, words)
+
+
+def test_plan_takes_the_prefetch_depth_as_fully_shard_does(capsys):
+    common = ["--model", "llama3-8b", "--dp", "8", "--zero", "3", "--overlap", "pipelined"]
+    auto, two = plan_json([*common, "--zero3-prefetch", "auto"], capsys), plan_json([*common, "--zero3-prefetch", "2"],
+                                                                                     capsys)
+    assert two["zero3"]["prefetch"] == 2 and auto["zero3"] == plan_json(common, capsys)["zero3"]
+
+
+@pytest.mark.parametrize("key, value", [("num_key_value_heads", 0), ("num_key_value_heads", -8), ("head_dim", 0),
+                                        ("num_key_value_heads", True)])
+def test_a_huggingface_config_with_no_heads_is_refused(tmp_path, capsys, key, value):
+    cfg = {"model_type": "llama", "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
+           "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256, "hidden_act": "silu", key: value}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    code, out, err = run(["plan", "--model", str(tmp_path / "config.json")], capsys)
+    assert code == 2 and out == "" and err.count("\n") == 1
+    assert f"{key}={value!r}: must be an integer >= 1" in err, err

@@ -12,6 +12,7 @@ import json
 import sys
 from pathlib import Path
 
+from ..vocabulary import check_bucket_mb, check_prefetch, positive_int
 from ._validate import ConfigError
 from .flops import CONVENTIONS
 from .parallel import ATTENTION, DTYPES, GRAD_ACCUMULATION, MODES, RECOMPUTE, TRANSPORTS, Overlap, ParallelConfig
@@ -64,7 +65,6 @@ def register(subparsers, draw=None, calibrate=None) -> None:
             (("--first-stage-layers", "--decoder-first-pipeline-num-layers"), 0, "layers on the first stage (0: even)"),
             (("--last-stage-layers", "--decoder-last-pipeline-num-layers"), 0, "layers on the last stage (0: even)"),
             (("--moe-chunks",), 4, "token chunks of the MoE all-to-all when EP overlap is on"),
-            (("--zero3-prefetch",), -1, "ZeRO-3 prefetch depth in units (-1: chosen by the model)"),
             (("--zero3-wrap",), 1, "layers per ZeRO-3 / FSDP unit"),
             (("--gpus",), None, "GPU count to check tp*cp*pp*dp against")):
         p.add_argument(*names, type=int, default=default, help=text, dest=names[0][2:].replace("-", "_"))
@@ -72,6 +72,9 @@ def register(subparsers, draw=None, calibrate=None) -> None:
                         (("--experts", "--num-experts"), "experts per MoE layer (replaces the model's)"),
                         (("--top-k", "--moe-router-topk"), "experts per token (replaces the model's)")):
         p.add_argument(*names, type=int, default=None, help=text, dest=names[0][2:].replace("-", "_"))
+    p.add_argument("--zero3-prefetch", default="auto",
+                   help="ZeRO-3 prefetch depth in units ahead, or auto (the model's choice, as fully_shard's "
+                        "prefetch='auto')")
     p.add_argument("--sp", "--sequence-parallel", action=argparse.BooleanOptionalAction, default=True,
                    help="sequence parallelism")
     p.add_argument("--recompute", "--recompute-granularity", choices=RECOMPUTE, default="none",
@@ -120,12 +123,28 @@ def register(subparsers, draw=None, calibrate=None) -> None:
     b.set_defaults(func=run_bench)
 
 
+SIZE_FLAGS = {"tp": 1, "pp": 1, "vpp": 1, "dp": 1, "cp": 1, "ep": 1, "micro_batch": 1, "global_batch": 1,
+              "first_stage_layers": 0, "last_stage_layers": 0, "moe_chunks": 1, "zero3_wrap": 1, "gpus": 1,
+              "seq_len": 1, "experts": 1, "top_k": 1}
+"""Integer flags -> their least value; None (left out) takes the default, 0 is not "the default"."""
+
+
+def _prefetch(text: str):
+    """--zero3-prefetch: 'auto' or a depth >= 0, refused in fully_shard's words (vocabulary.check_prefetch)."""
+    try:
+        value = text if text == "auto" else int(text)
+    except ValueError:
+        value = text
+    return check_prefetch(value, "--zero3-prefetch", error=ConfigError)
+
+
 def _sizes(args) -> None:
-    """Sizes the user typed that the defaults would otherwise swallow: 0 is not "the default"."""
-    for flag, value in (("global_batch", args.global_batch), ("seq_len", args.seq_len), ("experts", args.experts),
-                        ("top_k", args.top_k)):
-        if value is not None and value < 1:
-            raise ConfigError(f"--{flag.replace('_', '-')} {value}: must be >= 1 (leave it out for the default)")
+    """Every number the engines take refused with the engines' own validators and words (vocabulary)."""
+    for flag, least in SIZE_FLAGS.items():
+        if (value := getattr(args, flag)) is not None:
+            positive_int(value, f"--{flag.replace('_', '-')}", minimum=least, error=ConfigError)
+    check_bucket_mb(args.bucket_mb, "--bucket-mb", error=ConfigError)
+    args.zero3_prefetch = _prefetch(args.zero3_prefetch)
 
 
 def _parallel(args) -> ParallelConfig:
@@ -139,7 +158,8 @@ def _parallel(args) -> ParallelConfig:
                           attention=args.attention, pp_scatter_gather=args.pp_scatter_gather,
                           dp_in_drain=args.dp_in_drain, first_stage_layers=args.first_stage_layers,
                           last_stage_layers=args.last_stage_layers, eager=args.eager, moe_chunks=args.moe_chunks,
-                          zero3_prefetch=args.zero3_prefetch, zero3_wrap=args.zero3_wrap)
+                          zero3_prefetch=-1 if args.zero3_prefetch == "auto" else args.zero3_prefetch,
+                          zero3_wrap=args.zero3_wrap)
 
 
 def _model(args):

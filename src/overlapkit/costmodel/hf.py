@@ -44,6 +44,9 @@ def from_hf_config(d: dict, name: str = "hf", seq_len: int | None = None) -> Mod
     ffn = moe_ffn if experts > 1 and moe_ffn else _get(d, o, "intermediate_size", "n_inner", "ffn_dim",
                                                       default=4 * hidden if isinstance(hidden, int) else 1)
     heads = _get(d, o, "num_attention_heads", "n_head")
+    for key in ("num_key_value_heads", "head_dim"):  # null: HF's default (all heads; hidden / heads); 0 is no size
+        if d.get(key) is not None:
+            v.positive_int(o, key, d[key])
     tied = d.get("tie_word_embeddings", gpt2)
     label = name if seq_len else f"{name} (seq_len {DEFAULT_SEQ_LEN} assumed)"
     return ModelConfig(

@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor
 
 from ..runtime.agreement import agree
 from ..runtime.deprecation import deprecated
-from ..vocabulary import OVERLAP_MEANING, is_int_at_least, positive_int
+from ..vocabulary import OVERLAP_MEANING, check_prefetch, is_int_at_least, positive_int
 from .agree import copy_from_first_rank
 from .fsdp_check import ADVICE, StepCheck
 from .fsdp_prefetch import MIB, ZeroThree
@@ -57,11 +57,7 @@ class FullyShardConfig:
     not found."""
 
     def __post_init__(self) -> None:
-        p = self.prefetch
-        depths = p if isinstance(p, tuple) and len(p) == 2 else (p, p)
-        if p != "auto" and any(isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in depths):
-            raise ValueError("fully_shard prefetch must be 'auto', an integer >= 0 (blocks ahead) or a (forward, "
-                             f"backward) pair of them, got {p!r}")
+        check_prefetch(self.prefetch, "fully_shard prefetch", pairs=True)
         if not isinstance(self.reshard_after_forward, bool):
             raise ValueError(f"fully_shard reshard_after_forward must be True or False, got {self.reshard_after_forward!r}")
         b = self.memory_budget_mb

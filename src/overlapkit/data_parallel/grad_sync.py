@@ -33,13 +33,11 @@ from torch import nn
 from ..runtime import comm
 from ..runtime.agreement import RankMismatchError, exchange, raise_explained
 from ..runtime.recorder import compute_span
+from ..vocabulary import MAX_BUCKET_MB, check_bucket_mb
 from .agree import check_same_on_ranks, check_same_per_item, raise_if_any
 from . import bucket_auto
 from .bucket_auto import AUTO, BucketAuto
 from .buckets import GradBuffer
-
-MAX_BUCKET_MB = float(2**20)
-"""Largest bucket cap accepted (1 TiB): more than any device holds, and far from the int64 byte counts overflowing."""
 
 SHARD_ALIGN = 16
 """Elements every shard is a multiple of, so that each shard (and each bucket) starts aligned."""
@@ -71,13 +69,7 @@ class DataParallelConfig:
 
     def __post_init__(self) -> None:
         for name in ("bucket_mb", "first_bucket_mb"):
-            v = getattr(self, name)
-            if name == "bucket_mb" and v == AUTO:
-                continue
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not (0 < v <= MAX_BUCKET_MB):
-                auto = '"auto" or ' if name == "bucket_mb" else ""
-                raise ValueError(f"DataParallelConfig.{name} must be {auto}a finite number of MiB > 0 and "
-                                 f"<= {MAX_BUCKET_MB:.0f} (1 TiB), got {v!r}")
+            check_bucket_mb(getattr(self, name), f"DataParallelConfig.{name}", auto=name == "bucket_mb")
         for name in ("overlap", "find_unused"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"DataParallelConfig.{name} must be True or False, got {getattr(self, name)!r}")

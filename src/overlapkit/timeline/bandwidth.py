@@ -8,6 +8,7 @@ every number.
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections import defaultdict
 from dataclasses import dataclass
@@ -56,6 +57,15 @@ class Links:
     gpus_per_node: int
     intra: Link
     inter: Link
+
+
+def check_peak(peak_gbps) -> None:
+    """ValueError unless `peak_gbps` is None or a finite number of GB/s > 0 (a negative or NaN peak would
+    print a percent of peak that means nothing)."""
+    if peak_gbps is None:
+        return
+    if isinstance(peak_gbps, bool) or not isinstance(peak_gbps, (int, float)) or not 0 < peak_gbps < math.inf:
+        raise ValueError(f"--peak-gbps {peak_gbps!r}: a link's peak is a finite number of GB/s > 0")
 
 
 def link_for(group_size: int, hw: Links | None = None, peak_gbps: float | None = None) -> Link | None:

@@ -18,6 +18,7 @@ import json
 import os
 import sys
 
+from .bandwidth import check_peak
 from .trace import TraceError, label, read_traces, trace_files
 
 PLOT_FORMATS = ("png", "pdf", "svg", "svgz", "jpg", "jpeg", "eps", "ps", "tif", "tiff", "webp", "pgf")
@@ -100,6 +101,8 @@ def _read(args, paths):
     with Progress(trace_files(paths), show=args.progress) as bar:
         traces = read_traces(paths, rank=args.rank, last_step=args.last_step, progress=bar)
     check_one_job(traces)
+    bar.note(f"analyzing {sum(len(t.spans) for t in traces)} spans of {len(traces)} rank(s): the report, "
+             f"the critical path and the diagnosis")
     return traces
 
 
@@ -119,9 +122,11 @@ def _analysis(args, traces):
     return analysis
 
 
-def _what_ifs(args, analysis) -> list[dict]:
+def _what_ifs(args, analysis, traces) -> list[dict]:
     from . import whatif
 
+    ranks = {t.rank for t in traces}
+    kinds = {s.kind for t in traces for s in t.spans if s.is_comm}
     out = []
     for q in args.what_if or ():
         if q.startswith("overlap"):
@@ -129,7 +134,7 @@ def _what_ifs(args, analysis) -> list[dict]:
                 raise ValueError(f"--what-if {q}: a cost-model question needs --config (the job's configuration)")
             out.append(args.tools.what_if(args.config, args.hardware or analysis.hardware, q, analysis.paths))
         else:
-            out.append(whatif.answer(analysis.paths, q))
+            out.append(whatif.answer(analysis.paths, q, ranks=ranks, kinds=kinds))
     return out
 
 
@@ -144,6 +149,10 @@ def run(args) -> int:
     for out in (args.html, args.plot):
         if out and not os.path.isdir(os.path.dirname(os.path.abspath(out))):
             return _fail(f"{out}: the folder {os.path.dirname(os.path.abspath(out))} does not exist")
+    try:
+        check_peak(args.peak_gbps)  # before reading: a bad flag should not cost a large trace's read
+    except ValueError as e:
+        return _fail(str(e))
     if args.compare:
         if args.traces:
             return _fail("--compare A B takes the two runs; give no other traces")
@@ -153,7 +162,7 @@ def run(args) -> int:
     try:
         traces = _read(args, args.traces)
         analysis = _analysis(args, traces)
-        asked = _what_ifs(args, analysis)
+        asked = _what_ifs(args, analysis, traces)
     except (TraceError, ValueError) as e:
         return _fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
     diagnosis = walk(analysis)

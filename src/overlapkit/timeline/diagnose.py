@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from . import advice
 from . import ranks as rk
 from . import whatif
-from .bandwidth import bandwidth_rows
+from .bandwidth import bandwidth_rows, check_peak
 from .collectives import align, instances
 from .critical_path import critical_paths
 from .framework import Job
@@ -67,6 +67,7 @@ def analyze(traces, links=None, peak_gbps: float | None = None, plan=None, criti
     """The report plus bandwidth, exposure by phase, waits, stragglers, slow groups, the critical path and
     what-ifs of the traces of one job. `links`: a bandwidth.Links for the link peaks (None: unknown unless
     `peak_gbps`). Aligns the traces' clocks on their collectives (in place)."""
+    check_peak(peak_gbps)
     report = report_traces(traces)
     a = Analysis(report=report, hardware=links.name if links is not None else None, plan=plan, job=Job.of(traces))
     for t in traces:

@@ -10,7 +10,10 @@ the phase (forward/backward/optimizer/pipeline) from `timeline/phases.py`. A col
 FSDP2 issued inside its `FSDP::all_gather` / `FSDP::post_backward_reduce` range is
 `zero_all_gather` / `zero_reduce_scatter`, named by module (`timeline/fsdp2.py`).
 
-A CPU-only trace (gloo) is read by `timeline/cpu_trace.py`. Traces of other devices (MTIA)
+An event whose times the reader uses must carry them as real numbers within a day of the others,
+and the trace's rank must lie in its world: anything else is refused in one line naming the event
+and the field (`timeline/validate.py`), never read as 0. A CPU-only trace (gloo) is read by
+`timeline/cpu_trace.py`. Traces of other devices (MTIA)
 are refused as unsupported rather than misread as CPU traces.
 
 The last `ProfilerStep` is dropped when a trace holds two or more (a profiler usually stops
@@ -23,7 +26,6 @@ import bisect
 import gc
 import math
 import os
-from sys import intern
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -35,7 +37,9 @@ from .jsonstream import UNSUPPORTED_DEVICES, TraceEvents, TraceFileError, unsupp
 from .kinds import collective_kind
 from .messages import dtype_bytes, keep
 from .phases import marker_phase, span_phase
+from . import validate
 from .ranges import Ranges
+from .validate import BadTrace
 from ..runtime.spans import COMM_RANGE_PREFIX, COMPUTE_RANGE_PREFIX, WAIT_RANGE, Span
 
 __all__ = ["Trace", "TraceError", "collective_kind", "dtype_bytes", "read_trace", "read_traces", "trace_files"]
@@ -113,21 +117,36 @@ class Trace:
         self.step_ranges = {n: (a - offset_ms, b - offset_ms) for n, (a, b) in self.step_ranges.items()}
 
 
-def _number(path: Path, i: int, e: dict, key: str) -> float:
-    value = e.get(key, 0) or 0
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        try:
-            value = float(value)
-        except (TypeError, ValueError):
-            raise TraceError(f"{path}: event {i} ({str(e.get('name', '?'))[:60]!r}) has a non-numeric "
-                             f"{key}: {str(value)[:40]!r}") from None
-    return float(value)
-
-
-def _bad_time(path: Path, i: int, e: dict, ts: float, dur: float) -> TraceError:
-    what = ("a NaN or infinite ts" if not -_INF < ts < _INF else
-            "a NaN or infinite dur" if dur != dur or dur == _INF else f"a negative dur ({dur:g} µs)")
-    return TraceError(f"{path}: event {i} ({str(e.get('name', '?'))[:60]!r}) has {what}: a corrupt trace")
+def _role(cat: str, name: str) -> tuple:
+    """(lower-case category, what the reader does with an X event of it and this name, its framework tag,
+    the phase it marks). The role is None for events whose times no number is read from (Python frames,
+    GPU images of CPU ranges, ranges that mark nothing): those are neither kept nor checked (validate.py).
+    Refuses a category of a device overlapkit cannot read."""
+    if (device := cat.split("_", 1)[0]) in UNSUPPORTED_DEVICES:
+        raise unsupported(device)
+    marker = marker_phase(name) if cat in MARKER_CATEGORIES else None
+    t = tag(name) if cat in TAGGED_CATEGORIES else None
+    if cat in GPU_CATEGORIES:
+        role = "gpu"
+    elif cat in LAUNCH_CATEGORIES:
+        role = "launch"
+    elif cat.startswith("gpu_"):
+        return cat, None, t, None  # gpu_user_annotation: GPU images of CPU ranges, not work of their own
+    elif name.startswith(_STEP_PREFIX) and name[len(_STEP_PREFIX):].isdigit():
+        role = "step"
+    elif name.startswith((COMM_RANGE_PREFIX, COMPUTE_RANGE_PREFIX)) or name == WAIT_RANGE:
+        role = "range"
+    elif is_fsdp_range(name):
+        role = "fsdp"
+    elif name == "record_param_comms":
+        role = "param"
+    elif name.startswith("gloo:"):
+        role = "gloo"
+    elif cat in CPU_OP_CATEGORIES:
+        role = "op"
+    else:
+        role = "marker" if marker is not None else None
+    return cat, role, t, marker
 
 
 def _gpu_name(meta: dict) -> str | None:
@@ -163,56 +182,66 @@ def read_trace(path: str | Path, rank: int | None = None, last_step: bool = Fals
         source = TraceEvents(path, stream=stream, on_bytes=on_bytes)
     except TraceFileError as e:
         raise TraceError(f"{path}: {e}") from None
-    gpu, launches, steps, categories, syncs, evidence = [], {}, [], set(), [], {}
+    gpu, launches, steps, syncs, evidence = [], {}, [], [], {}
     ranges, param_comms, param_by_ext, markers, fsdp = Ranges(), Ranges(), {}, Ranges(), Ranges()
     gloo, ops = [], []
+    first, last, starts = (_INF, -1, None), (-_INF, -1, None), []  # the used events' earliest start, latest end
+    roles = {}  # (cat, name) -> _role(...): names repeat 10^5 times, so each is classified once
     try:
         for i, e in enumerate(source):
-            if not isinstance(e, dict):
-                if i < 100:
-                    raise TraceError(f"{path}: not a trace: no traceEvents list of events")
+            if type(e) is not dict:
+                raise validate.not_an_event(i, e)
+            if e.get("ph") != "X":
                 continue
-            if e.get("ph") != "X" or "ts" not in e:
-                continue
-            cat, name, args = str(e.get("cat", "")).lower(), str(e.get("name", "")), e.get("args") or {}
-            ts, dur = e["ts"], e.get("dur", 0)
-            if type(ts) not in (int, float) or type(dur) not in (int, float):  # the rare case, checked in full
-                ts, dur = _number(path, i, e, "ts"), _number(path, i, e, "dur")
-            if not (-_INF < ts < _INF and 0 <= dur < _INF):
-                raise _bad_time(path, i, e, ts, dur)
-            if cat not in categories:
-                categories.add(cat)
-                if (device := cat.split("_", 1)[0]) in UNSUPPORTED_DEVICES:
-                    raise unsupported(device)
-            tid = e.get("tid")
-            if cat in TAGGED_CATEGORIES and (t := tag(name)) is not None:
+            cat, name = e.get("cat", ""), e.get("name", "")
+            if type(cat) is not str or type(name) is not str:
+                cat, name = str(cat), str(name)
+            if (known := roles.get((cat, name))) is None:
+                known = roles[(cat, name)] = (*_role(cat.lower(), name), name)
+            cat, role, t, phase, name = known  # the first event's name: one str kept per distinct name
+            if t is not None:
                 evidence[t] = evidence.get(t, 0) + 1
-            if cat in GPU_CATEGORIES:
-                gpu.append((GPU_CATEGORIES[cat], name, ts, ts + dur, keep_gpu(args)))
-            elif cat in LAUNCH_CATEGORIES:
+            if role is None:
+                continue  # a Python frame, a range that marks nothing: no time of it is read
+            ts, dur = e.get("ts"), e.get("dur")
+            if type(ts) not in (int, float) or type(dur) not in (int, float):  # the rare case, checked in full
+                ts, dur = validate.number(i, e, "ts"), validate.number(i, e, "dur")
+            if not (-_INF < ts < _INF and 0 <= dur <= validate.DAY_US):
+                validate.check_time(i, e, ts, dur)
+            tid = e.get("tid")
+            if role == "gpu":
+                gpu.append((GPU_CATEGORIES[cat], name, ts, ts + dur, keep_gpu(e.get("args") or {})))
+            elif role == "op":
+                ops.append((tid, ts, ts + dur, name))
+            elif role == "launch":
+                args = e.get("args") or {}
                 if "correlation" in args:
                     launches[args["correlation"]] = (tid, ts, name)
                 if name in HOST_SYNCS:
                     syncs.append((tid, ts, ts + dur))
-            elif cat.startswith("gpu_"):
-                continue  # gpu_user_annotation: GPU images of CPU ranges, not work of their own
-            elif name.startswith(_STEP_PREFIX) and name[len(_STEP_PREFIX):].isdigit():
+            elif role == "step":
                 steps.append((ts, ts + dur, int(name[len(_STEP_PREFIX):])))
-            elif name.startswith((COMM_RANGE_PREFIX, COMPUTE_RANGE_PREFIX)) or name == WAIT_RANGE:
+            elif role == "range":
                 ranges.add(tid, ts, ts + dur, {"name": name, "ts": ts})
-            elif is_fsdp_range(name):
+            elif role == "fsdp":
                 fsdp.add(tid, ts, ts + dur, {"name": name})
-            elif name == "record_param_comms":
+            elif role == "param":
+                args = e.get("args") or {}
                 param_comms.add(tid, ts, ts + dur, keep(args))
                 if "External id" in args:
                     param_by_ext[args["External id"]] = keep(args)
-            elif name.startswith("gloo:"):
-                gloo.append((tid, ts, ts + dur, name, keep(args)))
-            elif cat in CPU_OP_CATEGORIES:
-                ops.append((tid, ts, ts + dur, intern(name)))  # op names repeat: keep one copy of each
-            if cat in MARKER_CATEGORIES and (phase := marker_phase(name)) is not None:
+            elif role == "gloo":
+                gloo.append((tid, ts, ts + dur, name, keep(e.get("args") or {})))
+            if phase is not None:
                 markers.add(tid, ts, ts + dur, {"phase": phase})
-    except TraceFileError as e:
+            starts.append(ts)
+            if ts < first[0]:
+                first = (ts, i, e)
+            if ts + dur > last[0]:
+                last = (ts + dur, i, e)
+        validate.check_span(first, last, starts)
+        del starts
+    except (TraceFileError, BadTrace) as e:
         raise TraceError(f"{path}: {e}") from None
     meta = source.meta
     base_us = float(meta.get("baseTimeNanoseconds", 0) or 0) / 1e3
@@ -241,12 +270,17 @@ def read_trace(path: str | Path, rank: int | None = None, last_step: bool = Fals
             raise TraceError(f"{path}: no rank: the trace has no distributedInfo.rank "
                              f"(profile with torch.distributed initialized, or give the rank)")
         rank = info["rank"]
+    if (problem := validate.check_rank(rank, info.get("world_size"))) is not None:
+        raise TraceError(f"{path}: {problem}")
 
     step_starts = [s[0] for s in steps]
     dropped = None
     if len(steps) >= 2 and not last_step:
         dropped = steps[-1][2]
         raw = [r for r in raw if r[0] < steps[-1][0]]
+        if not raw:
+            raise TraceError(f"{path}: all work was issued in the last ProfilerStep (#{dropped}), which is left out "
+                             f"(a profiler usually stops inside it): give --last-step to keep it")
 
     def step_of(t: float | None) -> int | None:
         if t is None:

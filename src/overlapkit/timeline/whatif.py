@@ -102,14 +102,21 @@ def questions(paths, top: int = 3) -> list[dict]:
     return rows[:top * 3]
 
 
-def answer(paths, question: str) -> dict:
+def answer(paths, question: str, ranks=None, kinds=None) -> dict:
     """One question by name: `hide=KIND`, `rank=K`, or `launch-gaps` -> {question, saving_ms, step_ms,
-    measured_ms}. ValueError on another."""
+    measured_ms}. ValueError on another, and on a rank not in `ranks` or a kind not in `kinds` (the
+    traces' ranks and communication kinds, when given): "saves 0" would read as an answer."""
     key, _, value = question.partition("=")
     key = key.strip().replace("_", "-")
     if key == "hide" and value:
+        if kinds is not None and value not in kinds:
+            raise ValueError(f"--what-if {question!r}: the traces have no {value!r} communication; their kinds: "
+                             + (", ".join(sorted(kinds)) or "none"))
         q, s = f"{value} fully hidden", hidden(paths, value)
     elif key == "rank" and value.strip().lstrip("-").isdigit():
+        if ranks is not None and int(value) not in ranks:
+            raise ValueError(f"--what-if {question!r}: the traces have no rank {int(value)}; their ranks: "
+                             + ", ".join(map(str, sorted(ranks))))
         q, s = f"rank {int(value)} as fast as the median of the others", rank_at_median(paths, int(value))
     elif key in ("launch-gaps", "no-launch-gaps"):
         q, s = "host launch gaps removed", launch_gaps(paths)
