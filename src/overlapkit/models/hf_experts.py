@@ -131,6 +131,20 @@ def _shard_module(module: nn.Module, num_experts: int, group, ep_mesh, chunks, p
     module.forward = _RoutedForward(module)
 
 
+def run_local_experts(module: nn.Module, rows: torch.Tensor, expert: torch.Tensor, weights: dict,
+                      num_local: int) -> torch.Tensor:
+    """The experts module's own forward on `rows` whose local expert ids are `expert` [rows], with the
+    stacked parameters replaced by `weights` (name -> this rank's [num_local, ...] tensors): each row
+    once, with routing weight 1, so the family's arithmetic (its activation, gate/up layout, biases,
+    clamps) is the model's own, whichever experts implementation its config picks."""
+    view = object.__new__(type(module))
+    view.__dict__.update(module.__dict__)
+    view.__dict__.pop("forward", None)
+    view.__dict__["_parameters"] = {**module._parameters, **weights}
+    view.__dict__["num_experts"] = num_local
+    return type(module).forward(view, rows, expert.unsqueeze(1), rows.new_ones((rows.shape[0], 1)))
+
+
 class _RoutedForward:
     """The experts module's forward under EP: the model's (hidden_states, top_k_index, top_k_weights) call."""
 
@@ -146,17 +160,8 @@ class _RoutedForward:
         return router(hidden_states, top_k_index, top_k_weights, self._run_local, weights)
 
     def _run_local(self, rows: torch.Tensor, groups, weights) -> torch.Tensor:
-        """The module's own forward on rows grouped by local expert: each row once, weight 1."""
-        module = self.module
-        router, names = module.__dict__["_overlapkit_experts"]
-        view = object.__new__(type(module))
-        view.__dict__.update(module.__dict__)
-        view.__dict__.pop("forward", None)
-        view.__dict__["_parameters"] = {**module._parameters, **dict(zip(names, weights))}
-        view.__dict__["num_experts"] = router.num_local
-        index = groups.expert.unsqueeze(1)
-        ones = rows.new_ones((rows.shape[0], 1))
-        return type(module).forward(view, rows, index, ones)
+        router, names = self.module.__dict__["_overlapkit_experts"]
+        return run_local_experts(self.module, rows, groups.expert, dict(zip(names, weights)), router.num_local)
 
     def __deepcopy__(self, memo):  # a deep copy of the model gets a forward bound to its own copy of the module
         return _RoutedForward(memo.get(id(self.module), self.module))
