@@ -84,3 +84,36 @@ def test_refusals_name_the_field():
     for out in _refusals():
         assert "MixtralConfig.num_local_experts=3" in out["indivisible"] and "ep=2" in out["indivisible"]
         assert "ParallelSizes.ep=2" in out["no_experts"] and "no experts" in out["no_experts"]
+
+
+@distributed(world_size=4, timeout_s=300)
+def _ep2_dp4_clip():
+    import torch
+
+    import overlapkit
+    from overlapkit.expert_parallel import clip_grad_norm_
+
+    groups = overlapkit.init(ep=2)  # dp 4: two EP groups, each expert held by two ranks
+    errs = hf_moe_cases.errors("qwen3_moe", groups)
+    # clipping over the dense (tp mesh) and expert (ep mesh) parameters together: the whole model's norm
+    ref = hf_moe_cases.build("qwen3_moe")
+    model = overlapkit.parallelize(hf_moe_cases.build("qwen3_moe"), groups)
+    ids = torch.randint(3, 64, (2, 8), generator=torch.Generator().manual_seed(2))
+    model(input_ids=ids, labels=ids).loss.backward()
+    ref(input_ids=ids, labels=ids).loss.backward()
+    # every rank routed the same batch: expert gradients summed over the EP group, dense ones whole
+    for p in model.parameters():
+        if not getattr(p, "expert_parallel", False):
+            p.grad.to_local().mul_(2)
+    total = clip_grad_norm_(model.parameters(), 0.5)
+    ref_total = torch.nn.utils.clip_grad_norm_([p for p in ref.parameters()], 0.5 / 2) * 2
+    ref_params = dict(ref.named_parameters())
+    worst = max(((p.grad.full_tensor() / 2 - ref_params[n].grad).norm() / ref_params[n].grad.norm()).item()
+                for n, p in model.named_parameters())
+    errs["clip_total"] = abs(total.item() - ref_total.item()) / ref_total.item()
+    errs["clipped_grads"] = worst
+    return {"qwen3_moe": errs}
+
+
+def test_ep2_dp4_and_clip():
+    _check(_ep2_dp4_clip(), 2)
