@@ -117,3 +117,28 @@ def _ep2_dp4_clip():
 
 def test_ep2_dp4_and_clip():
     _check(_ep2_dp4_clip(), 2)
+
+
+@distributed(world_size=4, timeout_s=300)
+def _dcp_resume(directory: str):
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    import overlapkit
+
+    saved = overlapkit.parallelize(hf_moe_cases.build("mixtral", seed=0), overlapkit.init(ep=2, tp=2).mesh)
+    dcp.save(saved.state_dict(), checkpoint_id=directory)
+    resumed = overlapkit.parallelize(hf_moe_cases.build("mixtral", seed=5), overlapkit.init(ep=4).mesh)
+    state = resumed.state_dict()
+    dcp.load(state, checkpoint_id=directory)
+    resumed.load_state_dict(state)
+    want = {n: p.full_tensor() for n, p in saved.named_parameters()}
+    got = {n: p.full_tensor() for n, p in resumed.named_parameters()}
+    expert = next(p for n, p in resumed.named_parameters() if getattr(p, "expert_parallel", False))
+    return {"differs": sorted(n for n in want if not torch.equal(want[n], got[n])),
+            "local_experts": expert.to_local().shape[0], "names": sorted(want) == sorted(got)}
+
+
+def test_dcp_resume_at_another_layout(tmp_path):
+    for out in _dcp_resume(str(tmp_path / "ckpt")):
+        assert out["names"] and out["differs"] == [] and out["local_experts"] == 1
