@@ -16,7 +16,13 @@ def config(family: str, experts: int = 4, **extra):
     kw = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
               head_dim=8, vocab_size=64, max_position_embeddings=64, pad_token_id=1, bos_token_id=0, eos_token_id=2,
               attn_implementation="eager", output_router_logits=True, router_aux_loss_coef=0.1, num_experts_per_tok=2)
-    if family in ("mixtral", "gpt_oss"):
+    if family == "deepseek_v3":  # MLA attention, a shared expert, group-limited top-k
+        kw.update(n_routed_experts=experts, moe_intermediate_size=16, first_k_dense_replace=0, n_group=1, topk_group=1,
+                  q_lora_rank=None, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8,
+                  n_shared_experts=1, num_key_value_heads=4)
+        kw.pop("output_router_logits")
+        kw.pop("router_aux_loss_coef")
+    elif family in ("mixtral", "gpt_oss"):
         kw.update(num_local_experts=experts)
     else:
         kw.update(num_experts=experts)
@@ -43,15 +49,16 @@ def build(family: str, seed: int = 0, **extra):
     return model
 
 
-def errors(family: str, groups, **extra) -> dict:
+def errors(family: str, groups, plan: dict | None = None, **extra) -> dict:
     """Relative errors of the loss and every gradient against one process, each rank of dp on its own
     batch, the gradients averaged over dp (`average_data_parallel_grads`); also each rank's expert memory
-    as a fraction of the whole experts."""
+    as a fraction of the whole experts. `plan={}`: attention left whole (a family whose tp_plan has no
+    translation)."""
     import overlapkit
     from overlapkit.expert_parallel import average_data_parallel_grads
 
     ref = build(family, **extra)
-    model = overlapkit.parallelize(copy.deepcopy(ref), groups.mesh)
+    model = overlapkit.parallelize(copy.deepcopy(ref), groups.mesh, **({} if plan is None else {"plan": plan}))
     dp = groups.sizes.dp
     ids = torch.randint(3, 64, (2 * dp, 8), generator=torch.Generator().manual_seed(1))
     mine = ids.chunk(dp)[groups.dp_rank]

@@ -1,7 +1,8 @@
 """A transformers MoE model's experts split over ep from its own `base_model_ep_plan`: equal to one process.
 
 `overlapkit.init(ep=..)` then `parallelize(model, groups.mesh)`: every family with an ep_plan
-(hf_moe_cases.py) at ep 2, ep 4 and ep 2 x tp 2, the model's own router, top-k weights and aux
+(hf_moe_cases.py, and DeepSeek-V3 with its attention whole) at ep 2, ep 4, ep 2 x tp 2 and
+ep 2 inside dp 4, the model's own router, top-k weights and aux
 loss, each dp rank on its own batch; every gradient (fp32) within 1e-5 of one process, each rank
 holding 1/ep of the experts. Asking for an ep the model cannot take fails naming the field.
 """
@@ -26,7 +27,12 @@ def _run(families, **sizes):
 
 @distributed(world_size=2, timeout_s=300)
 def _ep2():
-    return _run(hf_moe_cases.MOE_FAMILIES, ep=2)
+    import overlapkit
+
+    out = _run(hf_moe_cases.MOE_FAMILIES, ep=2)
+    # DeepSeek-V3: its MLA attention's tp_plan styles have no translation, so attention stays whole (plan={})
+    out["deepseek_v3"] = hf_moe_cases.errors("deepseek_v3", overlapkit.init(ep=2), plan={})
+    return out
 
 
 @distributed(world_size=4, timeout_s=300)
