@@ -22,7 +22,7 @@ from ..runtime.agreement import Agreement
 from ..runtime.recorder import compute_span
 from ..runtime.tuning import MeasuredChoice, timed
 from .config import CHUNK_CANDIDATES, MoEConfig
-from .dispatch import DispatchPlan, _slots, plan_dispatch, run_pipeline
+from .dispatch import DispatchPlan, _slots, plan_dispatch, run_pipeline, token_grads
 from .experts import Groups
 from .moe import _WeightedSum
 
@@ -41,9 +41,14 @@ class RoutedA2A(torch.autograd.Function):
         graphs: dict = {}
         width = x.shape[1]
 
+        differentiable = any(ctx.needs_input_grad)  # no graph to keep under no_grad / inference_mode
+
         def compute(i, rows):
             if rows.shape[0] == 0:  # a chunk that received nothing
                 return rows.new_empty((0, width))
+            if not differentiable:
+                with compute_span(f"{name}.fwd.experts[{i}]"):
+                    return run(rows, plan.groups[i], leaves)
             with compute_span(f"{name}.fwd.experts[{i}]"), torch.enable_grad():
                 xi = rows.detach().requires_grad_(True)
                 y = run(xi, plan.groups[i], leaves)
@@ -84,9 +89,7 @@ class RoutedA2A(torch.autograd.Function):
         for j in wanted:  # experts no row reached
             if grads[j] is None:
                 grads[j] = torch.zeros_like(leaves[j])
-        dslot_x = _slots(plan, dx, plan.assignments)
-        dx2 = dslot_x if plan.assignments == ctx.tokens else dslot_x.view(ctx.tokens, -1, dslot_x.shape[1]).sum(1)
-        return (dx2, None, None, None, None, None, *grads)
+        return (token_grads(plan, dx, ctx.tokens), None, None, None, None, None, *grads)
 
 
 class DispatchCombine:

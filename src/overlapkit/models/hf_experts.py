@@ -73,7 +73,7 @@ def shard_experts(model: nn.Module, mesh, *, chunks: int | str = "auto") -> dict
     """Split the experts of `model` over the expert-parallel group that came with `mesh`; return them by path.
 
     `mesh`: what `parallelize` was given (a ParallelGroups, or the DeviceMesh `overlapkit.init` built).
-    Nothing happens where ep is 1. ValueError naming the field for ep > 1 on a model without
+    Nothing happens where ep is 1, or where the model's experts are split already (overlapkit's MoE). ValueError naming the field for ep > 1 on a model without
     experts, or an ep that does not divide the experts. Collective over the EP group (one store
     round trip comparing the model and sizes, so ranks that differ fail together).
     """
@@ -81,6 +81,8 @@ def shard_experts(model: nn.Module, mesh, *, chunks: int | str = "auto") -> dict
     if ep == 1 or group is None:
         return {}
     modules = expert_modules(model)
+    if not modules and any(getattr(p, "expert_parallel", False) for p in model.parameters()):
+        return {}  # split over EP already (overlapkit's own MoE layers)
     cls = type(model).__name__
     problem = None
     if not modules:
