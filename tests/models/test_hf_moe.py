@@ -29,43 +29,13 @@ def _run(families, **sizes):
 def _ep2():
     import overlapkit
 
-    out = _run(hf_moe_cases.MOE_FAMILIES, ep=2)
+    out = {"errors": _run(hf_moe_cases.MOE_FAMILIES, ep=2)}
     # DeepSeek-V3: its MLA attention's tp_plan styles have no translation, so attention stays whole (plan={})
-    out["deepseek_v3"] = hf_moe_cases.errors("deepseek_v3", overlapkit.init(ep=2), plan={})
+    out["errors"]["deepseek_v3"] = hf_moe_cases.errors("deepseek_v3", overlapkit.init(ep=2), plan={})
+    out["refusals"] = _refusals()
     return out
 
 
-@distributed(world_size=4, timeout_s=300)
-def _ep2_tp2():
-    return _run(("qwen2_moe", "qwen3_moe"), ep=2, tp=2)
-
-
-@distributed(world_size=4, timeout_s=300)
-def _ep4():
-    return _run(("mixtral",), ep=4)
-
-
-def _check(per_rank, ep):
-    for errs_by_family in per_rank:
-        for family, errs in errs_by_family.items():
-            assert errs.pop("expert_fraction") == pytest.approx(1 / ep), family
-            worst = max(errs, key=errs.get)
-            assert errs[worst] <= TOL, (family, worst, errs[worst])
-
-
-def test_every_family_at_ep2():
-    _check(_ep2(), 2)
-
-
-def test_ep2_with_tp2():
-    _check(_ep2_tp2(), 2)
-
-
-def test_ep4():
-    _check(_ep4(), 4)
-
-
-@distributed(world_size=2, timeout_s=120)
 def _refusals():
     import overlapkit
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -86,13 +56,6 @@ def _refusals():
     return out
 
 
-def test_refusals_name_the_field():
-    for out in _refusals():
-        assert "MixtralConfig.num_local_experts=3" in out["indivisible"] and "ep=2" in out["indivisible"]
-        assert "ParallelSizes.ep=2" in out["no_experts"] and "no experts" in out["no_experts"]
-
-
-@distributed(world_size=4, timeout_s=300)
 def _ep2_dp4_clip():
     import torch
 
@@ -107,7 +70,7 @@ def _ep2_dp4_clip():
     ids = torch.randint(3, 64, (2, 8), generator=torch.Generator().manual_seed(2))
     model(input_ids=ids, labels=ids).loss.backward()
     ref(input_ids=ids, labels=ids).loss.backward()
-    # every rank routed the same batch: expert gradients summed over the EP group, dense ones whole
+    # every rank routed the same batch: expert gradients summed over the EP group (2x), dense ones whole
     for p in model.parameters():
         if not getattr(p, "expert_parallel", False):
             p.grad.to_local().mul_(2)
@@ -118,14 +81,9 @@ def _ep2_dp4_clip():
                 for n, p in model.named_parameters())
     errs["clip_total"] = abs(total.item() - ref_total.item()) / ref_total.item()
     errs["clipped_grads"] = worst
-    return {"qwen3_moe": errs}
+    return errs
 
 
-def test_ep2_dp4_and_clip():
-    _check(_ep2_dp4_clip(), 2)
-
-
-@distributed(world_size=4, timeout_s=300)
 def _dcp_resume(directory: str):
     import torch
     import torch.distributed.checkpoint as dcp
@@ -145,6 +103,33 @@ def _dcp_resume(directory: str):
             "local_experts": expert.to_local().shape[0], "names": sorted(want) == sorted(got)}
 
 
-def test_dcp_resume_at_another_layout(tmp_path):
-    for out in _dcp_resume(str(tmp_path / "ckpt")):
-        assert out["names"] and out["differs"] == [] and out["local_experts"] == 1
+@distributed(world_size=4, timeout_s=480)
+def _world4(directory: str):
+    """One world of 4 for every layout that needs it (CI pays one start-up)."""
+    return {"ep2_tp2": (2, _run(("qwen2_moe", "qwen3_moe"), ep=2, tp=2)), "ep4": (4, _run(("mixtral",), ep=4)),
+            "ep2_dp4": (2, {"qwen3_moe": _ep2_dp4_clip()}), "dcp": _dcp_resume(directory)}
+
+
+def _check(errs_by_family, ep):
+    for family, errs in errs_by_family.items():
+        errs = dict(errs)
+        assert errs.pop("expert_fraction") == pytest.approx(1 / ep), family
+        worst = max(errs, key=errs.get)
+        assert errs[worst] <= TOL, (family, worst, errs[worst])
+
+
+def test_every_family_at_ep2_and_refusals():
+    for out in _ep2():
+        _check(out["errors"], 2)
+        refused = out["refusals"]
+        assert "MixtralConfig.num_local_experts=3" in refused["indivisible"] and "ep=2" in refused["indivisible"]
+        assert "ParallelSizes.ep=2" in refused["no_experts"] and "no experts" in refused["no_experts"]
+
+
+def test_ep2_x_tp2_ep4_ep2_in_dp4_and_dcp_resume_at_another_layout(tmp_path):
+    for out in _world4(str(tmp_path / "ckpt")):
+        for case in ("ep2_tp2", "ep4", "ep2_dp4"):
+            ep, errs = out[case]
+            _check(errs, ep)
+        dcp = out["dcp"]
+        assert dcp["names"] and dcp["differs"] == [] and dcp["local_experts"] == 1
