@@ -184,6 +184,8 @@ def _rank_body(cfg_kw: dict, names: list[str], rounds: int, warmup: int, tp: int
 
         out["expert_bytes"] = {n: expert_bytes(models[n]) for n in names}
         out["expert_bytes_whole"] = whole_experts
+        out["chunks"] = {path: m.__dict__["_overlapkit_experts"][0].chunk_choice.decided
+                         for n in names for path, m in models[n].named_modules() if "_overlapkit_experts" in m.__dict__}
     return out
 
 
@@ -239,6 +241,8 @@ def _moe_main(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
     if args.smoke:  # the tiny MoE preset cut to one layer and 32 tokens, one round after one
         args.preset, args.layers, args.batch, args.seq, args.rounds, args.warmup = "tiny", 1, 1, 32, 1, 1
+    else:  # chunks="auto" times its candidates on each layer's first 20 calls: measure what it kept
+        args.warmup = max(args.warmup, 21)
     tp = args.tp or 1
     dp = args.world // tp
     if tp * dp != args.world or dp % args.ep:
@@ -264,7 +268,7 @@ def _moe_main(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
                   config=cfg, reference=ref, rows=rows, loss_spread=spread,
                   losses_agree=spread <= (2e-2 if args.device == "cuda" else 1e-4),
                   expert_mib={n: max(r["expert_bytes"][n] for r in per_rank) / 2**20 for n in names},
-                  expert_mib_whole=per_rank[0]["expert_bytes_whole"] / 2**20)
+                  expert_mib_whole=per_rank[0]["expert_bytes_whole"] / 2**20, ok_ep_chunks=per_rank[0]["chunks"])
     if any(abs(result["expert_mib"][n] * args.ep - result["expert_mib_whole"]) > 1e-6 for n in names):
         raise AssertionError(f"expert memory per rank is not 1/ep of the experts: {result['expert_mib']}")
     stem = os.path.join(out_dir(args), f"user_step_moe_{args.device}_{args.preset}_ws{args.world}_ep{args.ep}_tp{tp}")

@@ -135,7 +135,8 @@ def moe_markdown(result: dict) -> str:
         rows.append(f"| {n} | {r['step_ms']:.1f} | {r['ratio']:.3f} [{lo:.3f}, {hi:.3f}] | {r['tokens_per_s']:.0f} | "
                     f"{r['peak_gib']:.3f} | {result['expert_mib'][n]:.2f} | {r['first_step_s']:.2f} | {r['loss0']:.5f} |")
     notes = [f"\nfirst-step losses agree: {result['losses_agree']} (spread {result['loss_spread']:.2e}); "
-             f"whole experts {result['expert_mib_whole']:.2f} MiB (each rank holds 1/ep)"]
+             f"whole experts {result['expert_mib_whole']:.2f} MiB (each rank holds 1/ep)",
+             f"chunks `auto` kept per experts module (ok_ep, rank 0): {result['ok_ep_chunks']}"]
     return head + "\n".join(rows) + "\n" + "\n".join(notes) + "\n"
 
 
