@@ -7,6 +7,9 @@ import torch.distributed as dist
 
 MOE_FAMILIES = ("qwen2_moe", "qwen3_moe", "mixtral", "olmoe", "gpt_oss")
 """model_type of every MoE family tested (each ships an ep_plan whose experts hold stacked gate_up_proj/down_proj)."""
+MORE_FAMILIES = ("granitemoe", "granitemoeshared", "glm4_moe", "hunyuan_v1_moe", "flex_olmo", "minimax", "exaone_moe",
+                 "cohere2_moe")
+"""Further families with an ep_plan, built from one generic config and checked with their attention whole (plan={})."""
 
 
 def config(family: str, experts: int = 4, **extra):
@@ -16,6 +19,12 @@ def config(family: str, experts: int = 4, **extra):
     kw = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
               head_dim=8, vocab_size=64, max_position_embeddings=64, pad_token_id=1, bos_token_id=0, eos_token_id=2,
               attn_implementation="eager", output_router_logits=True, router_aux_loss_coef=0.1, num_experts_per_tok=2)
+    if family in MORE_FAMILIES:  # every name a family may read its expert count and width from
+        kw.update(num_experts=experts, num_local_experts=experts, n_routed_experts=experts, moe_intermediate_size=16,
+                  first_k_dense_replace=0, n_group=1, topk_group=1)
+        kw.pop("output_router_logits")
+        kw.pop("router_aux_loss_coef")
+        return AutoConfig.for_model(family, **kw, **extra)
     if family == "deepseek_v3":  # MLA attention, a shared expert, group-limited top-k
         kw.update(n_routed_experts=experts, moe_intermediate_size=16, first_k_dense_replace=0, n_group=1, topk_group=1,
                   q_lora_rank=None, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8,

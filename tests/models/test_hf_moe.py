@@ -1,7 +1,7 @@
 """A transformers MoE model's experts split over ep from its own `base_model_ep_plan`: equal to one process.
 
 `overlapkit.init(ep=..)` then `parallelize(model, groups.mesh)`: every family with an ep_plan
-(hf_moe_cases.py, and DeepSeek-V3 with its attention whole) at ep 2, ep 4, ep 2 x tp 2 and
+(hf_moe_cases.py; DeepSeek-V3 and eight more with their attention whole) at ep 2, ep 4, ep 2 x tp 2 and
 ep 2 inside dp 4, the model's own router, top-k weights and aux
 loss, each dp rank on its own batch; every gradient (fp32) within 1e-5 of one process, each rank
 holding 1/ep of the experts. Asking for an ep the model cannot take fails naming the field.
@@ -30,8 +30,11 @@ def _ep2():
     import overlapkit
 
     out = {"errors": _run(hf_moe_cases.MOE_FAMILIES, ep=2)}
-    # DeepSeek-V3: its MLA attention's tp_plan styles have no translation, so attention stays whole (plan={})
-    out["errors"]["deepseek_v3"] = hf_moe_cases.errors("deepseek_v3", overlapkit.init(ep=2), plan={})
+    # DeepSeek-V3 (its MLA attention's tp_plan styles have no translation) and the further families: the
+    # experts over ep, the attention whole (plan={})
+    groups = overlapkit.init(ep=2)
+    for family in ("deepseek_v3", *hf_moe_cases.MORE_FAMILIES):
+        out["errors"][family] = hf_moe_cases.errors(family, groups, plan={})
     out["refusals"] = _refusals()
     return out
 
