@@ -33,6 +33,7 @@ the first step's loss, which must agree across variants (same init, same data).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
@@ -86,7 +87,8 @@ def _step_peak_bytes(step, device: torch.device) -> int:
 
 
 def _rank_body(cfg_kw: dict, names: list[str], rounds: int, warmup: int, tp: int, dp: int, threads: int,
-               device_type: str, clip: bool, budget_s: float | None) -> dict:
+               device_type: str, clip: bool, budget_s: float | None, ep: int = 0) -> dict:
+    """One rank's timed steps; `ep` > 0: the MoE model with its experts over ep (_lib/hf_moe.py)."""
     import overlapkit
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -94,12 +96,19 @@ def _rank_body(cfg_kw: dict, names: list[str], rounds: int, warmup: int, tp: int
     device = torch.device(device_type, torch.cuda.current_device() if device_type == "cuda" else 0) \
         if device_type == "cuda" else torch.device("cpu")
     dtype = torch.bfloat16 if device_type == "cuda" else torch.float32
-    groups = overlapkit.init(tp=tp, dp=dp)
+    groups = overlapkit.init(tp=tp, dp=dp, ep=max(ep, 1))
     kw = {k: v for k, v in cfg_kw.items() if k not in ("batch", "seq")}
-    cfg = LlamaConfig(**kw, max_position_embeddings=cfg_kw["seq"], attn_implementation="sdpa")
-    torch.manual_seed(0)
-    with torch.device(device):
-        base = LlamaForCausalLM(cfg).to(dtype)
+    if ep:
+        from _lib.hf_moe import build_moe
+
+        base = build_moe(cfg_kw, device, dtype)
+        cfg = base.config
+        whole_experts = sum(p.numel() * p.element_size() for n, p in base.named_parameters() if ".experts." in n)
+    else:
+        cfg = LlamaConfig(**kw, max_position_embeddings=cfg_kw["seq"], attn_implementation="sdpa")
+        torch.manual_seed(0)
+        with torch.device(device):
+            base = LlamaForCausalLM(cfg).to(dtype)
     g = torch.Generator().manual_seed(1 + groups.coords.dp)  # each dp rank its own data, TP ranks the same
     ids = torch.randint(0, cfg.vocab_size, (cfg_kw["batch"], cfg_kw["seq"]), generator=g).to(device)
 
@@ -110,7 +119,12 @@ def _rank_body(cfg_kw: dict, names: list[str], rounds: int, warmup: int, tp: int
         torch.compile(lambda t: t * 2)(torch.ones(2, device=device))
     models, opts, ctxs, first_s, loss0 = {}, {}, {}, {}, {}
     for name in names:
-        models[name], ctxs[name] = build_variant(name, base, groups, dp)
+        if ep:
+            from _lib.hf_moe import build_moe_variant
+
+            models[name], ctxs[name] = build_moe_variant(name, base, groups), contextlib.nullcontext
+        else:
+            models[name], ctxs[name] = build_variant(name, base, groups, dp)
         # fused on a GPU (what users run there); foreach on CPU, where the single-tensor default would
         # pay DTensor dispatch per parameter and op (the parallelized variants only)
         fused = dict(fused=True) if device_type == "cuda" else dict(foreach=True)
@@ -122,7 +136,13 @@ def _rank_body(cfg_kw: dict, names: list[str], rounds: int, warmup: int, tp: int
         with ctxs[name]():
             loss = model(input_ids=ids, labels=ids).loss
             loss.backward()
-        if clip:
+        if ep:  # experts on several meshes: the dp average and the clip that know them
+            from overlapkit.expert_parallel import average_data_parallel_grads, clip_grad_norm_
+
+            average_data_parallel_grads(model, groups.dp, groups.ep)
+            if clip:
+                clip_grad_norm_(model.parameters(), 1.0)
+        elif clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -158,7 +178,15 @@ def _rank_body(cfg_kw: dict, names: list[str], rounds: int, warmup: int, tp: int
     for name in names:  # after timing, so the profiler never runs beside a timed step
         line_up(device)
         peak[name] = _state_bytes(models[name], opts[name]) + _step_peak_bytes(lambda: step(name), device)
-    return dict(times=times, first_s=first_s, loss0=loss0, peak=peak)
+    out = dict(times=times, first_s=first_s, loss0=loss0, peak=peak)
+    if ep:
+        from _lib.hf_moe import expert_bytes
+
+        out["expert_bytes"] = {n: expert_bytes(models[n]) for n in names}
+        out["expert_bytes_whole"] = whole_experts
+        out["chunks"] = {path: m.__dict__["_overlapkit_experts"][0].chunk_choice.decided
+                         for n in names for path, m in models[n].named_modules() if "_overlapkit_experts" in m.__dict__}
+    return out
 
 
 def _variants(world: int, tp: int, which: str, device: str) -> list[str]:
@@ -206,6 +234,48 @@ def _markdown(result: dict) -> str:
     return head + "\n".join(rows) + "\n" + "\n".join(notes) + "\n"
 
 
+def _moe_main(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    from transformers import __version__ as hf_version
+
+    from _lib.hf_moe import MOE_PRESETS, MOE_VARIANTS, moe_markdown
+
+    if args.smoke:  # the tiny MoE preset cut to one layer and 32 tokens, one round after one
+        args.preset, args.layers, args.batch, args.seq, args.rounds, args.warmup = "tiny", 1, 1, 32, 1, 1
+    else:  # chunks="auto" times its candidates on each layer's first 20 calls: measure what it kept
+        args.warmup = max(args.warmup, 21)
+    tp = args.tp or 1
+    dp = args.world // tp
+    if tp * dp != args.world or dp % args.ep:
+        ap.error(f"--moe: --tp {tp} must divide --world {args.world} and --ep {args.ep} the rest ({dp})")
+    if args.preset not in MOE_PRESETS:
+        ap.error(f"--moe: --preset must be one of {sorted(MOE_PRESETS)}")
+    cfg = dict(MOE_PRESETS[args.preset])
+    for k, key in (("batch", "batch"), ("seq", "seq"), ("layers", "num_hidden_layers")):
+        if getattr(args, k) is not None:
+            cfg[key] = getattr(args, k)
+    names = [n for n in MOE_VARIANTS if not args.variants or n in args.variants.split(",")]
+    rounds = args.rounds or (8 if args.device == "cuda" else 6)
+    per_rank = run_ranks(_rank_body, args.world, cfg, names, rounds, args.warmup, tp, dp, args.threads,
+                         args.device, args.clip, args.budget_s, args.ep, device=args.device, timeout_s=args.timeout,
+                         on_message=print_message)
+    ref = "torch_ep" if "torch_ep" in names else names[0]
+    rows = _summary(per_rank, names, ref, cfg["batch"] * cfg["seq"] * dp, None, None)
+    losses = [r["loss0"] for r in rows.values()]
+    spread = (max(losses) - min(losses)) / abs(statistics.median(losses))
+    result = dict(device=device_label(args.device), torch=torch.__version__, transformers=hf_version,
+                  args=dict(vars(args), tp=tp, dp=dp, rounds=len(per_rank[0]["times"][names[0]]), batch=cfg["batch"],
+                            seq=cfg["seq"]),
+                  config=cfg, reference=ref, rows=rows, loss_spread=spread,
+                  losses_agree=spread <= (2e-2 if args.device == "cuda" else 1e-4),
+                  expert_mib={n: max(r["expert_bytes"][n] for r in per_rank) / 2**20 for n in names},
+                  expert_mib_whole=per_rank[0]["expert_bytes_whole"] / 2**20, ok_ep_chunks=per_rank[0]["chunks"])
+    if any(abs(result["expert_mib"][n] * args.ep - result["expert_mib_whole"]) > 1e-6 for n in names):
+        raise AssertionError(f"expert memory per rank is not 1/ep of the experts: {result['expert_mib']}")
+    stem = os.path.join(out_dir(args), f"user_step_moe_{args.device}_{args.preset}_ws{args.world}_ep{args.ep}_tp{tp}")
+    write_results(result, stem, moe_markdown)
+    return 0 if result["losses_agree"] else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
@@ -226,9 +296,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget-s", type=float, default=None,
                     help="stop timing after the round that passes this many seconds (at least 2 rounds)")
     ap.add_argument("--timeout", type=float, default=600.0)
+    ap.add_argument("--moe", action="store_true", help="the MoE model (Qwen3-MoE shape) with its experts over --ep, "
+                    "overlapkit's routing beside torchtitan's (_lib/hf_moe.py)")
+    ap.add_argument("--ep", type=int, default=2, help="with --moe: expert-parallel size (divides world / tp)")
     add_out_arg(ap)
     add_smoke_arg(ap)
     args = ap.parse_args(argv)
+    if args.moe:
+        return _moe_main(ap, args)
     if args.smoke:  # the tiny preset cut to one layer and 32 tokens, one round after one
         args.preset, args.layers, args.batch, args.seq, args.rounds, args.warmup = "tiny", 1, 1, 32, 1, 1
     tp = args.tp or args.world // args.dp

@@ -291,6 +291,13 @@ def _slots(plan: DispatchPlan, rows: torch.Tensor, assignments: int) -> torch.Te
     return make((assignments, rows.shape[1])).index_copy_(0, plan.row_assignment, rows)
 
 
+def token_grads(plan: DispatchPlan, rows: torch.Tensor, tokens: int) -> torch.Tensor:
+    """[tokens, width]: the gradients of the send rows put in their (token, choice) slots, each token's
+    slots summed in a fixed order (no atomics)."""
+    slots = _slots(plan, rows, plan.assignments)
+    return slots if plan.assignments == tokens else slots.view(tokens, -1, slots.shape[1]).sum(1)
+
+
 class ExpertsA2A(torch.autograd.Function):
     """x [tokens, hidden] -> [tokens * top_k, hidden], each (token, choice)'s expert output in its slot (0 if
     dropped): gather, dispatch, compute, combine — chunk-pipelined; backward the same on the slots' gradients.
@@ -330,8 +337,7 @@ class ExpertsA2A(torch.autograd.Function):
         drows = dslots.contiguous().index_select(0, plan.row_assignment)
         dx = run_pipeline(drows, plan, ctx.group, compute, f"{name}.bwd", w1.shape[2])
         ctx.saved = None
-        dslot_x = _slots(plan, dx, plan.assignments)
-        dx2 = dslot_x if plan.assignments == ctx.tokens else dslot_x.view(ctx.tokens, -1, dslot_x.shape[1]).sum(1)
+        dx2 = token_grads(plan, dx, ctx.tokens)
         fill_grads(grads, w1, w2)  # experts no chunk reached
         return dx2, grads[0], grads[1], grads[2], grads[3], None, None, None, None, None
 

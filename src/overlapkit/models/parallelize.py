@@ -35,6 +35,7 @@ from ..tensor_parallel.replicated import replicate_parameters
 from ..tensor_parallel.vocab import VocabParallelEmbedding
 from . import plans
 from .gpt import GPT
+from .hf_experts import shard_experts
 from .hf_plans import translate_hf_plan
 from .tied import check_tied_plan, find_tied, retie
 
@@ -107,6 +108,7 @@ def parallelize(model: nn.Module, mesh, *, overlap: str | None = None, sequence_
     agree(group, "parallelize", model=type(model).__name__, tp=tp,
           plan=sorted((k, repr(v)) for k, v in plan.items()), tied=tied)
     check_tied_plan(plan, tied)
+    shard_experts(model, mesh)  # experts over the ep ranks init carved out of dp, from the model's ep_plan
     for name, module in model.named_modules():
         module._overlapkit_name = name  # styles name their layers (timeline spans) by path
     try:

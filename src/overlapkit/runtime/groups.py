@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from ..vocabulary import DIMS, Coords, ParallelSizes  # noqa: F401 (re-exported)
+from . import state
 from .agreement import agree
 from .timeouts import DEFAULT_TIMEOUT_S, check_timeout, group_timeout_s, world_timeout_s  # noqa: F401 (re-exported)
 
@@ -123,6 +124,7 @@ class ParallelGroups:
         device_type = device_type or default_device_type()
         layout = torch.arange(sizes.world_size).reshape(sizes.shape)
         mesh = DeviceMesh.from_group([mine[d] for d in DIMS], device_type, mesh=layout, mesh_dim_names=DIMS)
+        _remember_expert_group(mesh, mine["ep"], ep)
         return cls(sizes=sizes, rank=rank, mesh=mesh, timeout_s=timeout_s, **mine)
 
     @classmethod
@@ -161,7 +163,28 @@ class ParallelGroups:
                     group = dist.new_group(dp_ranks[i:i + ep], timeout=timeout)
                     if rank in dp_ranks[i:i + ep]:
                         mine["ep"] = group
+        _remember_expert_group(mesh, mine["ep"], ep)
         return cls(sizes=sizes, rank=rank, mesh=mesh, timeout_s=timeout_s, **mine)
+
+
+_EXPERT_GROUPS: dict = state.cache_dict("groups.expert_group_of_mesh")
+"""id(mesh) -> (mesh, its expert-parallel group, ep): the mesh has dims (pp, dp, cp, tp) only, so
+`parallelize(model, groups.mesh)` finds the ep that `init` carved out of dp here."""
+
+
+def _remember_expert_group(mesh, group, ep: int) -> None:
+    _EXPERT_GROUPS[id(mesh)] = (mesh, group, ep)
+
+
+def expert_group_of(mesh) -> tuple[dist.ProcessGroup | None, int]:
+    """(the expert-parallel group, ep) that `init` / `ParallelGroups` built with this DeviceMesh, or
+    a ParallelGroups' own; (None, 1) for a mesh built elsewhere (no experts split)."""
+    if isinstance(mesh, ParallelGroups):
+        return mesh.ep, mesh.sizes.ep
+    entry = _EXPERT_GROUPS.get(id(mesh))
+    if entry is None or entry[0] is not mesh:
+        return None, 1
+    return entry[1], entry[2]
 
 
 def _sizes_for(world: int, *, tp: int, dp: int | None, pp: int, ep: int, cp: int) -> ParallelSizes:
