@@ -1,4 +1,5 @@
 """TRL's SFTTrainer through the same path: tp 2, a tiny in-memory dataset, the losses of one process.
+
 SFTConfig's own defaults stay on (activation checkpointing); its bf16 default is the second run,
 mixed precision through the same path, which must stay near the fp32 losses.
 
