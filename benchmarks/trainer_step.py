@@ -15,7 +15,7 @@ synchronized at both ends, the same for both); a round's number is the median st
 rank; the ratio is the median over rounds of trainer/hand. Target: <= 1.02.
 
     python benchmarks/trainer_step.py --smoke
-    python benchmarks/trainer_step.py --world 4 --tp 2 --dp 2 --preset cpu16 --threads 3 --warmup 5 --steps 20  # 16 cores
+    python benchmarks/trainer_step.py --world 4 --tp 2 --dp 2 --preset cpu16 --threads 3 --warmup 5 --steps 20
     python benchmarks/trainer_step.py --device cuda --world 2 --tp 2 --dp 1 --preset 1b
 """
 

@@ -48,7 +48,7 @@ minutes on two cores, most of it interpreters starting (~4 s each with torch and
 MODULES = {"deepspeed_pipe", "published_settings"}
 """Files of benchmarks/ that are not scripts (no __main__): imported by model_vs_published and its tests."""
 PUBLIC_PACKAGES = ("tensor_parallel", "data_parallel", "pipeline_parallel", "expert_parallel", "context_parallel",
-                   "models", "timeline", "costmodel")
+                   "models", "timeline", "costmodel", "integrations")
 TIMEOUT_S = 300
 
 
