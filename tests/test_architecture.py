@@ -46,6 +46,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         "overlapkit.optim",
     )),
     ("models", ("overlapkit.models",)),
+    ("integrations", ("overlapkit.integrations",)),  # Trainer, accelerate, torchtitan: engines on their loops
     ("tools", (
         "overlapkit.launch",
         "overlapkit.demos",
