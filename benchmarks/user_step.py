@@ -277,6 +277,13 @@ def _moe_main(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    # The user's path in its other shapes, each a script of its own under _lib: a transformers causal LM in
+    # pipeline stages beside torch.distributed.pipelining (--pp), and the Trainer's step beside the hand loop (--trainer).
+    for flag, module in (("--pp", "_lib.user_pp"), ("--trainer", "_lib.user_trainer")):
+        if flag in argv:
+            import importlib
+            return importlib.import_module(module).main([a for a in argv if a != flag])
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument("--world", type=int, default=1)

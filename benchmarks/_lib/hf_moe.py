@@ -55,7 +55,7 @@ def _torchtitan_forward(module: nn.Module, group, names: tuple[str, ...], num_lo
     import torch.distributed as dist
     from torch.distributed import _functional_collectives as funcol
 
-    from overlapkit.models.hf_experts import run_local_experts
+    from _lib.unexported import run_local_experts
 
     ep = dist.get_world_size(group)
 
@@ -91,7 +91,7 @@ def apply_torchtitan_ep(model: nn.Module, group) -> nn.Module:
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from overlapkit.models.hf_experts import expert_modules
+    from _lib.unexported import expert_modules
 
     ep = torch.distributed.get_world_size(group)
     device = "cuda" if torch.distributed.get_backend(group) == "nccl" else "cpu"

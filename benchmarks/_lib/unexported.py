@@ -21,6 +21,8 @@ WHERE = {
     # The communication layer the engines use (its spans carry a kind): tp_overlap, tp_host_cost,
     # profile_step, cp_overlap (the hop alone, the sends-joined ring), teardown_repeat.
     "comm": "overlapkit.runtime",
+    # A transformers MoE model's experts over ep, driven by the MoE rows of user_step (_lib/hf_moe.py).
+    "expert_modules": "overlapkit.models.hf_experts", "run_local_experts": "overlapkit.models.hf_experts",
     # Cross-rank agreement timed by itself: agreement_cost, tp_agreement_cost.
     "Agreement": "overlapkit.runtime.agreement", "agree": "overlapkit.runtime.agreement",
     # The timeline's step measures and span arithmetic: dp_overlap, fsdp_overlap, ep_overlap, cp_overlap

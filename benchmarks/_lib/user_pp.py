@@ -7,8 +7,8 @@ that comes and goes hits them alike; a step's time is the slowest rank's, the ta
 the ratio is the median of per-round ratios (with its middle half). Target: overlapkit's step <= 0.97x
 torch's schedule of the same name. Every variant's first loss must agree (same model, same batch).
 
-    python benchmarks/hf_pipeline.py --smoke                                    # seconds, measures nothing
-    python benchmarks/hf_pipeline.py --world 4 --threads 4 --preset cpu16       # the 16-core host, pp 4
+    python benchmarks/user_step.py --pp --smoke                                    # seconds, measures nothing
+    python benchmarks/user_step.py --pp --world 4 --threads 4 --preset cpu16       # the 16-core host, pp 4
 
 Writes benchmarks/results/hf_pipeline_cpu_ws<N>.json and .md.
 """
@@ -20,7 +20,7 @@ import os
 import statistics
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/, for _lib
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -47,7 +47,7 @@ def _rank_body(preset: dict, schedules: list[str], m: int, steps: int, warmup: i
     from transformers import LlamaConfig, LlamaForCausalLM
 
     import overlapkit
-    from overlapkit.models.hf_pipeline import pipeline
+    from overlapkit import pipeline
     from overlapkit.pipeline_parallel import chunks_of, placement
 
     torch.set_num_threads(threads)

@@ -14,9 +14,9 @@ steps after `--warmup` untimed ones. A step is timed on every rank from its star
 synchronized at both ends, the same for both); a round's number is the median step of its slowest
 rank; the ratio is the median over rounds of trainer/hand. Target: <= 1.02.
 
-    python benchmarks/trainer_step.py --smoke
-    python benchmarks/trainer_step.py --world 4 --tp 2 --dp 2 --preset cpu16 --threads 3 --warmup 5 --steps 20
-    python benchmarks/trainer_step.py --device cuda --world 2 --tp 2 --dp 1 --preset 1b
+    python benchmarks/user_step.py --trainer --smoke
+    python benchmarks/user_step.py --trainer --world 4 --tp 2 --dp 2 --preset cpu16 --threads 3 --warmup 5 --steps 20
+    python benchmarks/user_step.py --trainer --device cuda --world 2 --tp 2 --dp 1 --preset 1b
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/, for _lib
 
 import torch  # noqa: E402
 
@@ -148,7 +148,7 @@ def _markdown(result: dict) -> str:
     return "\n".join(rows)
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_common_args(ap)
     ap.add_argument("--tp", type=int, default=2)
@@ -159,7 +159,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--threads", type=int, default=1)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     cfg = dict(PRESETS[args.preset])
     if args.smoke:
         cfg.update(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
