@@ -179,7 +179,7 @@ def spawn(fn: Callable, world_size: int, *args: Any, backend: str = "gloo",
     """
     if not oversubscribe:
         check_world_fits(world_size, backend)
-    method = start_method(backend, preload)
+    method = start_method(backend, (*preload, *_home_module(fn)))
     pipes = [multiprocessing.get_context(method).Pipe(duplex=False) for _ in range(world_size)]
     results: dict = {}
     port = free_port()
@@ -213,7 +213,8 @@ PRELOAD = ("torch", "torch.distributed", "overlapkit.launch")
 def start_method(backend: str, preload: tuple[str, ...] = ()) -> str:
     """How `spawn` starts ranks: "forkserver" for CPU ranks where the platform has it, else "spawn".
 
-    The server imports `PRELOAD + preload` once, so a forked rank starts with torch imported.
+    The server imports `PRELOAD + preload` once (spawn adds the module of the function the ranks
+    run), so a forked rank starts with torch and that module imported.
     It imports nothing that initializes CUDA, but NCCL ranks keep "spawn": a GPU rank's start-up
     is small beside its work, and a fresh interpreter rules out any state a fork could carry.
     A server already running keeps the modules it first imported.
@@ -222,6 +223,12 @@ def start_method(backend: str, preload: tuple[str, ...] = ()) -> str:
         return "spawn"
     multiprocessing.get_context("forkserver").set_forkserver_preload(list(dict.fromkeys(PRELOAD + tuple(preload))))
     return "forkserver"
+
+
+def _home_module(fn: Callable) -> tuple[str, ...]:
+    """The module `fn` is defined in, which every rank imports to find it (none for a script's own `__main__`)."""
+    module = getattr(fn, "__module__", None) or ""
+    return () if not module or module.split(".")[-1] in ("__main__", "__mp_main__") else (module,)
 
 
 def _drain(readers: dict, results: dict, on_message, wait_s: float, until_closed: bool = False) -> None:
