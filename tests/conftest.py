@@ -18,7 +18,8 @@ def pytest_configure(config):
     from distributed import start_rank_server
 
     config.stash[_STARTED] = time.monotonic()
-    start_rank_server()
+    if not getattr(config.option, "numprocesses", None) or hasattr(config, "workerinput"):
+        start_rank_server()  # where tests run: not in pytest-xdist's controller, which runs none
 
 
 def pytest_terminal_summary(terminalreporter, config):
