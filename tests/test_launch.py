@@ -3,6 +3,8 @@ each rank answering on its own pipe."""
 
 import multiprocessing
 import os
+import subprocess
+import sys
 
 import torch
 import torch.distributed as dist
@@ -35,3 +37,19 @@ def test_ranks_see_the_parents_environment_now_and_return_large_tensors_by_value
 def test_cpu_ranks_fork_from_a_server_and_gpu_ranks_spawn():
     assert start_method("nccl") == "spawn"
     assert start_method("gloo") == ("forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn")
+
+
+def test_a_preloaded_module_that_raises_falls_back_to_fresh_interpreters(tmp_path):
+    # In a fresh interpreter: this session's server is already running and would ignore the preload.
+    (tmp_path / "raises_on_import.py").write_text("raise RuntimeError('broken at import')\n")
+    code = ("import operator, warnings\nfrom overlapkit.launch import spawn\n"
+            "with warnings.catch_warnings(record=True) as w:\n"
+            "    warnings.simplefilter('always')\n"
+            "    print(spawn(operator.abs, 2, -3, preload=('raises_on_import',)))\n"
+            "print([str(x.message) for x in w])\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), *sys.path]))
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    result, warned = run.stdout.strip().splitlines()[-2:]
+    assert result == "[3, 3]", run.stdout
+    assert "starting the ranks with 'spawn'" in warned, run.stdout

@@ -24,6 +24,7 @@ import pickle
 import socket
 import time
 import traceback
+import warnings
 from typing import Any, Callable
 
 import torch
@@ -185,9 +186,8 @@ def spawn(fn: Callable, world_size: int, *args: Any, backend: str = "gloo",
     port = free_port()
     started = time.monotonic()
     try:
-        procs = mp.start_processes(_entry, args=(fn, world_size, port, backend, timeout_s, args,
-                                                 [w for _, w in pipes], dict(os.environ)),
-                                   nprocs=world_size, join=False, start_method=method)
+        procs = _start_ranks(method, world_size, (fn, world_size, port, backend, timeout_s, args,
+                                                  [w for _, w in pipes], dict(os.environ)))
         for _, w in pipes:
             w.close()  # the ranks hold theirs; the parent only reads
         readers = {r: pipe[0] for r, pipe in enumerate(pipes)}
@@ -223,6 +223,19 @@ def start_method(backend: str, preload: tuple[str, ...] = ()) -> str:
         return "spawn"
     multiprocessing.get_context("forkserver").set_forkserver_preload(list(dict.fromkeys(PRELOAD + tuple(preload))))
     return "forkserver"
+
+
+def _start_ranks(method: str, world_size: int, args: tuple):
+    try:
+        return mp.start_processes(_entry, args=args, nprocs=world_size, join=False, start_method=method)
+    except (EOFError, ConnectionError) as e:
+        if method != "forkserver":
+            raise
+        # The server died before forking a rank: a module it preloads raised on import (its traceback is
+        # on stderr). Fresh interpreters do not depend on it; they only start slower.
+        warnings.warn(f"the rank server failed ({type(e).__name__}: {e}); starting the ranks with 'spawn'",
+                      RuntimeWarning, stacklevel=3)
+        return mp.start_processes(_entry, args=args, nprocs=world_size, join=False, start_method="spawn")
 
 
 def _home_module(fn: Callable) -> tuple[str, ...]:
