@@ -64,8 +64,8 @@ class _Channel:
     is gone once the rank exits; plain pickle copies the values.
     """
 
-    def __init__(self, rank: int, conn) -> None:
-        self.rank, self.conn = rank, conn
+    def __init__(self, conn) -> None:
+        self.conn = conn
 
     def put(self, item) -> None:
         self.conn.send_bytes(pickle.dumps(("message", item)))
@@ -80,7 +80,7 @@ class _Channel:
 def _entry(rank: int, fn: Callable, world_size: int, port: int, backend: str, timeout_s: float,
            args: tuple, conns: list, environ: dict) -> None:
     global _messages
-    channel = _messages = _Channel(rank, conns[rank])
+    channel = _messages = _Channel(conns[rank])
     # A forked rank inherits its server's environment, not the parent's now: take the parent's.
     os.environ.clear()
     os.environ.update(environ)
@@ -201,8 +201,9 @@ def spawn(fn: Callable, world_size: int, *args: Any, backend: str = "gloo",
     except Exception as e:
         raise _failure(e, results, world_size, time.monotonic() - started, timeout_s) from None
     finally:
-        for r, _ in pipes:
+        for r, w in pipes:
             r.close()
+            w.close()  # a no-op unless starting the ranks failed
     return [results.get(r, (None, None))[1] for r in range(world_size)]
 
 
