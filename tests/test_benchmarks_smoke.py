@@ -3,8 +3,8 @@ folder); the shell scripts parse and name only files that exist; no script reach
 public names except through benchmarks/_lib/unexported.py, and none reads ../shared.
 
 Each script runs in a fresh interpreter, imported and its main() called (`python -c`), rather than as
-`python script.py`: the spawn start method then has no script to re-run in its manager process, one
-interpreter start-up (~4 s of CPU with torch and DTensor) fewer per multi-rank script. The scripts that
+`python script.py`: the script is then a module, which the ranks' server imports once and every rank
+forks with (`launch.start_method`), instead of each rank re-running the script's imports. The scripts that
 take longer than the rest (SLOW) run when OVERLAPKIT_SMOKE_SLOW=1; the CUDA-only ones (CUDA) run where a GPU
 is visible, and elsewhere are checked to refuse with their reason.
 """

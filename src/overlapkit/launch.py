@@ -8,16 +8,23 @@ raised, one that died (killed, a C++ abort), or one that stopped answering.
 Ranks can send one-line progress messages to the parent (`progress(text)`), which prints
 them while the ranks run (`spawn(..., on_message=print)`), so a user sees the ranks start,
 import and step from the first second instead of a silent wait.
+
+CPU ranks fork from a server process that imported torch once (multiprocessing's forkserver,
+which never touches CUDA), instead of each rank starting an interpreter and importing torch
+again: seconds a rank on a small machine. Each rank sends its result and progress back on its
+own pipe, so no manager process is started per world either.
 """
 
 from __future__ import annotations
 
 import datetime
+import multiprocessing.connection
 import os
-import queue as _queue
+import pickle
 import socket
 import time
 import traceback
+import warnings
 from typing import Any, Callable
 
 import torch
@@ -27,7 +34,7 @@ import torch.multiprocessing as mp
 from .runtime import state
 
 _WIRING = state.process_dict("launch.parent")
-"""In a spawned rank: the queue to the parent under key "messages" (set by _entry); empty outside spawn."""
+"""In a spawned rank: its channel to the parent under key "messages" (set by _entry); empty outside spawn."""
 
 
 class RankFailed(RuntimeError):
@@ -51,9 +58,34 @@ def progress(text: str) -> None:
         messages.put((int(os.environ.get("RANK", 0)), text))
 
 
+class _Channel:
+    """A rank's one-way pipe to the parent: progress lines, then its result or its error.
+
+    One pipe a rank, so no lock is shared between ranks (a rank killed mid-write can block no
+    other rank) and each rank's messages arrive in the order it sent them. Plain pickle, not
+    multiprocessing's: that one sends a tensor as a handle to the rank's shared memory, which
+    is gone once the rank exits; plain pickle copies the values.
+    """
+
+    def __init__(self, conn) -> None:
+        self.conn = conn
+
+    def put(self, item) -> None:
+        self.conn.send_bytes(pickle.dumps(("message", item)))
+
+    def result(self, value) -> None:
+        self.conn.send_bytes(pickle.dumps(("ok", value)))
+
+    def error(self, text: str, trace: str) -> None:
+        self.conn.send_bytes(pickle.dumps(("error", text, trace)))
+
+
 def _entry(rank: int, fn: Callable, world_size: int, port: int, backend: str, timeout_s: float,
-           args: tuple, results, messages) -> None:
-    _WIRING["messages"] = messages
+           args: tuple, conns: list, environ: dict) -> None:
+    channel = _WIRING["messages"] = _Channel(conns[rank])
+    # A forked rank inherits its server's environment, not the parent's now: take the parent's.
+    os.environ.clear()
+    os.environ.update(environ)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     if backend == "nccl":
@@ -65,10 +97,10 @@ def _entry(rank: int, fn: Callable, world_size: int, port: int, backend: str, ti
     ok = False
     try:
         out = fn(*args)
-        results[rank] = ("ok", out)
+        channel.result(out)
         ok = True
     except BaseException as e:  # the parent re-raises it with the rank named
-        results[rank] = ("error", f"{type(e).__name__}: {e}", traceback.format_exc())
+        channel.error(f"{type(e).__name__}: {e}", traceback.format_exc())
         raise
     finally:
         shutdown(joined=ok)
@@ -139,48 +171,112 @@ def check_world_fits(world_size: int, backend: str = "gloo", what: str = "",
 
 def spawn(fn: Callable, world_size: int, *args: Any, backend: str = "gloo",
           timeout_s: float = 60.0, on_message: Callable[[int, str], None] | None = None,
-          oversubscribe: bool = False) -> list[Any]:
+          oversubscribe: bool = False, preload: tuple[str, ...] = ()) -> list[Any]:
     """Run `fn(*args)` on `world_size` fresh processes with an initialized default group.
 
     Returns the list of per-rank return values (they must be picklable). Raises RankFailed
     naming the rank (its error on the first line, its traceback after) if any rank fails.
     `on_message(rank, text)` receives what ranks send with `progress()` while they run.
     Far more CPU ranks than cores are refused (ValueError, nothing started) unless `oversubscribe`.
+    `preload`: modules every rank imports anyway (see `start_method`), imported once for all ranks.
     """
     if not oversubscribe:
         check_world_fits(world_size, backend)
-    ctx = mp.get_context("spawn")
-    manager = ctx.Manager()
-    results = manager.dict()
-    messages = manager.Queue() if on_message is not None else None
+    method = start_method(backend, (*preload, *_home_module(fn)))
+    pipes = [multiprocessing.get_context(method).Pipe(duplex=False) for _ in range(world_size)]
+    results: dict = {}
     port = free_port()
     started = time.monotonic()
     try:
-        procs = mp.start_processes(_entry, args=(fn, world_size, port, backend, timeout_s, args, results, messages),
-                                   nprocs=world_size, join=False, start_method="spawn")
+        procs = _start_ranks(method, world_size, (fn, world_size, port, backend, timeout_s, args,
+                                                  [w for _, w in pipes], dict(os.environ)))
+        for _, w in pipes:
+            w.close()  # the ranks hold theirs; the parent only reads
+        readers = {r: pipe[0] for r, pipe in enumerate(pipes)}
         try:
             # grace_period: a stopped (SIGSTOP) rank ignores SIGTERM; without it torch waits 30 s to SIGKILL.
-            while not procs.join(timeout=0.2, grace_period=2.0):
-                _drain(messages, on_message)
+            # A short join timeout: a rank whose result fills its pipe waits for this loop to read it.
+            while not procs.join(timeout=0.05, grace_period=2.0):
+                _drain(readers, results, on_message, wait_s=0.05)
         finally:
-            _drain(messages, on_message)
+            _drain(readers, results, on_message, wait_s=0.0, until_closed=True)
     except Exception as e:
-        raise _failure(e, dict(results), world_size, time.monotonic() - started, timeout_s) from None
+        raise _failure(e, results, world_size, time.monotonic() - started, timeout_s) from None
     finally:
-        out = [results.get(r, (None, None))[1] for r in range(world_size)]
-        manager.shutdown()
-    return out
+        for r, w in pipes:
+            r.close()
+            w.close()  # a no-op unless starting the ranks failed
+    return [results.get(r, (None, None))[1] for r in range(world_size)]
 
 
-def _drain(messages, on_message) -> None:
-    if messages is None:
-        return
-    while True:
-        try:
-            rank, text = messages.get_nowait()
-        except (_queue.Empty, EOFError, OSError):
+PRELOAD = ("torch", "torch.distributed", "overlapkit.launch")
+"""Modules the rank server imports once for every CPU rank it forks (`spawn(preload=...)` adds more)."""
+
+
+def start_method(backend: str, preload: tuple[str, ...] = ()) -> str:
+    """How `spawn` starts ranks: "forkserver" for CPU ranks where the platform has it, else "spawn".
+
+    The server imports `PRELOAD + preload` once (spawn adds the module of the function the ranks
+    run), so a forked rank starts with torch and that module imported.
+    It imports nothing that initializes CUDA, but NCCL ranks keep "spawn": a GPU rank's start-up
+    is small beside its work, and a fresh interpreter rules out any state a fork could carry.
+    A server already running keeps the modules it first imported.
+    """
+    if backend == "nccl" or "forkserver" not in multiprocessing.get_all_start_methods():
+        return "spawn"
+    multiprocessing.get_context("forkserver").set_forkserver_preload(list(dict.fromkeys(PRELOAD + tuple(preload))))
+    return "forkserver"
+
+
+def _start_ranks(method: str, world_size: int, args: tuple):
+    try:
+        return mp.start_processes(_entry, args=args, nprocs=world_size, join=False, start_method=method)
+    except (EOFError, ConnectionError) as e:
+        if method != "forkserver":
+            raise
+        # The server died before forking a rank: a module it preloads raised on import (its traceback is
+        # on stderr). Fresh interpreters do not depend on it; they only start slower.
+        warnings.warn(f"the rank server failed ({type(e).__name__}: {e}); starting the ranks with 'spawn'",
+                      RuntimeWarning, stacklevel=3)
+        return mp.start_processes(_entry, args=args, nprocs=world_size, join=False, start_method="spawn")
+
+
+def _home_module(fn: Callable) -> tuple[str, ...]:
+    """The module `fn` is defined in, which every rank imports to find it (none for a script's own `__main__`)."""
+    module = getattr(fn, "__module__", None) or ""
+    return () if not module or module.split(".")[-1] in ("__main__", "__mp_main__") else (module,)
+
+
+def _drain(readers: dict, results: dict, on_message, wait_s: float, until_closed: bool = False) -> None:
+    """Read what the ranks sent: progress lines to `on_message`, final results into `results`.
+
+    `until_closed`: every rank has ended; read each pipe to its end. A rank killed mid-send leaves
+    a truncated message: it counts as no result (the rank is reported dead or silent).
+    """
+    while readers:
+        ready = multiprocessing.connection.wait(list(readers.values()), timeout=wait_s)
+        if not ready:
             return
-        on_message(rank, text)
+        for rank, conn in list(readers.items()):
+            if conn not in ready:
+                continue
+            try:
+                data = conn.recv_bytes()
+            except (EOFError, OSError):
+                del readers[rank]
+                continue
+            try:
+                item = pickle.loads(data)
+            except Exception:  # noqa: BLE001 - a result the parent cannot unpickle is that rank's error
+                results[rank] = ("error", "its result could not be read in the parent", traceback.format_exc())
+                continue
+            if item[0] == "message":
+                if on_message is not None:
+                    on_message(*item[1])
+            else:
+                results[rank] = item
+        if not until_closed:
+            wait_s = 0.0
 
 
 def _failure(e: Exception, results: dict, world_size: int, elapsed_s: float, timeout_s: float) -> RankFailed:
