@@ -16,6 +16,7 @@ from torch import nn
 from ..context_parallel.attention import ContextParallelConfig, RingAttention
 from ..context_parallel.split import check_seq_len, positions
 from ..runtime.comm import group_rank, group_size
+from ..runtime.entry import guard_entry
 from ..runtime.groups import resolve_group
 from ..tensor_parallel.params import LocalShardParams
 
@@ -61,6 +62,8 @@ def apply_to_gpt(model: nn.Module, mesh_or_group, config: ContextParallelConfig 
     model.pos_emb = SlicePositionEmbedding(model.pos_emb, group, config.layout)
     for i, block in enumerate(model.blocks):
         block.attn = RingGPTAttention(block.attn, RingAttention(group, config, causal=True, name=f"blocks.{i}.attn.cp"))
+    # CP ranks hold different tokens of slices of one size: shapes compared every forward, not values.
+    guard_entry(model, group, "context parallel GPT", same_values=False)
     return model
 
 
@@ -108,6 +111,7 @@ def apply_to_hf_llama(model: nn.Module, mesh_or_group, config: ContextParallelCo
             cfg._attn_implementation = HF_ATTENTION
     if group_size(group) > 1:
         model.register_forward_pre_hook(_require_position_ids, with_kwargs=True)
+    guard_entry(model, group, f"context parallel {type(model).__name__}", same_values=False)
     return model
 
 
