@@ -67,9 +67,25 @@ def _entry(rank: int, fn: Callable, world_size: int, port: int, backend: str, ti
         ok = True
     except BaseException as e:  # the parent re-raises it with the rank named
         results[rank] = ("error", f"{type(e).__name__}: {e}", traceback.format_exc())
+        publish_failure(e)
         raise
     finally:
         shutdown(joined=ok)
+
+
+def publish_failure(error: BaseException) -> None:
+    """Leave this rank's error on the store for the peers still waiting on it (see agreement.report_problem).
+
+    A peer whose collective then fails raises this text instead of "connection reset"; this
+    process stays at exit until the peers read it (runtime/departure.py). An error that is
+    itself a peer's reason heard (RankMismatchError) is not said again.
+    """
+    from .runtime.agreement import RankMismatchError, report_problem
+
+    if isinstance(error, RankMismatchError) or not dist.is_initialized():
+        return
+    first = (str(error).strip().splitlines() or [""])[0][:300]
+    report_problem(dist.group.WORLD, f"rank {dist.get_rank()}", f"raised {type(error).__name__}: {first}")
 
 
 def shutdown(joined: bool = True) -> None:

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
+from ..runtime import state
 from ..runtime.agreement import RankMismatchError, report_problem
 from ..runtime.entry import check_inputs
 
@@ -28,6 +29,17 @@ DIGEST_EVERY = 100
 
 HINT = ("a rank whose count is behind skipped backward() or optimizer.step() (or ran an extra one); a parameter "
         "digest that differs means the replicas no longer hold the same weights")
+
+
+_STEP_HOOK: dict = state.cache_dict("data_parallel.progress_step_hook")
+"""The one optimizer-step hook of this process and the Progress objects it counts steps for."""
+
+
+def _stepped(live, optimizer) -> None:
+    first = [g["params"][0] for g in optimizer.param_groups if g["params"]]
+    for progress in list(live):
+        if any(id(p) in progress.ids for p in first):
+            progress.steps += 1
 
 
 class Progress:
@@ -42,20 +54,12 @@ class Progress:
         self.digest_every = DIGEST_EVERY
         """Forwards between parameter digests (0: never); replicas only (a sharded model's shards differ)."""
         self.params = [p for p in params]
-        ids = {id(p) for p in self.params}
-        ref = weakref.ref(self)
-
-        def stepped(optimizer, _args, _kwargs) -> None:
-            progress = ref()
-            if progress is None:
-                handle.remove()
-                return
-            for group in optimizer.param_groups:
-                if group["params"] and id(group["params"][0]) in ids:
-                    progress.steps += 1
-                    return
-
-        handle = register_optimizer_step_post_hook(stepped)
+        self.ids = {id(p) for p in self.params}
+        if "live" not in _STEP_HOOK:
+            # One process-wide hook (a hook removed while torch iterates its hooks breaks that step).
+            live = _STEP_HOOK["live"] = weakref.WeakSet()
+            _STEP_HOOK["handle"] = register_optimizer_step_post_hook(lambda opt, _a, _k: _stepped(live, opt))
+        _STEP_HOOK["live"].add(self)
 
     def count_step(self) -> None:
         """An engine's own optimizer (ShardedOptimizer) says it stepped."""

@@ -25,7 +25,7 @@ from typing import Any
 import torch.distributed as dist
 
 from . import state
-from .departure import hold_store
+from .departure import heard, hold_store
 from .timeouts import group_timeout_s
 
 _SEQ: dict[str, int] = state.cache_dict("agreement.checks_per_group")
@@ -128,10 +128,12 @@ def reported_problems(group) -> list[dict]:
     try:
         store = dist.distributed_c10d._get_default_store()
         me = dist.get_rank(group)
-        for r in range(dist.get_world_size(group)):
-            key = f"overlapkit/problem/{group.group_name}/{r}"
-            if r != me and store.check([key]):
-                out.append(json.loads(store.get(key)))
+        world = dist.group.WORLD.group_name
+        for r, world_rank in enumerate(dist.get_process_group_ranks(group)):
+            # The group's own reasons, and a rank's error said for the whole job (launch.publish_failure).
+            for key in {f"overlapkit/problem/{group.group_name}/{r}", f"overlapkit/problem/{world}/{world_rank}"}:
+                if r != me and store.check([key]):
+                    out.append(json.loads(store.get(key)))
     except Exception:  # noqa: BLE001 - no store to read (its host rank is gone): nothing to add
         return out
     return out
@@ -152,6 +154,8 @@ def raise_explained(group, what: str, error: BaseException, doing: str = "") -> 
     hold_store()
     _say_waiting(what, doing)
     told = reported_problems(group) if group is not None else []
+    if told:
+        heard()
     told += _checks_ahead(group) if group is not None else []
     if not told and group is not None:
         # No one left a reason: a peer stuck elsewhere (it skipped backward(), or a step) times out
@@ -167,7 +171,7 @@ def raise_explained(group, what: str, error: BaseException, doing: str = "") -> 
                             f"{reasons}") from error
 
 
-STATUS_WAIT_S = 2.5
+STATUS_WAIT_S = 1.5
 """After a failed wait with no reason left, how long a rank waits for its peers to say where they wait."""
 
 
@@ -185,7 +189,7 @@ def _peers_waiting(group) -> list[dict]:
     try:
         store = dist.distributed_c10d._get_default_store()
         me, ranks = dist.get_rank(), dist.get_process_group_ranks(group)
-        fresh_s = group_timeout_s(group) + STATUS_WAIT_S + 5.0
+        fresh_s = STATUS_WAIT_S + 3.5  # peers stuck with this rank time out together; older is another failure
         found: dict[int, dict] = {}
         deadline = time.monotonic() + STATUS_WAIT_S
         while True:

@@ -7,7 +7,7 @@ rank that says why it breaks step (`agreement.report_problem`) and exits at once
 peers a "connection reset" and no store to read the reason from. Here, at interpreter exit,
 such a rank first closes its process groups (peers blocked in a collective with it fail now,
 not at their timeout, and look the reason up), then keeps its process — and the store it may
-host — until every rank of the world has said it is leaving, or a bounded grace (the world's
+host — until every other rank of the world has read it or is leaving, or a bounded grace (the world's
 timeout + `GRACE_S`) is over. Every rank that used the store for an overlapkit check says
 "leaving" at its own exit, so a job whose ranks all end promptly waits for nothing.
 """
@@ -15,7 +15,6 @@ timeout + `GRACE_S`) is over. Every rank that used the store for an overlapkit c
 from __future__ import annotations
 
 import atexit
-import datetime
 import time
 
 import torch.distributed as dist
@@ -30,6 +29,8 @@ GRACE_S = 2.0
 """Past the world's timeout, how long a rank that published a reason waits for its peers to leave."""
 LEFT = "overlapkit/left/"
 """Store key prefix: `LEFT + str(rank)` is set when that rank's process exits."""
+HEARD = "overlapkit/heard/"
+"""Store key prefix: `HEARD + str(rank)` is set when that rank has read a peer's reason."""
 
 
 def hold_store(published: bool = False) -> None:
@@ -67,12 +68,21 @@ def _leave() -> None:
             dist.destroy_process_group()  # peers blocked with this rank fail now and read the reason
         except Exception:  # noqa: BLE001 - exiting anyway
             pass
-    keys = [LEFT + str(r) for r in range(held["world"])]
+    me = held["rank"]
     deadline = time.monotonic() + held["timeout_s"] + GRACE_S
     while time.monotonic() < deadline:
         try:
-            if store.check(keys):
+            if all(store.check([LEFT + str(r)]) or store.check([HEARD + str(r)])
+                   for r in range(held["world"]) if r != me):
                 return
         except Exception:  # noqa: BLE001 - the store's host is gone: nobody can read it any more
             return
         time.sleep(0.05)
+
+
+def heard() -> None:
+    """Say on the store that this rank has read a peer's reason (that peer need not wait for it any more)."""
+    try:
+        dist.distributed_c10d._get_default_store().set(HEARD + str(dist.get_rank()), "1")
+    except Exception:  # noqa: BLE001 - no store: the publisher's grace ends on its own
+        pass
