@@ -85,7 +85,16 @@ def publish_failure(error: BaseException) -> None:
     if isinstance(error, RankMismatchError) or not dist.is_initialized():
         return
     first = (str(error).strip().splitlines() or [""])[0][:300]
+    if _is_consequence(first):
+        return  # this rank lost a peer: the peer's own reason (or its absence) is what to tell
     report_problem(dist.group.WORLD, f"rank {dist.get_rank()}", f"raised {type(error).__name__}: {first}")
+
+
+def _is_consequence(text: str) -> bool:
+    """The words of an error a rank gets because a peer failed or went quiet (not a reason of its own)."""
+    text = text.lower()
+    return any(w in text for w in ("timed out", "timeout", "connection closed", "connection reset", "broken pipe",
+                                   "did not compare", "pair closure"))
 
 
 def shutdown(joined: bool = True) -> None:
@@ -210,9 +219,7 @@ def _failure(e: Exception, results: dict, world_size: int, elapsed_s: float, tim
     # (their collective lost its peer). Prefer a non-timeout error, then the lowest rank.
     if errors:
         def is_consequence(v):
-            text = v[1].lower()
-            return any(w in text for w in ("timed out", "timeout", "connection closed", "connection reset",
-                                           "broken pipe", "did not compare"))
+            return _is_consequence(v[1])
         rank = min(errors, key=lambda r: (is_consequence(errors[r]), r))
         silent = [r for r in range(world_size) if r not in results]
         if silent and is_consequence(errors[rank]):
