@@ -15,6 +15,7 @@ from __future__ import annotations
 import datetime
 import os
 import queue as _queue
+import signal
 import socket
 import time
 import traceback
@@ -178,6 +179,7 @@ def spawn(fn: Callable, world_size: int, *args: Any, backend: str = "gloo",
     messages = manager.Queue() if on_message is not None else None
     port = free_port()
     started = time.monotonic()
+    stopped: set[int] = set()
     try:
         procs = mp.start_processes(_entry, args=(fn, world_size, port, backend, timeout_s, args, results, messages),
                                    nprocs=world_size, join=False, start_method="spawn")
@@ -185,14 +187,45 @@ def spawn(fn: Callable, world_size: int, *args: Any, backend: str = "gloo",
             # grace_period: a stopped (SIGSTOP) rank ignores SIGTERM; without it torch waits 30 s to SIGKILL.
             while not procs.join(timeout=0.2, grace_period=2.0):
                 _drain(messages, on_message)
+                _end_stopped(procs, results, stopped)
         finally:
             _drain(messages, on_message)
     except Exception as e:
-        raise _failure(e, dict(results), world_size, time.monotonic() - started, timeout_s) from None
+        failure = _failure(e, dict(results), world_size, time.monotonic() - started, timeout_s)
+        raise _named_stopped(failure, stopped, world_size, time.monotonic() - started, timeout_s) from None
     finally:
         out = [results.get(r, (None, None))[1] for r in range(world_size)]
         manager.shutdown()
     return out
+
+
+def _end_stopped(procs, results, stopped: set) -> None:
+    """Once a rank has failed, SIGKILL the ranks that are stopped (SIGSTOP, a debugger): they cannot
+    answer, and torch would give each a SIGTERM it ignores and a grace period first."""
+    if not any(v[0] == "error" for v in results.values()):
+        return
+    for rank, proc in enumerate(procs.processes):
+        if rank in stopped or not proc.is_alive():
+            continue
+        try:
+            with open(f"/proc/{proc.pid}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except OSError:  # not Linux, or it just ended
+            continue
+        if state in ("T", "t"):
+            stopped.add(rank)
+            os.kill(proc.pid, signal.SIGKILL)
+
+
+def _named_stopped(failure: RankFailed, stopped: set, world_size: int, elapsed_s: float,
+                   timeout_s: float) -> RankFailed:
+    """The failure, or, when a rank ended only because it was stopped and killed here, that rank named."""
+    if not stopped or failure.rank not in stopped:
+        return failure
+    rank = min(stopped)
+    return RankFailed(f"rank {rank} of {world_size} stopped answering: it was stopped (SIGSTOP) and the other ranks "
+                      f"gave up waiting for it after the {timeout_s:g} s process-group timeout ({elapsed_s:.0f} s in "
+                      "all)", rank, failure.detail)
 
 
 def _drain(messages, on_message) -> None:
