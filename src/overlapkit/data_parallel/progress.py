@@ -21,7 +21,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from ..runtime import state
 from ..runtime.agreement import RankMismatchError, report_problem
-from ..runtime.entry import check_inputs
+from ..runtime.entry import check_device, check_inputs
 
 DIGEST_EVERY = 100
 """Forwards between two digests of the parameters (replicas only): one pass over the parameters
@@ -51,6 +51,7 @@ class Progress:
         self.steps = 0
         self.forwards = 0
         self._backwards_at_step = -1
+        self._zeros: torch.Tensor | None = None
         self.digest_every = DIGEST_EVERY
         """Forwards between parameter digests (0: never); replicas only (a sharded model's shards differ)."""
         self.params = [p for p in params]
@@ -85,7 +86,12 @@ class Progress:
         if self.replicas:
             # The same length every forward (a gather of unequal sizes aborts gloo): zeros between digests.
             due = self.digest_every and self.forwards % self.digest_every == 0
-            extra = self._digest() if due else torch.zeros(2, dtype=torch.int64)
+            if due:
+                extra = self._digest()
+            else:
+                if self._zeros is None:  # made once on the check's device: no copy to it each step
+                    self._zeros = torch.zeros(2, dtype=torch.int64, device=check_device(self.group))
+                extra = self._zeros
         check_inputs(self.group, self.what, same_values=False, hint=HINT, extra=extra,
                      counters={"backward passes": self.backwards, "optimizer steps": self.steps})
 

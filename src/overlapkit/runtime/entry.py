@@ -123,7 +123,7 @@ def check_inputs(group, what: str, args: tuple = (), kwargs: dict | None = None,
     counters = counters or {}
     inputs = _inputs(args, kwargs)
     meta = repr([(p, tuple(t.shape), str(t.dtype)) for p, t in inputs]).encode()
-    device = _device(group)
+    device = check_device(group)
     # Fixed length on every rank (a gather of unequal sizes aborts gloo): the CRC covers the
     # inputs' paths, shapes and dtypes, the two sums every integer input's values.
     head = _meta_vector((zlib.crc32(meta), len(inputs), *counters.values()), device)
@@ -165,7 +165,8 @@ def _waiting_text(counters: dict) -> str:
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-def _device(group) -> torch.device:
+def check_device(group) -> torch.device:
+    """Where `group`'s entry check runs: the current GPU under NCCL, else the CPU."""
     if dist.get_backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
