@@ -212,3 +212,27 @@ def test_the_store_host_leaving_first_still_tells_its_peer(tmp_path):
     took, text = open(path).read().split("\n", 1)
     assert "rank 0 refused its input: a local misuse" in text, text
     assert float(took) <= TIMEOUT_S + MARGIN_S, took
+
+
+def _agree_then_leave(rank: int, port: int, folder: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", "env://", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=TIMEOUT_S))
+    from overlapkit.runtime.agreement import agree
+
+    if rank == 1:
+        time.sleep(1.0)  # the store's host has both signatures first, raises and would exit before rank 1 reads
+    try:
+        agree(dist.group.WORLD, "MoE", num_experts=4 + rank)
+    except Exception as e:
+        with open(os.path.join(folder, f"rank{rank}.txt"), "w") as f:
+            f.write(f"{type(e).__name__}: {e}")
+        raise
+
+
+def test_under_mp_spawn_every_rank_raises_the_named_mismatch(tmp_path):
+    # mp.spawn's parent terminates the other ranks once one exits with an error: the host must wait.
+    with pytest.raises(Exception, match="num_experts differs"):
+        mp.spawn(_agree_then_leave, args=(free_port(), str(tmp_path)), nprocs=2)
+    for rank in range(2):
+        text = (tmp_path / f"rank{rank}.txt").read_text()
+        assert text.startswith("RankMismatchError: MoE: ranks [0, 1]") and "rank 1: 5" in text, (rank, text)

@@ -65,6 +65,7 @@ def agree(group, what: str, *, timeout_s: float | None = None, **fields: Any) ->
     for k in fields_differ:
         per_rank = ", ".join(f"rank {ranks[r]}: {signatures[r].get(k, '(absent)')!r}" for r in range(len(ranks)))
         parts.append(f"{k} differs ({per_rank})")
+    hold_store(published=True)  # every rank raises; the store's host stays until the others have read theirs
     whats = sorted({s.get("what") for s in signatures}, key=str)
     label = what if len(whats) == 1 else "/".join(map(str, whats))
     raise RankMismatchError(f"{label}: ranks {ranks} were given different configurations: " + "; ".join(parts))

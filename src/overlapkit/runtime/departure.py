@@ -8,7 +8,7 @@ peers a "connection reset" and no store to read the reason from. Here, at interp
 such a rank first closes its process groups (peers blocked in a collective with it fail now,
 not at their timeout, and look the reason up), then keeps its process — and the store it may
 host — until every other rank of the world has read it or is leaving, or a bounded grace (the world's
-timeout + `GRACE_S`) is over. Every rank that used the store for an overlapkit check says
+timeout + `GRACE_S`, at most `MOST_S`) is over. Every rank that used the store for an overlapkit check says
 "leaving" at its own exit, so a job whose ranks all end promptly waits for nothing.
 """
 
@@ -27,6 +27,8 @@ _HELD: dict = state.cache_dict("departure.held")
 
 GRACE_S = 2.0
 """Past the world's timeout, how long a rank that published a reason waits for its peers to leave."""
+MOST_S = 30.0
+"""The longest a rank waits at exit whatever the timeout (torch's default timeouts are 10 and 30 minutes)."""
 LEFT = "overlapkit/left/"
 """Store key prefix: `LEFT + str(rank)` is set when that rank's process exits."""
 HEARD = "overlapkit/heard/"
@@ -69,7 +71,7 @@ def _leave() -> None:
         except Exception:  # noqa: BLE001 - exiting anyway
             pass
     me = held["rank"]
-    deadline = time.monotonic() + held["timeout_s"] + GRACE_S
+    deadline = time.monotonic() + min(held["timeout_s"] + GRACE_S, MOST_S)
     while time.monotonic() < deadline:
         try:
             if all(store.check([LEFT + str(r)]) or store.check([HEARD + str(r)])
