@@ -42,10 +42,8 @@ def _median_us(fn, reps: int, device) -> float:
 
 
 def _rank(a: dict) -> dict:
-    from overlapkit.data_parallel.progress import Progress
+    from _lib.unexported import Progress, check_inputs, vocab
     from overlapkit.models import GPT, GPTConfig, parallelize
-    from overlapkit.runtime.entry import check_inputs
-    import overlapkit.tensor_parallel.vocab as vocab
 
     device = torch.device("cuda", torch.cuda.current_device()) if a["device"] == "cuda" else torch.device("cpu")
     cfg = GPTConfig(vocab_size=a["vocab"], seq_len=a["seq"], hidden=a["hidden"], num_heads=a["heads"],
@@ -98,7 +96,7 @@ def _markdown(r: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from overlapkit.data_parallel.progress import DIGEST_EVERY
+    from _lib.unexported import DIGEST_EVERY
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_common_args(ap)
