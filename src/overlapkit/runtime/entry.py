@@ -126,7 +126,9 @@ def check_inputs(group, what: str, args: tuple = (), kwargs: dict | None = None,
     device = check_device(group)
     # Fixed length on every rank (a gather of unequal sizes aborts gloo): the CRC covers the
     # inputs' paths, shapes and dtypes, the two sums every integer input's values.
-    head = _meta_vector((zlib.crc32(meta), len(inputs), *counters.values()), device)
+    head = _meta_vector((zlib.crc32(meta), len(inputs)), device)
+    if counters:  # they change every step: not worth a cache entry each
+        head = torch.cat([head, torch.tensor(list(counters.values()), dtype=torch.int64).to(device, non_blocking=True)])
     sums = [torch.stack(_digest(t.to(device))) for _, t in inputs
             if same_values and not t.dtype.is_floating_point and not t.dtype.is_complex]
     mine = torch.cat([head, torch.stack(sums).sum(0) if sums else _meta_vector((0, 0), device)]
