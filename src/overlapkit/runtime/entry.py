@@ -45,13 +45,26 @@ WEIGHT_PERIOD = 65521
 
 
 def check_group(group):
-    """The sibling of `group` that carries only entry checks (created on first use, by its ranks only)."""
+    """The sibling of `group` that carries only entry checks: a backend of the same kind on the same
+    ranks, built on first use by its ranks alone, rendezvousing under a key named after `group`.
+
+    Not `new_group`: the world would have to call it in step, and its local-synchronization names
+    are hashes that two members with different group histories resolve differently.
+    """
     name = group.group_name
     sibling = _CHECK_GROUPS.get(name)
     if sibling is None:
-        ranks = dist.get_process_group_ranks(group)
-        sibling = dist.new_group(ranks, backend=dist.get_backend(group), use_local_synchronization=True,
-                                 timeout=datetime.timedelta(seconds=group_timeout_s(group)))
+        store = dist.distributed_c10d._get_default_store()
+        rank, size = dist.get_rank(group), dist.get_world_size(group)
+        generation = (store.add(f"overlapkit/check/{name}/made", 1) - 1) // size  # again after state.reset()
+        prefixed = dist.PrefixStore(f"overlapkit/check/{name}/{generation}/", store)
+        timeout = datetime.timedelta(seconds=group_timeout_s(group))
+        if dist.get_backend(group) == "nccl":
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = timeout
+            sibling = dist.ProcessGroupNCCL(prefixed, rank, size, options)
+        else:
+            sibling = dist.ProcessGroupGloo(prefixed, rank, size, timeout)
         _CHECK_GROUPS[name] = sibling
         hold_store()  # at exit, say this rank left: a peer that published waits for it
     return sibling
@@ -136,7 +149,7 @@ def check_inputs(group, what: str, args: tuple = (), kwargs: dict | None = None,
     world = dist.get_world_size(group)
     out = torch.empty(world * mine.numel(), dtype=torch.int64, device=device)
     try:
-        _all_gather(out, mine, group=check_group(group))
+        check_group(group)._allgather_base(out, mine).wait()
         rows = out.view(world, -1).tolist()
     except Exception as e:  # noqa: BLE001 - a peer never came: say why if it said
         raise_explained(group, what, e, _waiting_text(counters))
@@ -161,10 +174,6 @@ def _waiting_text(counters: dict) -> str:
     return ("the other ranks at the entry of its next forward" + (f" (it has done {done})" if done else "")
             + ": it left the previous step while the others still wait inside it — it skipped a part of that "
             "step (backward() or optimizer.step()) or a forward")
-
-
-# torch 2.13 renamed all_gather_into_tensor (deprecated there); 2.11 has only the old name.
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def check_device(group) -> torch.device:
