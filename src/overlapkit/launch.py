@@ -21,6 +21,7 @@ import datetime
 import multiprocessing.connection
 import os
 import pickle
+import signal
 import socket
 import time
 import traceback
@@ -101,9 +102,34 @@ def _entry(rank: int, fn: Callable, world_size: int, port: int, backend: str, ti
         ok = True
     except BaseException as e:  # the parent re-raises it with the rank named
         channel.error(f"{type(e).__name__}: {e}", traceback.format_exc())
+        publish_failure(e)
         raise
     finally:
         shutdown(joined=ok)
+
+
+def publish_failure(error: BaseException) -> None:
+    """Leave this rank's error on the store for the peers still waiting on it (see agreement.report_problem).
+
+    A peer whose collective then fails raises this text instead of "connection reset"; this
+    process stays at exit until the peers read it (runtime/departure.py). An error that is
+    itself a peer's reason heard (RankMismatchError) is not said again.
+    """
+    from .runtime.agreement import RankMismatchError, report_problem
+
+    if isinstance(error, RankMismatchError) or not dist.is_initialized():
+        return
+    first = (str(error).strip().splitlines() or [""])[0][:300]
+    if _is_consequence(first):
+        return  # this rank lost a peer: the peer's own reason (or its absence) is what to tell
+    report_problem(dist.group.WORLD, f"rank {dist.get_rank()}", f"raised {type(error).__name__}: {first}")
+
+
+def _is_consequence(text: str) -> bool:
+    """The words of an error a rank gets because a peer failed or went quiet (not a reason of its own)."""
+    text = text.lower()
+    return any(w in text for w in ("timed out", "timeout", "connection closed", "connection reset", "broken pipe",
+                                   "did not compare", "pair closure"))
 
 
 def shutdown(joined: bool = True) -> None:
@@ -187,6 +213,7 @@ def spawn(fn: Callable, world_size: int, *args: Any, backend: str = "gloo",
     results: dict = {}
     port = free_port()
     started = time.monotonic()
+    stopped: set[int] = set()
     try:
         procs = _start_ranks(method, world_size, (fn, world_size, port, backend, timeout_s, args,
                                                   [w for _, w in pipes], dict(os.environ)))
@@ -198,10 +225,12 @@ def spawn(fn: Callable, world_size: int, *args: Any, backend: str = "gloo",
             # A short join timeout: a rank whose result fills its pipe waits for this loop to read it.
             while not procs.join(timeout=0.05, grace_period=2.0):
                 _drain(readers, results, on_message, wait_s=0.05)
+                _end_stopped(procs, results, stopped)
         finally:
             _drain(readers, results, on_message, wait_s=0.0, until_closed=True)
     except Exception as e:
-        raise _failure(e, results, world_size, time.monotonic() - started, timeout_s) from None
+        failure = _failure(e, results, world_size, time.monotonic() - started, timeout_s)
+        raise _named_stopped(failure, stopped, world_size, time.monotonic() - started, timeout_s) from None
     finally:
         for r, w in pipes:
             r.close()
@@ -279,6 +308,35 @@ def _drain(readers: dict, results: dict, on_message, wait_s: float, until_closed
             wait_s = 0.0
 
 
+def _end_stopped(procs, results, stopped: set) -> None:
+    """Once a rank has failed, SIGKILL the ranks that are stopped (SIGSTOP, a debugger): they cannot
+    answer, and torch would give each a SIGTERM it ignores and a grace period first."""
+    if not any(v[0] == "error" for v in results.values()):
+        return
+    for rank, proc in enumerate(procs.processes):
+        if rank in stopped or not proc.is_alive():
+            continue
+        try:
+            with open(f"/proc/{proc.pid}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except OSError:  # not Linux, or it just ended
+            continue
+        if state in ("T", "t"):
+            stopped.add(rank)
+            os.kill(proc.pid, signal.SIGKILL)
+
+
+def _named_stopped(failure: RankFailed, stopped: set, world_size: int, elapsed_s: float,
+                   timeout_s: float) -> RankFailed:
+    """The failure, or, when a rank ended only because it was stopped and killed here, that rank named."""
+    if not stopped or failure.rank not in stopped:
+        return failure
+    rank = min(stopped)
+    return RankFailed(f"rank {rank} of {world_size} stopped answering: it was stopped (SIGSTOP) and the other ranks "
+                      f"gave up waiting for it after the {timeout_s:g} s process-group timeout ({elapsed_s:.0f} s in "
+                      "all)", rank, failure.detail)
+
+
 def _failure(e: Exception, results: dict, world_size: int, elapsed_s: float, timeout_s: float) -> RankFailed:
     index = getattr(e, "error_index", None)
     signal_name = getattr(e, "signal_name", None)
@@ -292,9 +350,7 @@ def _failure(e: Exception, results: dict, world_size: int, elapsed_s: float, tim
     # (their collective lost its peer). Prefer a non-timeout error, then the lowest rank.
     if errors:
         def is_consequence(v):
-            text = v[1].lower()
-            return any(w in text for w in ("timed out", "timeout", "connection closed", "connection reset",
-                                           "broken pipe", "did not compare"))
+            return _is_consequence(v[1])
         rank = min(errors, key=lambda r: (is_consequence(errors[r]), r))
         silent = [r for r in range(world_size) if r not in results]
         if silent and is_consequence(errors[rank]):

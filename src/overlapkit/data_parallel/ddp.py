@@ -24,6 +24,7 @@ from ..runtime.groups import resolve_group
 from ..vocabulary import OVERLAP_MEANING
 from .agree import copy_from_first_rank
 from .buckets import local
+from .progress import Progress
 from .grad_sync import MAX_BUCKET_MB, SHARD_ALIGN, DataParallelConfig, GradSync
 from .watch import ParamWatch
 
@@ -114,6 +115,12 @@ class DataParallel(nn.Module):
     def _watch_module(self) -> None:
         self.watch = ParamWatch(self.module, "DataParallel", WATCH_ADVICE)
         self._reported: str | None = None
+        old = getattr(self, "progress", None)
+        self.progress = Progress(self.sync.params, self.group, "DataParallel")
+        """Backward passes and optimizer steps, compared across the ranks at every training forward."""
+        if old is not None:
+            self.progress.backwards, self.progress.steps = old.backwards, old.steps
+        self.sync.progress = self.progress
 
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
         """The wrapped module's parameters under the names `state_dict()` gives (no "module." prefix),
@@ -151,6 +158,8 @@ class DataParallel(nn.Module):
         timing = None
         if not self.sync._in_backward:
             self._check_model()
+            if self.sync.enabled:  # under no_sync() the ranks may run different numbers of micro-batches
+                self.progress.before_forward(self.training)
             self.sync.reset()
             auto = self.sync.auto
             if auto is not None and torch.is_grad_enabled() and self.sync.enabled:

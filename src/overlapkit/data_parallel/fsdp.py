@@ -25,6 +25,7 @@ from ..runtime.deprecation import deprecated
 from ..vocabulary import OVERLAP_MEANING, check_prefetch, is_int_at_least, positive_int
 from .agree import copy_from_first_rank
 from .fsdp_check import ADVICE, StepCheck
+from .progress import Progress
 from .fsdp_prefetch import MIB, ZeroThree
 from .watch import ParamWatch
 
@@ -159,6 +160,11 @@ def fully_shard(model: nn.Module, mesh_or_dim=None, *, dim: str = "dp", overlap:
     check = StepCheck(ParamWatch(model, "fully_shard", ADVICE), [n for n, _ in units], group)
     model._overlapkit_zero3 = ZeroThree(model, [m for _, m in units], [n for n, _ in units], plan, group,
                                         mesh.device_type, cfg, check)
+    # Before FSDP2's own pre-forward gathers (prepend): a rank that skipped backward() or step() is
+    # named here instead of pairing its next gather with the others' reduce-scatter.
+    progress = Progress(list(model.parameters()), group, "fully_shard", replicas=False)
+    model._overlapkit_progress = progress
+    model.register_forward_pre_hook(lambda m, _args: progress.before_forward(m.training), prepend=True)
     return model
 
 

@@ -128,6 +128,8 @@ class GradSync:
         # backward then sends what the buffer holds, so the other ranks' collectives still pair,
         # and every rank raises at its end.
         self.poison: str | None = None
+        self.progress = None
+        """The engine's Progress (data_parallel/progress.py): told of every reduced backward."""
         self._hooks: list = []
         self._bind_buckets()
         for p in self.params:
@@ -329,6 +331,8 @@ class GradSync:
             counts, changed = [0] * len(self.params), int(poison is not None)
             for i in unready:
                 counts[i] = 1
+        if self.progress is not None:
+            self.progress.backwards += 1
         if changed:
             self._raise_changed(poison, changed)
         if self.config.find_unused:

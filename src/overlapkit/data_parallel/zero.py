@@ -118,11 +118,15 @@ class ShardedOptimizer(PerParameterCheckpoint):
     def step(self) -> None:
         """Step the master shards with the reduced gradient shards, then gather the parameters."""
         self.finish_param_gather()
+        if self.sync.progress is not None:
+            self.sync.progress.check_backward_since_step("ShardedOptimizer.step()")
         if self._own_master:
             self._refresh_written_masters()
         for m, g in zip(self.master, self._grad_shards):
             m.grad = g if g.dtype == torch.float32 else g.float()
         self.optimizer.step()
+        if self.sync.progress is not None:
+            self.sync.progress.count_step()  # its inner optimizer steps master shards, not the model's parameters
         self._start_param_gather()
         if not self.overlap_param_gather:
             self.finish_param_gather()

@@ -18,6 +18,7 @@ from torch import nn
 
 from ..context_parallel.attention import ContextParallelConfig, RingAttention
 from ..runtime.comm import group_size
+from ..runtime.entry import guard_entry
 from ..runtime.groups import resolve_group
 
 HF_ATTENTION = "overlapkit_ring"
@@ -93,6 +94,8 @@ def apply_to_hf(model: nn.Module, mesh_or_group, config: ContextParallelConfig =
         cfg._attn_implementation = HF_ATTENTION
     if group_size(group) > 1:
         model.register_forward_pre_hook(_require_global_positions, with_kwargs=True)
+    # CP ranks hold different tokens of slices of one size: shapes compared every forward, not values.
+    guard_entry(model, group, f"context parallel {cls}", same_values=False)
     return model
 
 

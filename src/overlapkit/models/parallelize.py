@@ -27,7 +27,8 @@ from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
 from ..runtime.agreement import agree
-from ..runtime.groups import resolve_group
+from ..runtime.entry import guard_entry
+from ..runtime.groups import ParallelGroups, resolve_group
 from ..tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from ..tensor_parallel.params import tp_mesh
 from ..tensor_parallel.region import attach_region
@@ -123,6 +124,8 @@ def parallelize(model: nn.Module, mesh, *, overlap: str | None = None, sequence_
     if plans.is_hf(model):
         plans.after_hf(model, group)
     attach_region(model)  # sequence parallelism steps aside where a forward's sequence does not split
+    # Every TP rank must be fed the same batch: compared before the first collective, every forward.
+    guard_entry(model, group, f"parallelize({type(model).__name__})")
     return model
 
 

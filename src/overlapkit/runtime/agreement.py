@@ -19,11 +19,13 @@ from __future__ import annotations
 import datetime
 import json
 import re
+import time
 from typing import Any
 
 import torch.distributed as dist
 
 from . import state
+from .departure import heard, hold_store
 from .timeouts import group_timeout_s
 
 _SEQ: dict[str, int] = state.cache_dict("agreement.checks_per_group")
@@ -63,6 +65,7 @@ def agree(group, what: str, *, timeout_s: float | None = None, **fields: Any) ->
     for k in fields_differ:
         per_rank = ", ".join(f"rank {ranks[r]}: {signatures[r].get(k, '(absent)')!r}" for r in range(len(ranks)))
         parts.append(f"{k} differs ({per_rank})")
+    hold_store(published=True)  # every rank raises; the store's host stays until the others have read theirs
     whats = sorted({s.get("what") for s in signatures}, key=str)
     label = what if len(whats) == 1 else "/".join(map(str, whats))
     raise RankMismatchError(f"{label}: ranks {ranks} were given different configurations: " + "; ".join(parts))
@@ -81,6 +84,7 @@ def exchange(group, what: str, mine: dict, *, timeout_s: float | None = None) ->
     seq = _SEQ.get(name, 0)
     _SEQ[name] = seq + 1
     store = dist.distributed_c10d._get_default_store()
+    hold_store()
     prefix = f"overlapkit/agree/{name}/{seq}/"
     store.set(prefix + str(me), json.dumps(mine, sort_keys=True))
     keys = [prefix + str(r) for r in range(len(ranks))]
@@ -112,6 +116,7 @@ def report_problem(group, what: str, text: str) -> None:
         store = dist.distributed_c10d._get_default_store()
         store.set(f"overlapkit/problem/{group.group_name}/{dist.get_rank(group)}",
                   json.dumps({"what": what, "rank": dist.get_rank(), "text": text}))
+        hold_store(published=True)  # stay, at exit, until the peers could read it
     except Exception:  # noqa: BLE001 - the store is gone: the rank's own error still says it
         pass
 
@@ -124,10 +129,12 @@ def reported_problems(group) -> list[dict]:
     try:
         store = dist.distributed_c10d._get_default_store()
         me = dist.get_rank(group)
-        for r in range(dist.get_world_size(group)):
-            key = f"overlapkit/problem/{group.group_name}/{r}"
-            if r != me and store.check([key]):
-                out.append(json.loads(store.get(key)))
+        world = dist.group.WORLD.group_name
+        for r, world_rank in enumerate(dist.get_process_group_ranks(group)):
+            # The group's own reasons, and a rank's error said for the whole job (launch.publish_failure).
+            for key in {f"overlapkit/problem/{group.group_name}/{r}", f"overlapkit/problem/{world}/{world_rank}"}:
+                if r != me and store.check([key]):
+                    out.append(json.loads(store.get(key)))
     except Exception:  # noqa: BLE001 - no store to read (its host rank is gone): nothing to add
         return out
     return out
@@ -145,8 +152,16 @@ def raise_explained(group, what: str, error: BaseException, doing: str = "") -> 
     """
     if isinstance(error, RankMismatchError):
         raise error  # explained already, by a wait nested inside this one
+    hold_store()
+    _say_waiting(what, doing)
     told = reported_problems(group) if group is not None else []
+    if told:
+        heard()
     told += _checks_ahead(group) if group is not None else []
+    if not told and group is not None:
+        # No one left a reason: a peer stuck elsewhere (it skipped backward(), or a step) times out
+        # too, about now. Each says where it waits; the places name the rank that went astray.
+        told = _peers_waiting(group)
     if not told:
         raise error
     first = (str(error).strip().splitlines() or [type(error).__name__])[0]
@@ -155,6 +170,42 @@ def raise_explained(group, what: str, error: BaseException, doing: str = "") -> 
     here = f"rank {dist.get_rank()}" + (f", waiting for {doing}" if doing else "")
     raise RankMismatchError(f"{what}: another rank broke step with this one ({here}: {first[:200]}); "
                             f"{reasons}") from error
+
+
+STATUS_WAIT_S = 1.5
+"""After a failed wait with no reason left, how long a rank waits for its peers to say where they wait."""
+
+
+def _say_waiting(what: str, doing: str) -> None:
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        store.set(f"overlapkit/waiting/{dist.get_rank()}",
+                  json.dumps({"what": what, "doing": doing or "a collective", "at": time.time()}))
+    except Exception:  # noqa: BLE001 - no store: the transport's words are all there is
+        pass
+
+
+def _peers_waiting(group) -> list[dict]:
+    """Where the other ranks of `group` wait (what they said in `_say_waiting` this last while)."""
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        me, ranks = dist.get_rank(), dist.get_process_group_ranks(group)
+        fresh_s = STATUS_WAIT_S + 3.5  # peers stuck with this rank time out together; older is another failure
+        found: dict[int, dict] = {}
+        deadline = time.monotonic() + STATUS_WAIT_S
+        while True:
+            for r in ranks:
+                key = f"overlapkit/waiting/{r}"
+                if r != me and r not in found and store.check([key]):
+                    said = json.loads(store.get(key))
+                    if abs(time.time() - said["at"]) < fresh_s:
+                        found[r] = said
+            if len(found) == len(ranks) - 1 or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        return [{"rank": r, "text": f"{s['what']} waits for {s['doing']}"} for r, s in sorted(found.items())]
+    except Exception:  # noqa: BLE001 - no store to read: nothing to add
+        return []
 
 
 def _checks_ahead(group) -> list[dict]:

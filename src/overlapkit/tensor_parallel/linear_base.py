@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..runtime import comm
-from ..runtime.agreement import Agreement, agree
+from ..runtime.agreement import Agreement, agree, report_problem
 from ..vocabulary import OVERLAP_MODES, check_bool, positive_int
 from . import layout, ops
 from .mappings import check_divisible
@@ -119,8 +119,10 @@ class ParallelLinear(LocalShardParams, nn.Module):
             super().__setattr__(name, value)
             try:
                 self._validate_options()
-            except ValueError:
+            except ValueError as e:
                 super().__setattr__(name, old)
+                # Set on one rank only, perhaps: its peers, waiting at the next forward, hear why it left.
+                report_problem(self.group, self.name or type(self).__name__, f"{name}={value!r} refused: {e}")
                 raise
             return
         super().__setattr__(name, value)

@@ -20,6 +20,7 @@ from torch import nn
 
 from ..runtime import comm
 from ..runtime.agreement import Agreement
+from ..runtime.entry import check_inputs
 from ..runtime.groups import resolve_group
 from .collectives import all_reduce_copy
 from .mappings import check_divisible, reduce_from_tp
@@ -224,6 +225,8 @@ def vocab_parallel_cross_entropy(local_logits: torch.Tensor, targets: torch.Tens
         # A rank with another shape would meet the others' all-reduce with the wrong byte count.
         _CE_AGREEMENT.check(group, logits=tuple(local_logits.shape), ignore_index=ignore_index,
                             reduction=reduction)
+        # TP ranks scoring different targets would each add another token's logit: one tiny gather says so.
+        check_inputs(group, "vocab_parallel_cross_entropy", (local_logits, targets))
     loss, ignored = _VocabParallelCE.apply(local_logits, targets, group, ignore_index)
     if reduction == "none":
         return loss
