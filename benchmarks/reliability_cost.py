@@ -97,6 +97,10 @@ def _markdown(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--entry" in argv:  # the per-forward entry checks' share of a training step (_lib/entry_cost.py)
+        from _lib.entry_cost import main as entry_main
+        return entry_main([a for a in argv if a != "--entry"])
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--params", type=int, nargs="+", default=[64, 512, 4096])
     ap.add_argument("--width", type=int, default=16)

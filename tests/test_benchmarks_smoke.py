@@ -27,7 +27,7 @@ BENCH = ROOT / "benchmarks"
 SMOKE = {
     # script: extra arguments after --smoke --out DIR
     "agreement_cost": [], "analyze_corpus": [], "analyze_large": [], "calibrate_validation": [],
-    "compiled_step_profile": [], "cp_overlap": [], "entry_check_cost": [], "dp_host_cost": [], "dp_overhead_probe": [], "dp_overlap": [],
+    "compiled_step_profile": [], "cp_overlap": [], "dp_host_cost": [], "dp_overhead_probe": [], "dp_overlap": [],
     "ep_grouped_probe": [], "ep_host_cost": [], "ep_overlap": [], "fsdp_overlap": [], "lm_head_probe": [], "model_vs_measured": [],
     "model_vs_published": [], "pp_overlap": [], "pp_zero_bubble": [], "profile_step": [],
     "reliability_cost": [], "replicated_params_probe": [], "straggler_path": [], "teardown_repeat": [], "tp_agreement_cost": [],
@@ -36,7 +36,7 @@ SMOKE = {
     "cp_kernel_probe": [], "ep_profile": [], "hbm_add_probe": [], "tp_step_gaps": ["--device", "cuda"],
 }
 EXTRA = {"tp_host_cost --host-only": ("tp_host_cost", ["--host-only", "--world", "2"]),
-         "user_step --trainer": ("user_step", ["--trainer"]), "user_step --pp": ("user_step", ["--pp"]),
+         "user_step --trainer": ("user_step", ["--trainer"]), "reliability_cost --entry": ("reliability_cost", ["--entry"]), "user_step --pp": ("user_step", ["--pp"]),
          "user_step --moe": ("user_step", ["--moe", "--world", "2", "--ep", "2"])}
 """Second smoke runs of a script with another mode."""
 CUDA = {"cp_kernel_probe", "ep_profile", "hbm_add_probe", "tp_step_gaps"}

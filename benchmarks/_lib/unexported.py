@@ -60,7 +60,7 @@ WHERE = {
     "ParamWatch": "overlapkit.data_parallel.watch", "guard": "overlapkit.data_parallel.zero_guard",
     "release": "overlapkit.data_parallel.zero_guard",
     # The entry checks timed by themselves and switched off beside a step (the loss's check is
-    # patched in its module): entry_check_cost.
+    # patched in its module): reliability_cost --entry (_lib/entry_cost.py).
     "check_inputs": "overlapkit.runtime.entry", "Progress": "overlapkit.data_parallel.progress",
     "DIGEST_EVERY": "overlapkit.data_parallel.progress", "vocab": "overlapkit.tensor_parallel",
     # bucket_mb="auto"'s candidate caps and fine-bucket size, which dp_overlap times fixed beside it

@@ -8,9 +8,9 @@ Timed on `--world` ranks (gloo on CPU, NCCL on CUDA) with the GPT tensor-paralle
 - DataParallel's progress check alone (counts only), and the parameter digest it adds every
   `DIGEST_EVERY` forwards (µs, median), for the same GPT's parameters on one rank.
 
-    python benchmarks/entry_check_cost.py --smoke                           # seconds, 2 CPU ranks
-    OVERLAPKIT_RANK_THREADS=4 python benchmarks/entry_check_cost.py --world 4   # the 16-core host, tp 4
-    python benchmarks/entry_check_cost.py --device cuda --world 1 --hidden 4096 --layers 4 --seq 2048  # one GPU
+    python benchmarks/reliability_cost.py --entry --smoke                           # seconds, 2 CPU ranks
+    OVERLAPKIT_RANK_THREADS=4 python benchmarks/reliability_cost.py --entry --world 4   # the 16-core host, tp 4
+    python benchmarks/reliability_cost.py --entry --device cuda --world 1 --hidden 4096 --layers 4 --seq 2048  # one GPU
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import statistics
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/, for _lib
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
