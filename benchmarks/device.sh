@@ -9,6 +9,9 @@
 #   cpu16   the 16 CPU cores, gloo (transfers really run beside compute): user_step at tp 4, tp 8, dp 2 x tp 2 and
 #           one rank; dp_overlap, pp_overlap, ep_overlap, cp_overlap at 4 ranks; fsdp_overlap at 8
 #   record  h200 and cpu16 in one call, in two lanes that never share a core (GPU lane on cores 0-2, gloo on 3-15)
+#   users   the 16 cores: the user's path in its other shapes -- a transformers MoE at ep 4 and ep 2 x tp 2 beside
+#           torchtitan-style EP, HF Llama in pipeline stages at pp 4 beside torch's schedules, the Trainer beside the
+#           hand loop -- and the entry checks' share of a tp 4 step
 #   multi   2, 4 or 8 GPUs of one host: the GPU tests over NCCL, tp_overlap at tp 2/4/8, dp_overlap (1 B GPT),
 #           fsdp/ep/cp_overlap over every GPU, a TP x DP demo trace read by `overlapkit analyze`
 #   gemm    this GPU's GEMM-efficiency curve for the cost model (`overlapkit bench gemm`)
@@ -22,7 +25,7 @@
 # both are packed into OUTDIR/PART.tgz. Results of the 16 cores are named *_cpu16_* as committed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-part=${1:?"part: checks | h200 | cpu16 | record | multi | gemm | probes | ab SCRIPT ARGS..."}; shift
+part=${1:?"part: checks | h200 | cpu16 | users | record | multi | gemm | probes | ab SCRIPT ARGS..."}; shift
 if [ "$part" = ab ]; then out=${OUT:-/tmp/overlapkit_device}; else out=${1:-${OUT:-/tmp/overlapkit_device}}; fi
 
 # NVLink multicast off (it can take a shared host's GPUs down); overlapkit from this checkout; the wheels of
@@ -92,6 +95,18 @@ cpu16() {
       --total-s 70 --budget-s 60 --steps 40 --warmup 1 --recorded 0 --out "$c"
 }
 
+users() {
+  mkdir -p "$c"
+  step moe_ep4 110 python3 benchmarks/user_step.py --moe --world 4 --ep 4 --preset cpu16 --threads 4 --out "$c"
+  step moe_ep2tp2 110 python3 benchmarks/user_step.py --moe --world 4 --ep 2 --tp 2 --preset cpu16 --threads 4 --out "$c"
+  step pp4 140 python3 benchmarks/user_step.py --pp --world 4 --threads 4 --preset cpu16 \
+      --schedules 1f1b,interleaved-1f1b,zbv --out "$c"
+  step trainer 110 python3 benchmarks/user_step.py --trainer --world 4 --tp 2 --dp 2 --preset cpu16 --threads 4 \
+      --rounds 4 --warmup 5 --steps 10 --out "$c"
+  step entry_tp4 60 env OVERLAPKIT_RANK_THREADS=4 python3 benchmarks/reliability_cost.py --entry --world 4 --hidden 1024 \
+      --heads 16 --out "$c"
+}
+
 multi() {
   local n tp m="$r/multi"
   mkdir -p "$m"
@@ -152,7 +167,7 @@ ab() {
 }
 
 case "$part" in
-checks | h200 | cpu16 | multi | probes) "$part" ;;
+checks | h200 | cpu16 | users | multi | probes) "$part" ;;
 gemm) mkdir -p "$g"; step bench_gemm 240 python3 -m overlapkit bench gemm --out "$g/h200_measured.json" ;;
 record)
   A=(env) B=(env)
