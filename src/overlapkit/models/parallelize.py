@@ -36,6 +36,7 @@ from ..tensor_parallel.vocab import VocabParallelEmbedding
 from . import plans
 from .gpt import GPT
 from .hf_plans import translate_hf_plan
+from .plan_edges import watch_edges
 from .tied import check_tied_plan, find_tied, retie
 
 
@@ -104,9 +105,10 @@ def parallelize(model: nn.Module, mesh, *, overlap: str | None = None, sequence_
 
     `mesh`: a DeviceMesh with a "tp" dim (or a 1-D one), a ParallelGroups, or a TP ProcessGroup.
     `plan=None` picks the built-in plan by model type, or translates a transformers model's own
-    `tp_plan`, built with `overlap` (default "none") and `sequence_parallel` (default: on for the
-    built-in plans, on where the model allows it for a translated one); any extra keyword (transport=, chunks=, hardware=)
-    goes to every parallel linear layer. A plan you pass carries its options in its styles,
+    `tp_plan`, built with `overlap` (default "auto": the cost model picks each GEMM's mode, the
+    setting the README's numbers measure) and `sequence_parallel` (default: on for the built-in
+    plans, on where the model allows it for a translated one); any extra keyword (transport=,
+    chunks=, hardware=) goes to every parallel linear layer. A plan you pass carries its options in its styles,
     so `overlap`, `sequence_parallel` and layer keywords are refused with it.
     Collective over the TP group (one store round trip to compare the plan across ranks).
     """
@@ -114,7 +116,7 @@ def parallelize(model: nn.Module, mesh, *, overlap: str | None = None, sequence_
     group = resolve_group(mesh_1d, "tp")
     tp = mesh_1d.size()
     if plan is None:
-        overlap = "none" if overlap is None else overlap
+        overlap = "auto" if overlap is None else overlap
         plan = builtin_plan(model, tp, overlap=overlap, sequence_parallel=sequence_parallel, **layer_kwargs)
     elif overlap is not None or sequence_parallel is not None or layer_kwargs:
         given = dict(overlap=overlap, sequence_parallel=sequence_parallel, **layer_kwargs)
@@ -135,12 +137,15 @@ def parallelize(model: nn.Module, mesh, *, overlap: str | None = None, sequence_
         for module in model.modules():
             module.__dict__.pop("_overlapkit_name", None)
     retie(model, tied)
+    plans.set_local_heads(model, tp)  # attention that reshapes by its head count sees this rank's heads
     # Every other parameter a DTensor Replicate() on the same mesh, so whole-model loops
     # (clip_grad_norm_, foreach optimizers) see one kind; the modules compute on local views.
     replicate_parameters(model, mesh_1d, group)
     if plans.is_hf(model):
         plans.after_hf(model, group)
     attach_region(model)  # sequence parallelism steps aside where a forward's sequence does not split
+    if tp > 1:
+        watch_edges(model, mesh_1d, group)  # parameters between column and row layers (plan_edges.py)
     return model
 
 

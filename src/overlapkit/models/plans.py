@@ -132,3 +132,34 @@ def after_hf(model: nn.Module, group) -> None:
         # split logits it would be wrong, so it becomes the vocabulary-parallel one.
         model.loss_function = functools.partial(causal_lm_loss, group=group)
 
+
+
+HEAD_COUNTS = ("num_heads", "num_attention_heads", "num_key_value_heads", "num_kv_heads")
+"""The attribute names attention modules keep their head counts under (HF's and torchtitan's)."""
+
+
+def set_local_heads(model: nn.Module, tp: int) -> list[str]:
+    """Divide by `tp` the head counts of every module whose column layers give this rank its heads.
+
+    An attention whose forward reshapes by `self.num_heads` (HF StableLM, GPT-2-style code)
+    would otherwise view this rank's heads as all of them. A module counts when a direct child
+    is a column layer that does not gather its output and another is a row layer (q/k/v and o);
+    a count that does not split is a ValueError naming it. Returns "path.attr" of what was set.
+    """
+    from ..tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+    done = []
+    for path, module in model.named_modules():
+        children = list(module.children())
+        if not (any(isinstance(c, ColumnParallelLinear) and not c.gather_output for c in children)
+                and any(isinstance(c, RowParallelLinear) for c in children)):
+            continue
+        for attr in HEAD_COUNTS:
+            value = module.__dict__.get(attr)
+            if type(value) is not int:
+                continue
+            if value % tp:
+                raise ValueError(f"parallelize: {path}.{attr}={value} is not divisible by the tensor-parallel size {tp}")
+            setattr(module, attr, value // tp)
+            done.append(f"{path}.{attr}")
+    return done
