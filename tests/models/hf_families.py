@@ -47,7 +47,7 @@ SHRINK = {
     # linear attention and state-space mixers
     "linear_key_head_dim": 8, "linear_value_head_dim": 8, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
     "ssm_state_size": 8, "mamba_num_heads": 4, "mamba_n_heads": 4, "mamba_d_head": 16, "mamba_d_state": 8,
-    "mamba_head_dim": 16, "mamba_n_groups": 1, "n_groups": 1, "chunk_size": 8, "mamba_chunk_size": 8,
+    "mamba_head_dim": 16, "mamba_d_ssm": 64, "mamba_n_groups": 1, "n_groups": 1, "chunk_size": 8, "mamba_chunk_size": 8,
 }
 """Size fields of the larger families, set small wherever a config has them (by field, not by family)."""
 
@@ -70,12 +70,25 @@ def any_config(family: str, tp: int):
     return config(family, tp, **{k: v for k, v in SHRINK.items() if k in defaults})
 
 
+MAX_PARAMS = 2_000_000
+"""A tiny config above this still has a large size field: not built (it would cost seconds and GiBs a rank)."""
+
+
+class TooBig(ValueError):
+    """The family's tiny config is not tiny."""
+
+
 def build_any(family: str, tp: int, seed: int = 0):
     """`build` on `any_config`: every family's model, tiny."""
     from transformers import AutoModelForCausalLM
 
+    cfg = any_config(family, tp)
+    with torch.device("meta"):
+        size = sum(p.numel() for p in AutoModelForCausalLM.from_config(cfg).parameters())
+    if size > MAX_PARAMS:
+        raise TooBig(f"{size / 1e6:.1f} M parameters at the tiny config (a size field SHRINK does not know)")
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(any_config(family, tp))
+    model = AutoModelForCausalLM.from_config(cfg)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() == 1:

@@ -67,6 +67,7 @@ class _Trace(TorchFunctionMode):
         super().__init__()
         self.params = params
         self.uses: dict[tuple[str, str], set[str]] = {}  # (module, param) -> {"sharded", "whole"}
+        self.modules: list[str] = []  # the modules whose forward is running, innermost last
 
     def _names(self, t: torch.Tensor) -> set:
         hit = self.params.get(id(t))
@@ -116,6 +117,10 @@ class _Trace(TorchFunctionMode):
             raise ValueError(f"parallelize: {names} meets this rank's part of a column layer's output in {what}: a "
                              "parameter per channel of the split dim would have to be split with it; pass plan= "
                              "(docs/plans.md)") from None
+        if sharded and self.modules:
+            raise ValueError(f"parallelize: {self.modules[-1]} computes {what} on this rank's part of a column "
+                             "layer's output and a tensor the plan does not split (a mask or state per head, made "
+                             "outside the split layers); pass plan= (docs/plans.md)") from None
 
 
 def _mark(kind: str, module, _args, out):
@@ -127,13 +132,17 @@ def trace_edges(model: nn.Module, args: tuple, kwargs: dict) -> dict[tuple[str, 
     """Run `model(*args, **kwargs)` once under no_grad (RNG restored) and return how each replicated
     parameter was used: (module path, name) -> {"sharded", "whole"}; ValueError naming refusals."""
     handles = []
+    trace = _Trace(_replicated_params(model))
     for module in model.modules():
         if isinstance(module, ColumnParallelLinear) and module.tp_size > 1:
             handles.append(module.register_forward_hook(functools.partial(_mark, "sharded")))
         elif isinstance(module, RowParallelLinear):
             handles.append(module.register_forward_hook(functools.partial(_mark, "whole")))
+    for path, module in model.named_modules():  # which module an op ran in, for the refusals
+        enter = functools.partial(lambda name, *_: trace.modules.append(name), path or type(model).__name__)
+        handles.append(module.register_forward_pre_hook(enter))
+        handles.append(module.register_forward_hook(lambda *_: trace.modules.pop() and None, always_call=True))
     devices = sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
-    trace = _Trace(_replicated_params(model))
     try:
         with torch.random.fork_rng(devices=devices), torch.no_grad(), trace:
             for t in tree_flatten((args, kwargs))[0]:
