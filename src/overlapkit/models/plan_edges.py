@@ -69,6 +69,17 @@ class _Trace(TorchFunctionMode):
         self.uses: dict[tuple[str, str], set[str]] = {}  # (module, param) -> {"sharded", "whole"}
         self.modules: list[str] = []  # the modules whose forward is running, innermost last
 
+    def enter(self, path: str, module: nn.Module, _args) -> None:
+        """A module's forward starts: note it, and the tensors it now computes with in place of its
+        parameters (the local views the replicated modules' hooks put there, and under FSDP2 the
+        unsharded ones, neither of which exists before the forward)."""
+        self.modules.append(path or type(module).__name__)
+        if isinstance(module, LocalShardParams) or sums_gradients(module):
+            return
+        for name, t in module._parameters.items():
+            if isinstance(t, torch.Tensor):  # under no_grad a view's requires_grad says nothing
+                self.params[id(t)] = (t, path, name)
+
     def _names(self, t: torch.Tensor) -> set:
         hit = self.params.get(id(t))
         if hit is not None and hit[0] is t:
@@ -139,8 +150,7 @@ def trace_edges(model: nn.Module, args: tuple, kwargs: dict) -> dict[tuple[str, 
         elif isinstance(module, RowParallelLinear):
             handles.append(module.register_forward_hook(functools.partial(_mark, "whole")))
     for path, module in model.named_modules():  # which module an op ran in, for the refusals
-        enter = functools.partial(lambda name, *_: trace.modules.append(name), path or type(model).__name__)
-        handles.append(module.register_forward_pre_hook(enter))
+        handles.append(module.register_forward_pre_hook(functools.partial(trace.enter, path)))
         handles.append(module.register_forward_hook(lambda *_: trace.modules.pop() and None, always_call=True))
     devices = sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
     try:
