@@ -145,7 +145,7 @@ def parallelize(model: nn.Module, mesh, *, overlap: str | None = None, sequence_
         plans.after_hf(model, group)
     attach_region(model)  # sequence parallelism steps aside where a forward's sequence does not split
     if tp > 1:
-        watch_edges(model, mesh_1d, group)  # parameters between column and row layers (plan_edges.py)
+        watch_edges(model, group)  # parameters between column and row layers (plan_edges.py)
     return model
 
 

@@ -168,7 +168,7 @@ def trace_edges(model: nn.Module, args: tuple, kwargs: dict) -> dict[tuple[str, 
     return trace.uses
 
 
-def apply_edges(model: nn.Module, uses: dict, mesh, group) -> list[str]:
+def apply_edges(model: nn.Module, uses: dict, group) -> list[str]:
     """Sum over TP the gradients of modules whose parameters met only sharded tensors; refuse the
     ones that met both. Returns the module paths whose gradients are now summed."""
     by_module: dict[str, set] = {}
@@ -182,11 +182,13 @@ def apply_edges(model: nn.Module, uses: dict, mesh, group) -> list[str]:
                          "(docs/plans.md)")
     summed = sorted(path for path, how in by_module.items() if how == {"sharded"})
     for path in summed:
-        replicate_module(model.get_submodule(path), mesh, group, sum_over=group, label=path)
+        # mesh=None: the parameters are DTensors already (Replicate() on TP, or FSDP2's on (dp, tp));
+        # only the gradient sum is added to the hooks parallelize installed.
+        replicate_module(model.get_submodule(path), None, group, sum_over=group, label=path)
     return summed
 
 
-def watch_edges(model: nn.Module, mesh, group) -> None:
+def watch_edges(model: nn.Module, group) -> None:
     """Before the first forward with gradients on, trace it once and apply `apply_edges` (see above)."""
     @torch.compiler.disable  # the trace runs eagerly, also when the first call is a compiled one
     def first_forward(module, args, kwargs):
@@ -194,7 +196,7 @@ def watch_edges(model: nn.Module, mesh, group) -> None:
             return None
         getattr(module, _HOOK).remove()
         object.__setattr__(module, _HOOK, None)
-        module.plan_edges_summed = apply_edges(module, trace_edges(module, args, kwargs), mesh, group)
+        module.plan_edges_summed = apply_edges(module, trace_edges(module, args, kwargs), group)
         return None
 
     # prepend: the traced forward runs before the model's other pre-hooks, which then set their
