@@ -144,8 +144,10 @@ def parallelize(model: nn.Module, mesh, *, overlap: str | None = None, sequence_
     if plans.is_hf(model):
         plans.after_hf(model, group)
     attach_region(model)  # sequence parallelism steps aside where a forward's sequence does not split
-    if tp > 1:
-        watch_edges(model, group)  # parameters between column and row layers (plan_edges.py)
+    if tp > 1 and not isinstance(model, GPT):  # the GPT's plan leaves no parameter between its layers
+        # parameters between column and row layers (plan_edges.py): decided here for an HF model
+        # (a forward of a few tokens), at the first forward for a module whose inputs are unknown
+        watch_edges(model, group, example=plans.example_inputs(model, tp))
     return model
 
 

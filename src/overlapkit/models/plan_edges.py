@@ -188,8 +188,17 @@ def apply_edges(model: nn.Module, uses: dict, group) -> list[str]:
     return summed
 
 
-def watch_edges(model: nn.Module, group) -> None:
-    """Before the first forward with gradients on, trace it once and apply `apply_edges` (see above)."""
+def watch_edges(model: nn.Module, group, example: dict | None = None) -> None:
+    """Trace a forward and apply `apply_edges` (see above): now on `example` (keyword inputs) when
+    given, so refusals come from `parallelize` itself; else before the first forward with
+    gradients on, on its own inputs."""
+    if example is not None:
+        try:
+            model.plan_edges_summed = apply_edges(model, trace_edges(model, (), example), group)
+            return
+        except (RuntimeError, NotImplementedError):
+            pass  # e.g. parameters on the meta device: the first forward decides
+
     @torch.compiler.disable  # the trace runs eagerly, also when the first call is a compiled one
     def first_forward(module, args, kwargs):
         if not torch.is_grad_enabled():

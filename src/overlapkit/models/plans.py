@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 
+import torch
 from torch import nn
 
 from ..tensor_parallel.styles import (ColwiseParallel, GatherSequence, RowwiseParallel, ScatterSequence,
@@ -116,6 +117,15 @@ def is_hf(model: nn.Module) -> bool:
     """A transformers PreTrainedModel (checked by class, without importing transformers)."""
     return any(c.__name__ == "PreTrainedModel" and c.__module__.startswith("transformers.")
                for c in type(model).__mro__)
+
+
+def example_inputs(model: nn.Module, tp: int) -> dict | None:
+    """Keyword inputs of a few tokens a model's forward takes (an HF causal LM's input_ids), or None."""
+    if not is_hf(model):
+        return None
+    param = next(model.parameters(), None)
+    device = param.device if param is not None else None
+    return {"input_ids": torch.zeros(1, 2 * tp, dtype=torch.long, device=device)}
 
 
 def after_hf(model: nn.Module, group) -> None:
