@@ -10,7 +10,8 @@ Side by side in one run, in a balanced order (every variant in every position of
   Llama (the sequence split at the first block, since HF builds its masks from the whole sequence),
   the loss under `loss_parallel()`; FSDP2 `fully_shard` on the dp dim when the mesh has one;
 - `ok_<mode>`: `overlapkit.parallelize(model, mesh, overlap=mode)` with sequence parallelism (its
-  default), for mode none / bulk / pipelined / auto, and `ok_none_nosp` without it; overlapkit's
+  default), for mode none / bulk / pipelined, and `ok_none_nosp` without it; `ok_auto` is the
+  default, `overlapkit.parallelize(model, mesh)` with nothing passed (auto, SP on); overlapkit's
   `DataParallel` on the dp dim when the mesh has one;
 - with `--set compiled`, the same variants under `torch.compile` (the first step's seconds are the
   compile time), and on several GPUs torch's async-TP (its fused all-gather/reduce-scatter GEMMs).

@@ -53,6 +53,20 @@ def torch_tp_plan(model) -> dict:
     return plan
 
 
+def _check_default(model) -> None:
+    """parallelize's defaults are what the ok_auto row says: overlap="auto" with sequence parallelism
+    (q/k/v compute locally on the input their attention gathered, so they have no mode of their own)."""
+    from overlapkit.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from overlapkit.tensor_parallel.styles import GatheredInputColumnLinear
+
+    layers = [m for m in model.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))
+              and not isinstance(m, GatheredInputColumnLinear)]
+    wrong = sorted((m.name, m.overlap, m.sequence_parallel) for m in layers
+                   if (m.overlap, m.sequence_parallel) != ("auto", True))
+    if not layers or wrong:
+        raise RuntimeError(f"ok_auto: parallelize's defaults are no longer auto with SP on: {wrong}")
+
+
 def build_variant(name: str, base, groups, dp: int):
     """(model, context the step runs under) of variant `name`, from a copy of `base`."""
     import overlapkit
@@ -82,7 +96,12 @@ def build_variant(name: str, base, groups, dp: int):
                 return stack
     elif kind.startswith("ok_"):
         mode, sp = kind[3:].removesuffix("_nosp"), not kind.endswith("_nosp")
-        overlapkit.parallelize(model, groups.mesh, overlap=mode, sequence_parallel=sp)
+        # ok_auto is the default row: built passing nothing, so it measures what a user gets
+        # (checked to be auto with SP on, the row's name).
+        opts = {} if (mode, sp) == ("auto", True) else dict(overlap=mode, sequence_parallel=sp)
+        overlapkit.parallelize(model, groups.mesh, **opts)
+        if not opts:
+            _check_default(model)
         if dp > 1:
             from overlapkit.data_parallel import DataParallel
             model = DataParallel(model, groups.dp)

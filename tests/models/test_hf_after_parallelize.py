@@ -190,18 +190,23 @@ def _fsdp2_over_tp():
     import overlapkit
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    ref = hf_families.build("llama", 2)
-    model = overlapkit.parallelize(copy.deepcopy(ref), mesh, overlap="bulk")
-    for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh["dp"])
-    fully_shard(model, mesh=mesh["dp"])
-    ids = _ids(64, 4, 8)
-    dp = mesh["dp"].get_local_rank()
-    model(input_ids=ids[2 * dp:2 * dp + 2], labels=ids[2 * dp:2 * dp + 2]).loss.backward()
-    # FSDP2 averages the two replicas' gradients: the reference is the mean of the two halves' losses.
-    ((ref(input_ids=ids[:2], labels=ids[:2]).loss + ref(input_ids=ids[2:], labels=ids[2:]).loss) / 2).backward()
-    refs = dict(ref.named_parameters())
-    return {n: _rel(p.grad.full_tensor(), refs[n].grad) for n, p in model.named_parameters()}
+    out = {}
+    # Apertus: its activation's alpha_p/alpha_n sit between up_proj and down_proj, so their
+    # gradient is summed over TP (plan_edges.py), found through FSDP2's unsharded parameters.
+    for family in ("llama", "apertus"):
+        ref = hf_families.build_any(family, 2)
+        model = overlapkit.parallelize(copy.deepcopy(ref), mesh, overlap="bulk")
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh["dp"])
+        fully_shard(model, mesh=mesh["dp"])
+        ids = _ids(64, 4, 8)
+        dp = mesh["dp"].get_local_rank()
+        model(input_ids=ids[2 * dp:2 * dp + 2], labels=ids[2 * dp:2 * dp + 2]).loss.backward()
+        # FSDP2 averages the two replicas' gradients: the reference is the mean of the two halves' losses.
+        ((ref(input_ids=ids[:2], labels=ids[:2]).loss + ref(input_ids=ids[2:], labels=ids[2:]).loss) / 2).backward()
+        refs = dict(ref.named_parameters())
+        out.update({f"{family}:{n}": _rel(p.grad.full_tensor(), refs[n].grad) for n, p in model.named_parameters()})
+    return out
 
 
 def test_torch_fsdp2_over_dp_on_a_tp_parallelized_hf_model_is_exact():

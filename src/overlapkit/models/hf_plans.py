@@ -151,7 +151,6 @@ def translate_hf_plan(model: nn.Module, tp: int, *, overlap: str, sequence_paral
         checks, sp = None, False
     sp = checks is not None if sp is None else sp
 
-    _refuse_partial_grads(modules, styles, blocks, linears)
     seq = dict(sequence_parallel=True, sequence_dim=1) if sp else {}
     lin_opts = dict(overlap=overlap, **seq, **layer_kwargs)
     plan: dict = {}
@@ -246,21 +245,6 @@ def _sp_plan(model, modules: dict, styles: dict, blocks: set, layers: str | None
                                          "known to act per token")
                     region.append(f"{path}.{sub_name}" if sub_name else path)
     return region
-
-
-def _refuse_partial_grads(modules: dict, styles: dict, blocks: set, linears: dict) -> None:
-    """A module with parameters beside column layers that output local heads would see only this
-    rank's heads: its gradient is a partial sum unless the plan says so (replicated_with_grad_allreduce)."""
-    for block in sorted(blocks):
-        if _is_mlp(block) or not any(linears.get(f"{block}.{n}") in COLWISE for n, _ in modules[block].named_children()):
-            continue
-        for name, sub in modules[block].named_modules():
-            path = f"{block}.{name}"
-            if name and path not in styles and path not in linears and _own_params(sub) \
-                    and not any(path.startswith(p + ".") for p in styles):
-                raise ValueError(f"parallelize: {path} ({type(sub).__name__}) has parameters inside {block}, whose "
-                                 "column layers give this rank's heads only, and the model's tp_plan does not say "
-                                 "how its gradient is summed; pass plan= (docs/plans.md)")
 
 
 def _with_wildcards(plan: dict, layers: str | None, n_layers: int) -> dict:

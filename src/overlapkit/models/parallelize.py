@@ -38,6 +38,7 @@ from . import plans
 from .gpt import GPT
 from .hf_experts import shard_experts
 from .hf_plans import translate_hf_plan
+from .plan_edges import watch_edges
 from .tied import check_tied_plan, find_tied, retie
 
 
@@ -82,9 +83,10 @@ def parallelize(model: nn.Module, mesh, *, overlap: str | None = None, sequence_
 
     `mesh`: a DeviceMesh with a "tp" dim (or a 1-D one), a ParallelGroups, or a TP ProcessGroup.
     `plan=None` picks the built-in plan by model type, or translates a transformers model's own
-    `tp_plan`, built with `overlap` (default "none") and `sequence_parallel` (default: on for the
-    built-in plans, on where the model allows it for a translated one); any extra keyword (transport=, chunks=, hardware=)
-    goes to every parallel linear layer. A plan you pass carries its options in its styles,
+    `tp_plan`, built with `overlap` (default "auto": the cost model picks each GEMM's mode, the
+    setting the README's numbers measure) and `sequence_parallel` (default: on for the built-in
+    plans, on where the model allows it for a translated one); any extra keyword (transport=,
+    chunks=, hardware=) goes to every parallel linear layer. A plan you pass carries its options in its styles,
     so `overlap`, `sequence_parallel` and layer keywords are refused with it.
     On a mesh with a "cp" dim of size > 1 a transformers model also gets ring attention over it
     (hf_ring_attention.apply_to_hf), before the TP plan.
@@ -96,7 +98,7 @@ def parallelize(model: nn.Module, mesh, *, overlap: str | None = None, sequence_
     group = resolve_group(mesh_1d, "tp")
     tp = mesh_1d.size()
     if plan is None:
-        overlap = "none" if overlap is None else overlap
+        overlap = "auto" if overlap is None else overlap
         plan = builtin_plan(model, tp, overlap=overlap, sequence_parallel=sequence_parallel, **layer_kwargs)
     elif overlap is not None or sequence_parallel is not None or layer_kwargs:
         given = dict(overlap=overlap, sequence_parallel=sequence_parallel, **layer_kwargs)
@@ -118,12 +120,17 @@ def parallelize(model: nn.Module, mesh, *, overlap: str | None = None, sequence_
         for module in model.modules():
             module.__dict__.pop("_overlapkit_name", None)
     retie(model, tied)
+    plans.set_local_heads(model, tp)  # attention that reshapes by its head count sees this rank's heads
     # Every other parameter a DTensor Replicate() on the same mesh, so whole-model loops
     # (clip_grad_norm_, foreach optimizers) see one kind; the modules compute on local views.
     replicate_parameters(model, mesh_1d, group)
     if plans.is_hf(model):
         plans.after_hf(model, group)
     attach_region(model)  # sequence parallelism steps aside where a forward's sequence does not split
+    if tp > 1 and not isinstance(model, GPT):  # the GPT's plan leaves no parameter between its layers
+        # parameters between column and row layers (plan_edges.py): decided here for an HF model
+        # (a forward of a few tokens), at the first forward for a module whose inputs are unknown
+        watch_edges(model, group, example=plans.example_inputs(model, tp))
     # Every TP rank must be fed the same batch: compared before the first collective, every forward.
     guard_entry(model, group, f"parallelize({type(model).__name__})")
     return model

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 
+import torch
 from torch import nn
 
 from ..tensor_parallel.styles import (ColwiseParallel, GatherSequence, RowwiseParallel, ScatterSequence,
@@ -118,6 +119,15 @@ def is_hf(model: nn.Module) -> bool:
                for c in type(model).__mro__)
 
 
+def example_inputs(model: nn.Module, tp: int) -> dict | None:
+    """Keyword inputs of a few tokens a model's forward takes (an HF causal LM's input_ids), or None."""
+    if not is_hf(model):
+        return None
+    param = next(model.parameters(), None)
+    device = param.device if param is not None else None
+    return {"input_ids": torch.zeros(1, 2 * tp, dtype=torch.long, device=device)}
+
+
 def after_hf(model: nn.Module, group) -> None:
     """What an HF model needs beyond the styles: with an output head split over the vocabulary,
     HF's `labels=` loss on split logits; a `save_pretrained` that writes whole tensors."""
@@ -132,3 +142,34 @@ def after_hf(model: nn.Module, group) -> None:
         # split logits it would be wrong, so it becomes the vocabulary-parallel one.
         model.loss_function = functools.partial(causal_lm_loss, group=group)
 
+
+
+HEAD_COUNTS = ("num_heads", "num_attention_heads", "num_key_value_heads", "num_kv_heads")
+"""The attribute names attention modules keep their head counts under (HF's and torchtitan's)."""
+
+
+def set_local_heads(model: nn.Module, tp: int) -> list[str]:
+    """Divide by `tp` the head counts of every module whose column layers give this rank its heads.
+
+    An attention whose forward reshapes by `self.num_heads` (HF StableLM, GPT-2-style code)
+    would otherwise view this rank's heads as all of them. A module counts when a direct child
+    is a column layer that does not gather its output and another is a row layer (q/k/v and o);
+    a count that does not split is a ValueError naming it. Returns "path.attr" of what was set.
+    """
+    from ..tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+    done = []
+    for path, module in model.named_modules():
+        children = list(module.children())
+        if not (any(isinstance(c, ColumnParallelLinear) and not c.gather_output for c in children)
+                and any(isinstance(c, RowParallelLinear) for c in children)):
+            continue
+        for attr in HEAD_COUNTS:
+            value = module.__dict__.get(attr)
+            if type(value) is not int:
+                continue
+            if value % tp:
+                raise ValueError(f"parallelize: {path}.{attr}={value} is not divisible by the tensor-parallel size {tp}")
+            setattr(module, attr, value // tp)
+            done.append(f"{path}.{attr}")
+    return done

@@ -84,7 +84,7 @@ def _check_type(module: nn.Module, kind: type, style: str) -> None:
 class _LinearStyle(ParallelStyle):
     """What the column and row styles share: the layer options, and the checks before slicing."""
 
-    def __init__(self, *, overlap: str = "none", sequence_parallel: bool = False, sequence_dim: int = 0,
+    def __init__(self, *, overlap: str = "auto", sequence_parallel: bool = False, sequence_dim: int = 0,
                  **layer_kwargs) -> None:
         self.overlap = check_overlap(overlap)
         self.sequence_parallel = sequence_parallel
@@ -118,7 +118,7 @@ class ColwiseParallel(_LinearStyle):
     instead of computing a wrong number from a slice.
     """
 
-    def __init__(self, *, overlap: str = "none", sequence_parallel: bool = False, sequence_dim: int = 0,
+    def __init__(self, *, overlap: str = "auto", sequence_parallel: bool = False, sequence_dim: int = 0,
                  gather_output: bool = False, input_gathered: bool = False, use_local_output: bool = True,
                  **layer_kwargs) -> None:
         super().__init__(overlap=overlap, sequence_parallel=sequence_parallel, sequence_dim=sequence_dim,
