@@ -81,6 +81,8 @@ class Progress:
         """Compare the counts (and, every `digest_every` forwards, the parameters) across the group."""
         if not training or not torch.is_grad_enabled():
             return  # an evaluation forward (perhaps on one rank only) issues no data-parallel collective
+        if self.group is None or not dist.is_initialized() or dist.get_world_size(self.group) == 1:
+            return  # one replica (a world of one, perhaps without torch.distributed): nothing to compare with
         self.forwards += 1
         extra = None
         if self.replicas:
