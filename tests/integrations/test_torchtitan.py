@@ -178,16 +178,30 @@ def _tp2():
     return out
 
 
-@distributed(world_size=4, timeout_s=120.0)
-def _tp2_fsdp2():
+def _parallel_dims(real: bool):
+    """torchtitan's own ParallelDims (fsdp 2 x tp 2) when `real`, else one with its attributes."""
+    if real:
+        from torchtitan.distributed import parallel_dims
+        from torchtitan.distributed.parallel_dims import ParallelDims
+
+        parallel_dims.device_type = "cpu"  # torchtitan assumes "cuda" where it finds no accelerator
+        dims = ParallelDims(dp_replicate=1, dp_shard=2, cp=1, tp=2, pp=1, ep=1, world_size=4,
+                            spmd_backend="partial_dtensor")
+        dims.build_mesh()
+        return dims, dims.get_mesh("fsdp")
     from torch.distributed.device_mesh import init_device_mesh
 
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("fsdp", "tp"))
+    return SimpleNamespace(tp_enabled=True, dp_shard_enabled=True, pp_enabled=False, cp_enabled=False,
+                           ep_enabled=False, dp_replicate_enabled=False,
+                           get_mesh=lambda d: mesh[d] if isinstance(d, str) else mesh[tuple(d)]), mesh["fsdp"]
+
+
+@distributed(world_size=4, timeout_s=120.0)
+def _tp2_fsdp2(real_dims: bool):
     from overlapkit.integrations.torchtitan import parallelize_llama3
 
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("fsdp", "tp"))
-    dims = SimpleNamespace(tp_enabled=True, dp_shard_enabled=True, pp_enabled=False, cp_enabled=False,
-                           ep_enabled=False, dp_replicate_enabled=False,
-                           get_mesh=lambda d: mesh[d] if isinstance(d, str) else mesh[tuple(d)])
+    dims, fsdp = _parallel_dims(real_dims)
     training = SimpleNamespace(mixed_precision_param="float32", mixed_precision_reduce="float32")
     tokens, labels = _batch(4)
     ref = _reference(True)  # rank 0 below draws the same values, from seed 0
@@ -200,7 +214,7 @@ def _tp2_fsdp2():
                                parallelism=SimpleNamespace(enable_sequence_parallel=False))
     model.to_empty(device="cpu")  # what torchtitan's trainer does after parallelize_fn
     model.init_weights(buffer_device=None)
-    dp = mesh.get_local_rank("fsdp")
+    dp = fsdp.get_local_rank()
     rows = slice(2 * dp, 2 * dp + 2)  # both TP ranks of a dp rank see the same rows
     loss = _loss(model, tokens[rows], labels[rows])
     loss.backward()
@@ -230,8 +244,15 @@ def test_tp2_matches_one_process(fused):
         assert r[fused]["wo"] == "RowParallelLinear", r[fused]["wo"]
 
 
-def test_tp2_fsdp2_through_torchtitans_signature_matches_one_process():
-    for r in _tp2_fsdp2():
+def _has_torchtitan() -> bool:
+    return importlib.util.find_spec("torchtitan") is not None
+
+
+@pytest.mark.parametrize("real_dims", [False, True], ids=["stand_in_dims", "torchtitan_ParallelDims"])
+def test_tp2_fsdp2_through_torchtitans_signature_matches_one_process(real_dims):
+    if real_dims and not _has_torchtitan():
+        pytest.skip("torchtitan is not installed (not in the test extras: its Llama 3 needs triton)")
+    for r in _tp2_fsdp2(real_dims):
         _check(r)
         assert "Shard(dim=0)" in r["placements"] and r["placements"].count("Shard") == 2, r["placements"]
 
@@ -251,8 +272,23 @@ def test_refuses_pipeline_parallelism():
         parallelize_llama3(_reference(True), parallel_dims=dims)
 
 
+def test_with_overlapkit_swaps_the_parallelize_fn_of_a_torchtitan_model_spec():
+    if not _has_torchtitan():
+        pytest.skip("torchtitan is not installed (not in the test extras: its Llama 3 needs triton)")
+    from torchtitan.protocols.model_spec import ModelSpec
+
+    from overlapkit.integrations.torchtitan import SPEC_NAME, parallelize_llama3, with_overlapkit
+
+    spec = ModelSpec(name="llama3", flavor="debugmodel", model=object(), parallelize_fn=print,
+                     pipelining_fn=print, post_optimizer_build_fn=None, state_dict_adapter=None)
+    config = with_overlapkit(SimpleNamespace(model_spec=spec))
+    assert config.model_spec.name == SPEC_NAME and config.model_spec.flavor == "debugmodel"
+    assert config.model_spec.parallelize_fn is parallelize_llama3 and config.model_spec.pipelining_fn is None
+    assert config.model_spec.model is spec.model
+
+
 def test_register_swaps_in_overlapkits_parallelize():
-    if importlib.util.find_spec("torchtitan") is None:
+    if not _has_torchtitan():
         pytest.skip("torchtitan is not installed (not in the test extras: its Llama 3 needs triton)")
     from overlapkit.integrations import torchtitan as adapter
 
