@@ -118,11 +118,14 @@ class Decoder(nn.Module):
         for attn in (b.attention for b in self.layers.values()):
             attn.freqs_cis = attn.rope_cache().to(buffer_device or attn.freqs_cis.device)
 
+    _skip_lm_head = False  # torchtitan's chunked loss calls lm_head itself
+
     def forward(self, tokens, positions=None, attention_masks=None):
         h = self.tok_embeddings(tokens)
         for layer in self.layers.values():
             h = layer(h, attention_masks, positions)
-        return self.lm_head(self.norm(h))
+        h = self.norm(h)
+        return h if self._skip_lm_head else self.lm_head(h)
 
 
 def _reference(fused: bool) -> Decoder:
@@ -216,11 +219,21 @@ def _tp2_fsdp2(real_dims: bool):
     model.init_weights(buffer_device=None)
     dp = fsdp.get_local_rank()
     rows = slice(2 * dp, 2 * dp + 2)  # both TP ranks of a dp rank see the same rows
-    loss = _loss(model, tokens[rows], labels[rows])
+    # torchtitan's loss: this rank's token sum over the global token count, gradients summed over dp
+    tokens_all = torch.tensor(float(labels.numel()))
+    if real_dims:  # torchtitan's own chunked cross-entropy, calling lm_head on sequence chunks
+        from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
+
+        loss_fn = ChunkedLossWrapper.Config(num_chunks=2, loss_fn=CrossEntropyLoss.Config()).build()
+        loss_fn.set_lm_head(model.lm_head)
+        model._skip_lm_head = True
+        loss, _ = loss_fn(model(tokens[rows]), labels[rows], global_valid_tokens=tokens_all)
+    else:
+        loss = F.cross_entropy(model(tokens[rows]).flatten(0, 1), labels[rows].flatten(), reduction="sum") / tokens_all
     loss.backward()
-    mean = loss.detach().clone()
-    dist.all_reduce(mean)
-    out = _compare(model, ref, mean / dist.get_world_size(), ref_loss)
+    total = loss.detach().clone()
+    dist.all_reduce(total)  # the sum over dp, twice: both TP ranks of a dp rank hold it
+    out = _compare(model, ref, total / 2, ref_loss)
     out["placements"] = str(model.layers["0"].feed_forward.w1.weight.placements)
     return out
 

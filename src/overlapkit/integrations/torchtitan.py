@@ -9,7 +9,9 @@ config with `parallelize_llama3` swapped in, so the user's TOML/CLI overrides st
 
 `parallelize_llama3` applies overlapkit's tensor parallelism on the "tp" mesh dim (the plan below:
 overlapkit's column/row layers, whose overlap mode hides each GEMM's collective) and overlapkit's
-`fully_shard` (FSDP2 with overlapkit's prefetch) on the "fsdp" dim. torchtitan builds the model on
+`fully_shard` (FSDP2 with overlapkit's prefetch) on the "fsdp" dim, one unit per layer and one for
+`lm_head` (torchtitan's chunked loss calls it on its own), gradients summed over dp as torchtitan's
+loss (a token sum over the global token count) expects. torchtitan builds the model on
 the meta device and initializes it after parallelize_fn; overlapkit's layers replace torchtitan's
 Linear modules (and with them torchtitan's per-module init), so the model is materialized and
 initialized whole first (the same on every rank: global rank 0's weights), then sliced; the
@@ -66,10 +68,10 @@ def llama3_plan(model: nn.Module, tp: int, *, overlap: str = "auto", **layer_kwa
 
 
 def parallelize_transformer(model: nn.Module, tp_mesh=None, dp_mesh=None, *, dp_dim: str = "fsdp",
-                            overlap: str = "auto", mp_policy=None, before_shard=None) -> nn.Module:
+                            overlap: str = "auto", mp_policy=None, before_shard=None, wrap=None) -> nn.Module:
     """overlapkit's TP on `tp_mesh` (a 1-D mesh, or None/size 1 for none) by `llama3_plan`, then
     `before_shard(model)` if given, then overlapkit's `fully_shard` on `dp_dim` of `dp_mesh` (a mesh
-    holding that dim and, with TP, the "tp" dim; None for none). In place; returns `model`.
+    holding that dim and, with TP, the "tp" dim; None for none), its units `wrap` (fully_shard's). In place; returns `model`.
     Collective over every rank of the meshes."""
     if tp_mesh is not None and tp_mesh.size() > 1:
         tp = tp_mesh.size()
@@ -82,7 +84,7 @@ def parallelize_transformer(model: nn.Module, tp_mesh=None, dp_mesh=None, *, dp_
     if before_shard is not None:
         before_shard(model)
     if dp_mesh is not None:
-        fully_shard(model, dp_mesh, dim=dp_dim, overlap=overlap, mp_policy=mp_policy)
+        fully_shard(model, dp_mesh, dim=dp_dim, overlap=overlap, mp_policy=mp_policy, wrap=wrap)
     return model
 
 
@@ -159,7 +161,19 @@ def parallelize_llama3(model: nn.Module, *, parallel_dims, training=None, parall
                                          reduce_dtype=getattr(torch, training.mixed_precision_reduce))
     # activation checkpointing as torchtitan's parallelize_llama applies it: after TP, before FSDP
     ac = None if ac_config is None else (lambda m: ac_config.build(dump_folder=dump_folder).apply(m))
-    parallelize_transformer(model, tp_mesh, dp_mesh, overlap=overlap, mp_policy=mp_policy, before_shard=ac)
+    parallelize_transformer(model, tp_mesh, dp_mesh, overlap=overlap, mp_policy=mp_policy, before_shard=ac,
+                            wrap=["layers", "lm_head"])
+    if dp_mesh is not None:
+        # torchtitan's loss is each rank's token sum over the global token count and its FSDP sums
+        # gradients (torchtitan.distributed.fsdp.disable_fsdp_gradient_division): averaging them
+        # here would make every gradient dp times too small.
+        from torch.distributed.fsdp import FSDPModule
+
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.set_gradient_divide_factor(1.0)
+                # a plain SUM (else PREMUL_SUM(1.0), which gloo lacks)
+                module.set_force_sum_reduction_for_comms(True)
     _keep_initialized(model)
     return model
 
