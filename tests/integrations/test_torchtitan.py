@@ -5,7 +5,7 @@ has exactly its module names (torchtitan 0.3's `Decoder`: tok_embeddings, layers
 "0", "1", ...), attention.qkv_linear.wqkv (fused, laid out [n_kv, q-per-kv + 2, head_dim]) or
 .wq/.wk/.wv, attention.wo, feed_forward.w1/w2/w3, attention_norm, ffn_norm, norm, lm_head) and its
 forward: heads reshaped with -1 (TP-local), complex RoPE, causal SDPA with GQA. Checked: the loss
-and every gradient at tp 2 (fused and separate q/k/v) and at tp 2 x fsdp 2 through
+and every gradient at tp 2 and 3 (fused and separate q/k/v) and at tp 2 x fsdp 2 through
 `parallelize_llama3` with torchtitan's signature, from a meta-device model as torchtitan builds it.
 """
 
@@ -25,7 +25,7 @@ from torch.nn import functional as F
 from distributed import distributed
 
 TOL = 1e-5
-DIM, N_HEADS, N_KV, FFN, VOCAB, LAYERS, SEQ = 16, 4, 2, 24, 32, 2, 6
+DIM, N_HEADS, N_KV, FFN, VOCAB, LAYERS, SEQ = 24, 12, 6, 24, 36, 2, 6  # sizes that split over 2 and 3
 
 
 class FusedQKV(nn.Module):
@@ -160,13 +160,12 @@ def _compare(model, ref, loss, ref_loss) -> dict:
     return out
 
 
-@distributed(world_size=2, timeout_s=90.0)
-def _tp2():
+def _tp():
     from torch.distributed.device_mesh import init_device_mesh
 
     from overlapkit.integrations.torchtitan import parallelize_transformer
 
-    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("tp",))
     tokens, labels = _batch(2)
     out = {}
     for fused in (True, False):
@@ -238,9 +237,19 @@ def _tp2_fsdp2(real_dims: bool):
     return out
 
 
+@distributed(world_size=2, timeout_s=90.0)
+def _tp2():
+    return _tp()
+
+
+@distributed(world_size=3, timeout_s=90.0)
+def _tp3():
+    return _tp()
+
+
 @functools.cache
-def tp2():
-    return _tp2()
+def tp_results(world: int):
+    return {2: _tp2, 3: _tp3}[world]()
 
 
 def _check(r):
@@ -250,9 +259,10 @@ def _check(r):
     assert not bad, bad
 
 
+@pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize("fused", [True, False], ids=["fused_wqkv", "wq_wk_wv"])
-def test_tp2_matches_one_process(fused):
-    for r in tp2():
+def test_tp_matches_one_process(fused, world):
+    for r in tp_results(world):
         _check(r[fused])
         assert r[fused]["wo"] == "RowParallelLinear", r[fused]["wo"]
 
@@ -273,7 +283,7 @@ def test_tp2_fsdp2_through_torchtitans_signature_matches_one_process(real_dims):
 def test_plan_refuses_what_does_not_split():
     from overlapkit.integrations.torchtitan import llama3_plan
 
-    with pytest.raises(ValueError, match="n_kv_heads=2 is not divisible by the tensor-parallel size 4"):
+    with pytest.raises(ValueError, match="n_kv_heads=6 is not divisible by the tensor-parallel size 4"):
         llama3_plan(_reference(True), 4)
 
 
