@@ -287,12 +287,16 @@ def test_plan_refuses_what_does_not_split():
         llama3_plan(_reference(True), 4)
 
 
-def test_refuses_pipeline_parallelism():
+def test_refuses_pipeline_parallelism_and_tied_embeddings_under_fsdp():
     from overlapkit.integrations.torchtitan import parallelize_llama3
 
     dims = SimpleNamespace(pp_enabled=True, tp_enabled=False)
     with pytest.raises(ValueError, match="pp_enabled"):
         parallelize_llama3(_reference(True), parallel_dims=dims)
+    tied = _reference(True)
+    tied.enable_weight_tying = True
+    with pytest.raises(ValueError, match="enable_weight_tying with fsdp"):
+        parallelize_llama3(tied, parallel_dims=SimpleNamespace(dp_shard_enabled=True, tp_enabled=False))
 
 
 def test_with_overlapkit_swaps_the_parallelize_fn_of_a_torchtitan_model_spec():

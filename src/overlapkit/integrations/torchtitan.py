@@ -117,9 +117,12 @@ def _keep_initialized(model: nn.Module) -> None:
     model.init_weights = lambda *args, **kwargs: None
 
 
-def _refuse(parallel_dims, training, compile_config, parallelism) -> None:
+def _refuse(model, parallel_dims, training, compile_config, parallelism) -> None:
     unsupported = [name for name in ("pp_enabled", "cp_enabled", "ep_enabled", "dp_replicate_enabled")
                    if getattr(parallel_dims, name, False)]
+    if getattr(model, "enable_weight_tying", False) and getattr(parallel_dims, "dp_shard_enabled", False):
+        # tok_embeddings and lm_head share a weight, and lm_head is an FSDP unit of its own here
+        unsupported.append("enable_weight_tying with fsdp")
     if compile_config is not None and getattr(compile_config, "enable", False):
         unsupported.append("compile.enable")
     if training is not None and getattr(training, "enable_cpu_offload", False):
@@ -137,12 +140,12 @@ def parallelize_llama3(model: nn.Module, *, parallel_dims, training=None, parall
                        ac_config=None, dump_folder: str = "", overlap: str = "auto") -> nn.Module:
     """torchtitan's `parallelize_fn` with overlapkit's engines: TP on "tp", fully_shard on "fsdp".
 
-    Refuses (ValueError) pipeline, context, expert and replicated data parallelism, compile and
-    CPU offload;
+    Refuses (ValueError) pipeline, context, expert and replicated data parallelism, compile,
+    CPU offload and tied embeddings under fsdp;
     applies torchtitan's activation checkpointing when `ac_config` is given and the mixed precision
     of `training` (param/reduce dtypes) through fully_shard.
     """
-    _refuse(parallel_dims, training, compile_config, parallelism)
+    _refuse(model, parallel_dims, training, compile_config, parallelism)
     # torchtitan's init device: its accelerator's current one (the trainer set it), else the CPU
     device = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
     device = torch.device("cpu") if device is None else \
