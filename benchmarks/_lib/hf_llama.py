@@ -56,8 +56,7 @@ def torch_tp_plan(model) -> dict:
 def _check_default(model) -> None:
     """parallelize's defaults are what the ok_auto row says: overlap="auto" with sequence parallelism
     (q/k/v compute locally on the input their attention gathered, so they have no mode of their own)."""
-    from overlapkit.tensor_parallel import ColumnParallelLinear, RowParallelLinear
-    from overlapkit.tensor_parallel.styles import GatheredInputColumnLinear
+    from overlapkit.tensor_parallel import ColumnParallelLinear, GatheredInputColumnLinear, RowParallelLinear
 
     layers = [m for m in model.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))
               and not isinstance(m, GatheredInputColumnLinear)]

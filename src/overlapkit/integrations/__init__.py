@@ -15,6 +15,7 @@ _WHERE = {
     "save_training_state": "checkpoint", "load_training_state": "checkpoint",
     "OverlapReportCallback": "report", "overlap_metrics": "report",
     "OverlapSFTTrainer": "trl_sft", "install_vocab_parallel_head": "trl_sft",
+    "parallelize_llama3": "torchtitan", "parallelize_transformer": "torchtitan", "with_overlapkit": "torchtitan",
 }
 
 __all__ = list(_WHERE)

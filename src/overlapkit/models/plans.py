@@ -125,7 +125,12 @@ def example_inputs(model: nn.Module, tp: int) -> dict | None:
         return None
     param = next(model.parameters(), None)
     device = param.device if param is not None else None
-    return {"input_ids": torch.zeros(1, 2 * tp, dtype=torch.long, device=device)}
+    example = {"input_ids": torch.zeros(1, 2 * tp, dtype=torch.long, device=device)}
+    from .hf_ring_attention import HF_ATTENTION
+    if getattr(getattr(model, "config", None), "_attn_implementation", None) == HF_ATTENTION:
+        # ring attention already swapped in (a cp dim): its forward takes the tokens' global positions
+        example["position_ids"] = torch.arange(2 * tp, device=device).unsqueeze(0)
+    return example
 
 
 def after_hf(model: nn.Module, group) -> None:
