@@ -155,11 +155,14 @@ class DataParallel(nn.Module):
         self._watch_module()  # the parameters are new objects
 
     def forward(self, *args, **kwargs):
-        timing = None
+        timing = pending = None
         if not self.sync._in_backward:
             self._check_model()
             if self.sync.enabled:  # under no_sync() the ranks may run different numbers of micro-batches
-                self.progress.before_forward(self.training)
+                # Completed after the forward, which issues no data-parallel collective: its compute runs while a
+                # late peer catches up (ShardedOptimizer's parameter gathers are still landing then). While
+                # bucket_mb="auto" decides, its agreement is a collective of this group: the check completes first.
+                pending = self.progress.before_forward(self.training, defer=self.sync.auto is None)
             self.sync.reset()
             auto = self.sync.auto
             if auto is not None and torch.is_grad_enabled() and self.sync.enabled:
@@ -171,6 +174,8 @@ class DataParallel(nn.Module):
             self._grads_attached = True
         with compute_span("forward"), timing if timing is not None else contextlib.nullcontext():
             out = self.module(*args, **kwargs)
+        if pending is not None:
+            pending()  # before backward's first bucket: a rank that skipped a step is named, not paired
         if torch.is_grad_enabled():
             sync = self.sync.enabled
             for t in tree_flatten(out)[0]:

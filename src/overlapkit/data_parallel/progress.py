@@ -77,8 +77,9 @@ class Progress:
         report_problem(self.group, self.what, text)
         raise RankMismatchError(text)
 
-    def before_forward(self, training: bool) -> None:
-        """Compare the counts (and, every `digest_every` forwards, the parameters) across the group."""
+    def before_forward(self, training: bool, defer: bool = False):
+        """Compare the counts (and, every `digest_every` forwards, the parameters) across the group.
+        `defer`: post the comparison and return the function that completes it (runtime.entry.check_inputs)."""
         if not training or not torch.is_grad_enabled():
             return  # an evaluation forward (perhaps on one rank only) issues no data-parallel collective
         if self.group is None or not dist.is_initialized() or dist.get_world_size(self.group) == 1:
@@ -94,8 +95,8 @@ class Progress:
                 if self._zeros is None:  # made once on the check's device: no copy to it each step
                     self._zeros = torch.zeros(2, dtype=torch.int64, device=check_device(self.group))
                 extra = self._zeros
-        check_inputs(self.group, self.what, same_values=False, hint=HINT, extra=extra,
-                     counters={"backward passes": self.backwards, "optimizer steps": self.steps})
+        return check_inputs(self.group, self.what, same_values=False, hint=HINT, extra=extra, defer=defer,
+                            counters={"backward passes": self.backwards, "optimizer steps": self.steps})
 
     def _digest(self) -> torch.Tensor:
         # Replicas hold bitwise-equal weights and run the same kernels: their norms are equal bit for bit.

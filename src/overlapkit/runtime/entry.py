@@ -118,7 +118,8 @@ def _describe(inputs, digest: bool, counters: dict) -> dict:
 
 
 def check_inputs(group, what: str, args: tuple = (), kwargs: dict | None = None, *, same_values: bool = True,
-                 counters: dict[str, int] | None = None, extra: torch.Tensor | None = None, hint: str = "") -> None:
+                 counters: dict[str, int] | None = None, extra: torch.Tensor | None = None, hint: str = "",
+                 defer: bool = False):
     """Raise RankMismatchError on every rank of `group` unless every rank passed inputs alike.
 
     Alike: the same tensors (by their place in args/kwargs) of the same shapes and dtypes and,
@@ -128,6 +129,9 @@ def check_inputs(group, what: str, args: tuple = (), kwargs: dict | None = None,
     int64 per rank on `check_group(group)`. `extra`: int64 values that must be equal too (a digest
     of the parameters; the same length on every rank at every call). `hint` ends the message.
     A group of one rank, or no group, passes.
+    `defer`: post the all-gather and return a function that waits for it and compares (None when
+    there is nothing to check), so that compute runs while a late peer catches up; the caller calls
+    it before its own first collective of the step.
     """
     if group is None or not dist.is_initialized() or dist.get_world_size(group) == 1 \
             or torch.compiler.is_compiling():  # compiled, the collectives compare their own sizes
@@ -149,12 +153,26 @@ def check_inputs(group, what: str, args: tuple = (), kwargs: dict | None = None,
     world = dist.get_world_size(group)
     out = torch.empty(world * mine.numel(), dtype=torch.int64, device=device)
     try:
-        check_group(group)._allgather_base(out, mine).wait()
-        rows = out.view(world, -1).tolist()
+        work = check_group(group)._allgather_base(out, mine)
     except Exception as e:  # noqa: BLE001 - a peer never came: say why if it said
         raise_explained(group, what, e, _waiting_text(counters))
-    if all(r == rows[0] for r in rows):
-        return
+
+    def finish() -> None:
+        try:
+            work.wait()
+            rows = out.view(world, -1).tolist()
+        except Exception as e:  # noqa: BLE001 - a peer never came: say why if it said
+            raise_explained(group, what, e, _waiting_text(counters))
+        if not all(r == rows[0] for r in rows):
+            _mismatch(group, what, inputs, same_values, counters, extra, hint, rows)
+
+    if defer:
+        return finish
+    finish()
+    return None
+
+
+def _mismatch(group, what: str, inputs, same_values: bool, counters: dict, extra, hint: str, rows) -> None:
     fields = _describe(inputs, same_values, counters)
     if extra is not None:
         fields["parameter digest"] = extra.tolist()
