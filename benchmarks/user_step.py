@@ -78,6 +78,9 @@ def _step_peak_bytes(step, device: torch.device) -> int:
 
     def pack(t: torch.Tensor):
         local = t.to_local() if hasattr(t, "to_local") else t
+        # A collective's result still in flight (torch 2.13 saves DTensor locals so) is a wrapper with no
+        # storage of its own: its bytes are those of the tensor it wraps.
+        local = getattr(local, "elem", local) if type(local).__name__ == "AsyncCollectiveTensor" else local
         storage = local.untyped_storage()
         seen[storage.data_ptr()] = storage.nbytes()
         return t
