@@ -167,9 +167,11 @@ class ParallelGroups:
         return cls(sizes=sizes, rank=rank, mesh=mesh, timeout_s=timeout_s, **mine)
 
 
-_EXPERT_GROUPS: dict = state.cache_dict("groups.expert_group_of_mesh")
+_EXPERT_GROUPS: dict = state.process_dict("groups.expert_group_of_mesh")
 """id(mesh) -> (mesh, its expert-parallel group, ep): the mesh has dims (pp, dp, cp, tp) only, so
-`parallelize(model, groups.mesh)` finds the ep that `init` carved out of dp here."""
+`parallelize(model, groups.mesh)` finds the ep that `init` carved out of dp here. Process wiring, not a
+cache: `state.reset()` forgetting it would leave a later `parallelize` on the same mesh with its experts
+whole on every rank, silently."""
 
 
 def _remember_expert_group(mesh, group, ep: int) -> None:
