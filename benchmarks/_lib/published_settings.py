@@ -51,14 +51,18 @@ SOURCES = {
 """source -> stack, stated flags ((flag, value..., why) tuples), per-case flags, and why."""
 
 
-def source_flags(source: str, case: str) -> list[str]:
-    """The `plan` flags a source states beyond cases.json, for one of its cases, with its --stack."""
+def source_flags(source: str, case: str, *, stack: bool = True, interleaved: bool = True) -> list[str]:
+    """The `plan` flags a source states beyond cases.json, for one of its cases, with its --stack.
+
+    stack=False leaves the stack out (and the interleaving its behaviour implies); interleaved=False keeps the
+    stack but not the README rows' interleaving: the other designs model_vs_published.py measures beside."""
     s = SOURCES[source]
-    flags = ["--stack", s["stack"]]
+    flags = ["--stack", s["stack"]] if stack else []
     for item in s.get("stated", ()):
         flags += list(item[:-1])
-    for item in s.get("per_case", {}).get(case, ()):
-        flags += list(item)
+    if stack and interleaved or s.get("per_case_why") != INTERLEAVED:
+        for item in s.get("per_case", {}).get(case, ()):
+            flags += list(item)
     return flags
 
 
