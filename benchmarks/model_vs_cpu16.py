@@ -26,7 +26,7 @@ from _lib.common import RESULTS  # noqa: E402
 from overlapkit.costmodel.overlap import cp_pass_ms, layered_ms  # noqa: E402
 
 TARGET_PCT = 15.0
-"""The issue's band for EP and CP predictions against the measured 16-core steps."""
+"""The band EP and CP predictions are held to against the measured 16-core steps."""
 
 
 def fit(fn, want: float, lo: float = 1.0, hi: float = 20.0) -> float:

@@ -1,7 +1,6 @@
 """Context-parallel schedules and MoE chunks priced one by one, and against the committed 16-core runs
 (benchmarks/model_vs_cpu16.py reads benchmarks/results; nothing is timed here)."""
 
-import importlib.util
 from pathlib import Path
 
 import pytest
@@ -9,19 +8,10 @@ import pytest
 from overlapkit.costmodel import ModelConfig, Overlap, ParallelConfig, predict, preset
 from overlapkit.costmodel.overlap import cp_pass_ms
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "model_vs_cpu16.py"
-RESULTS = SCRIPT.parent / "results"
+RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 H100 = preset("h100-sxm")
 L8 = ModelConfig(hidden=4096, ffn_hidden=14336, num_layers=4, num_heads=32, num_kv_heads=8, seq_len=32768,
                  vocab_size=128256)
-
-
-@pytest.fixture(scope="module")
-def cpu16():
-    spec = importlib.util.spec_from_file_location("model_vs_cpu16", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_each_cp_schedule_has_its_own_price():

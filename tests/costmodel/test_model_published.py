@@ -4,20 +4,10 @@ The numbers and their sources live in benchmarks/model_vs_measured.py, which wri
 table of docs/model.md; these checks keep the errors inside the bands reported there.
 """
 
-import importlib.util
 from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "model_vs_measured.py"
-
-
-@pytest.fixture(scope="module")
-def bench():
-    spec = importlib.util.spec_from_file_location("model_vs_measured", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_flux_ag_gemm_and_gemm_rs_times(bench):
@@ -89,15 +79,6 @@ def test_lm_head_probe_results_are_predicted_when_present(bench, tmp_path):
     gemm = bench.preset("h200-sxm").gemm_ms(8192, 4096, 128256)
     ce = 8192 * 128256 * CE_BYTES[0] / (bench.preset("h200-sxm").memory.elementwise_gbps * 1e6)
     assert rows[0]["predicted"] == pytest.approx(gemm + ce)
-
-
-@pytest.fixture(scope="module")
-def mvp():
-    """benchmarks/model_vs_published.py as a module."""
-    spec = importlib.util.spec_from_file_location("model_vs_published", SCRIPT.parent / "model_vs_published.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module")

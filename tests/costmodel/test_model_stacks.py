@@ -1,7 +1,6 @@
 """`overlapkit plan --stack`: framework settings by name, the assumptions `plan --json` lists, and the
 published-step harness running the same path as the command."""
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -12,16 +11,7 @@ from overlapkit.costmodel import ConfigError
 from overlapkit.costmodel.cli import parse_plan_args, plan_inputs, plan_json
 from overlapkit.costmodel.stacks import STACK_FIELDS, load_stack, stack_names
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "model_vs_published.py"
 BASE = ["--model", "llama3-8b", "--tp", "2", "--pp", "2", "--dp", "2", "--global-batch", "8", "--hardware", "h100-sxm"]
-
-
-@pytest.fixture(scope="module")
-def mvp():
-    spec = importlib.util.spec_from_file_location("model_vs_published", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_every_shipped_stack_loads_with_sources_and_a_reason_per_setting():
