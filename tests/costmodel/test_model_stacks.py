@@ -47,7 +47,8 @@ def test_plan_json_names_every_assumption_and_where_it_came_from():
     assert by["grad_dtype"]["value"] == "fp32" and "mixed_precision_reduce" in by["grad_dtype"]["why"]
     assert by["bucket_mb"]["from"] == "overlapkit default" and by["seq_len"] == {
         "setting": "seq_len", "value": 8192, "from": "model", "why": "the model's own sequence length"}
-    assert "zero" not in by and "dtype" not in by and "hardware" not in by  # given, so not assumed
+    assert "zero" not in by and "dtype" not in by and "hardware" not in by and "tp" not in by  # given
+    assert by["vpp"]["value"] == 1 and by["cp"]["from"] == "overlapkit default"  # sizes left out are assumed too
     assert "global_batch" not in by and d["stack"]["name"] == "torchtitan-2024"
     assert all(a["why"] for a in d["assumptions"])
 

@@ -57,16 +57,16 @@ def register(subparsers, draw=None, calibrate=None) -> None:
     p.add_argument("--stack", help=f"the framework whose implementation settings fill what the flags leave out: "
                    f"{' | '.join(stack_names())} | file.json (same format; docs/model.md)")
     for names, default, text in (
-            (("--tp", "--tensor-model-parallel-size"), 1, "tensor-parallel size"),
-            (("--pp", "--pipeline-model-parallel-size"), 1, "pipeline stages"),
-            (("--vpp", "--virtual-pipeline-model-parallel-size"), 1, "virtual stages per pipeline rank"),
-            (("--dp", "--data-parallel-size"), 1, "data-parallel size"),
-            (("--cp", "--context-parallel-size"), 1, "context-parallel size (ring attention over the sequence)"),
-            (("--ep", "--expert-model-parallel-size"), 1, "expert-parallel size (MoE)"),
-            (("--micro-batch", "--micro-batch-size"), 1, "sequences per micro-batch"),
+            (("--tp", "--tensor-model-parallel-size"), None, "tensor-parallel size"),
+            (("--pp", "--pipeline-model-parallel-size"), None, "pipeline stages"),
+            (("--vpp", "--virtual-pipeline-model-parallel-size"), None, "virtual stages per pipeline rank"),
+            (("--dp", "--data-parallel-size"), None, "data-parallel size"),
+            (("--cp", "--context-parallel-size"), None, "context-parallel size (ring attention over the sequence)"),
+            (("--ep", "--expert-model-parallel-size"), None, "expert-parallel size (MoE)"),
+            (("--micro-batch", "--micro-batch-size"), None, "sequences per micro-batch"),
             (("--global-batch", "--global-batch-size"), None, "sequences per step (default: one micro-batch per replica)"),
-            (("--first-stage-layers", "--decoder-first-pipeline-num-layers"), 0, "layers on the first stage (0: even)"),
-            (("--last-stage-layers", "--decoder-last-pipeline-num-layers"), 0, "layers on the last stage (0: even)"),
+            (("--first-stage-layers", "--decoder-first-pipeline-num-layers"), None, "layers on the first stage (0: even)"),
+            (("--last-stage-layers", "--decoder-last-pipeline-num-layers"), None, "layers on the last stage (0: even)"),
             (("--moe-chunks",), None, "token chunks of the MoE all-to-all when EP overlap is on (default 4)"),
             (("--zero3-wrap",), None, "layers per ZeRO-3 / FSDP unit (default 1)"),
             (("--gpus",), None, "GPU count to check tp*cp*pp*dp against")):

@@ -39,6 +39,15 @@ STACK_FIELDS = ("attention", "pp_scatter_gather", "grad_dtype", "bucket_mb", "gr
 the batch, the recomputation or the overlap switches, which a run states."""
 
 DEFAULTS = (
+    ("tp", 1, "no tensor parallelism"),
+    ("pp", 1, "no pipeline"),
+    ("vpp", 1, "no interleaving"),
+    ("dp", 1, "one data-parallel replica"),
+    ("cp", 1, "no context parallelism"),
+    ("ep", 1, "no expert parallelism"),
+    ("micro_batch", 1, "one sequence per micro-batch"),
+    ("first_stage_layers", 0, "the layers split evenly over the stages"),
+    ("last_stage_layers", 0, "the layers split evenly over the stages"),
     ("hardware", "h200-sxm", "the GPU overlapkit's curves are measured on"),
     ("dtype", "bf16", "mixed precision in bf16"),
     ("recompute", "none", "no activation recomputation"),
