@@ -1,18 +1,18 @@
-"""The cost model against 30 published training steps: predicted vs published step time, per source.
+"""The cost model against 30 published training steps, each priced by `overlapkit plan` as a user runs it.
 
-Runs `overlapkit.costmodel.predict` on every case of tests/data/published_steps/cases.json (or
---cases) with the settings each source states, turns the
-published TFLOP/s per GPU into a step time under the source's FLOP convention, and writes the
-error table per source to benchmarks/results/model_vs_published.{json,md}; `--update-docs` also
-refreshes the table in docs/model.md. It also predicts the held-out validation set
+Every case of tests/data/published_steps/cases.json (or --cases) becomes an `overlapkit plan --json` command
+line: the split and batch cases.json gives, `--stack` naming its source's framework, and the flags its source
+states (benchmarks/_lib/published_settings.py, each with where it is stated); `plan_json` runs it through the
+CLI's own parsing and default-filling, so that what is validated is what a user runs. The published TFLOP/s
+per GPU becomes a step time under the source's FLOP convention; the error table per source goes to
+benchmarks/results/model_vs_published.{json,md} (each row with its command and the assumptions `plan` made);
+`--update-docs` also refreshes the table in docs/model.md. It also predicts the held-out validation set
 (tests/data/published_steps/korthikanti22.json) and prints the 30-case mean a second time with every
-source held out of anything fitted. Nothing is fitted on a case: `SOURCE_SETTINGS` below is the
-one place that says what each source used where cases.json leaves it open, and why.
+source held out of anything fitted. Nothing is fitted on a case.
 
     python benchmarks/model_vs_published.py [--cases FILE] [--out benchmarks/results] [--update-docs]
 
-Runs on CPU in about a minute (it predicts; the measurements are publications), most of it refitting
-the one fitted constant once per held-out source (`held_out`).
+Runs on CPU in under a minute (it predicts; the measurements are publications).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import json
 import math
 import statistics
 import sys
+import tempfile
 from dataclasses import replace
 from pathlib import Path
 
@@ -29,7 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # _lib (with the setti
 from _lib.common import ROOT as _ROOT, SMOKE_HELP, TEST_DATA, out_dir  # noqa: E402
 from _lib.unexported import POWER_LIMIT_CLOCK, SUSTAINED_CLOCK, hardware, step_flops  # noqa: E402
 from overlapkit.costmodel import ModelConfig, Overlap, ParallelConfig, predict, preset  # noqa: E402
-from _lib.published_settings import SOURCE_SETTINGS  # noqa: E402
+from _lib.published_settings import SOURCES, describe, source_flags  # noqa: E402
+from overlapkit.costmodel.cli import parse_plan_args, plan_inputs, plan_json  # noqa: E402
 
 ROOT = Path(_ROOT)
 DOCS_BEGIN, DOCS_END = "<!-- model_vs_published:begin -->", "<!-- model_vs_published:end -->"
@@ -42,28 +44,31 @@ def published_dir(arg: str | None) -> Path | None:
     return None
 
 
-def config(case: dict) -> tuple[ModelConfig, ParallelConfig, str]:
-    """The model, split and hardware of a case: cases.json's values plus its source's settings."""
-    src = SOURCE_SETTINGS[case["source"]]
-    model = ModelConfig(**{**case["model"], **src.get("model", {})}, name=f"{case['source']} {case['case']}")
-    settings = {**src["settings"], **src.get("per_case", {}).get(case["case"], {})}
-    if case["source"] == "torchtitan-perf":
-        settings["eager"] = "eager" in case["case"]
-    if src.get("megatron_buckets"):  # Megatron-Core DDP: bucket_size = max(40M, 1M x dp) elements
-        settings["bucket_mib"] = max(40e6, 1e6 * case["dp"]) * settings.get("grad_bytes", 2) / 2**20
-    v = src.get("interleave", 1)
-    layers_per_stage = case["model"]["num_layers"] // case["pp"]
-    if v > 1 and case["pp"] > 1 and layers_per_stage % v == 0 and (case["global_batch"] // (case["micro_batch"]
-                                                                     * case["dp"])) % case["pp"] == 0:
-        settings["vpp"] = v
-    par = ParallelConfig(tp=case["tp"], pp=case["pp"], vpp=case["vpp"], dp=case["dp"], cp=case.get("cp", 1),
-                         micro_batch=case["micro_batch"], global_batch=case["global_batch"],
-                         recompute=case["recompute"], sp=case["sp"], zero=case["zero"],
-                         overlap=Overlap(**case["overlap"]))
-    return model, replace(par, **settings), src.get("hardware", case["hardware"])
+def plan_argv(case: dict, folder: str, **design) -> list[str]:
+    """The `overlapkit plan` command line of a case: cases.json's split and batch, its model written to
+    `folder`, then its source's --stack and stated flags (published_settings.py)."""
+    src = SOURCES[case["source"]]
+    model = {**case["model"], **src.get("model", {}), "name": f"{case['source']} {case['case']}"}
+    path = Path(folder) / "model.json"
+    path.write_text(json.dumps(model))
+    argv = ["--model", str(path), "--hardware", case["hardware"]]
+    for flag in ("tp", "pp", "vpp", "dp", "cp", "micro_batch", "global_batch", "recompute", "zero"):
+        if flag in case:
+            argv += [f"--{flag.replace('_', '-')}", str(case[flag])]
+    argv.append("--sp" if case["sp"] else "--no-sp")
+    for engine, mode in case["overlap"].items():
+        argv += [f"--overlap-{engine}", mode]
+    return argv + source_flags(case["source"], case["case"], **design)
 
 
-def published_step_s(case: dict, model: ModelConfig, gpus: int) -> float:
+def config(case: dict, extra: tuple[str, ...] = ()) -> tuple[ModelConfig, ParallelConfig, str]:
+    """The model, split and hardware `overlapkit plan` prices for a case (and `extra` flags)."""
+    with tempfile.TemporaryDirectory() as folder:
+        inputs = plan_inputs(parse_plan_args(plan_argv(case, folder) + list(extra)))
+    return inputs.model, inputs.par, inputs.hardware
+
+
+def published_step_s(case: dict, gpus: int) -> float:
     """The published step time, or the one its TFLOP/s per GPU implies under its FLOP convention."""
     pub = case["published"]
     if "step_s" in pub:
@@ -117,16 +122,20 @@ def power_limit_rows(runs=POWER_LIMIT_RUNS, clock: float | None = None) -> list[
     return rows
 
 
-def run_case(case: dict) -> dict:
-    """One case predicted with its source's settings."""
-    model, par, hw = config(case)
-    r = predict(model, par, preset(hw))
-    measured = published_step_s(case, model, par.world)
-    pred = r.step_ms * 1e-3
-    return {"source": case["source"], "case": case["case"], "hardware": hw, "gpus": par.world,
+def run_case(case: dict, extra: tuple[str, ...] = (), **design) -> dict:
+    """One case predicted by `overlapkit plan --json` with its source's stack and stated flags (`design`:
+    source_flags' switches for the other designs)."""
+    with tempfile.TemporaryDirectory() as folder:
+        argv = plan_argv(case, folder, **design) + list(extra)
+        d = plan_json(argv)
+    measured = published_step_s(case, d["parallel"]["world"])
+    pred = d["step_time_s"]
+    return {"source": case["source"], "case": case["case"], "hardware": d["hardware"], "gpus": d["parallel"]["world"],
             "published_s": measured, "predicted_s": pred, "error_pct": 100.0 * (pred - measured) / measured,
-            "compute_s": r.compute_ms * 1e-3, "exposed_s": r.exposed_ms * 1e-3, "bubble_s": r.bubble_ms * 1e-3,
-            "host_s": r.host_ms * 1e-3, "fits": r.memory["fits"], "memory_gib": r.memory["total_gib"]}
+            "compute_s": d["compute_s"], "exposed_s": d["exposed_comm_s"], "bubble_s": d["bubble_s"],
+            "host_s": d["host_s"], "fits": d["memory"]["fits"], "memory_gib": d["memory"]["total_gib"],
+            "command": "overlapkit plan " + " ".join(a if not a.endswith("model.json") else "MODEL.json" for a in argv),
+            "assumptions": {a["setting"]: [a["value"], a["from"]] for a in d["assumptions"]}}
 
 
 def power_limit_loss(clock: float, runs=POWER_LIMIT_RUNS) -> float:
@@ -193,17 +202,29 @@ def held_out(cases: list[dict]) -> dict:
                                           "max_abs_pct": max(errs)}}
 
 
-def fp32_reduce_rows(cases: list[dict]) -> list[dict]:
-    """The Megatron README rows with gradients reduced in fp32 (r0.8's default), beside the table."""
-    rows = []
-    for c in cases:
-        if not SOURCE_SETTINGS[c["source"]].get("megatron_buckets"):  # the Megatron-Core r0.8 rows only
-            continue
-        model, par, hw = config(c)
-        par = replace(par, grad_bytes=4, bucket_mib=par.bucket_mib * 2)
-        pred, measured = predict(model, par, preset(hw)).step_ms * 1e-3, published_step_s(c, model, par.world)
-        rows.append({"source": c["source"], "case": c["case"], "error_pct": 100.0 * (pred - measured) / measured})
-    return rows
+def designs(cases: list[dict]) -> list[dict]:
+    """The cases through the command under the other designs, beside the adopted one: what the stacks and
+    the README's stated PP overlap each change (docs/model.md)."""
+    def bf16(c):
+        return ("--grad-dtype", "bf16") if SOURCES[c["source"]]["stack"] == "megatron-core-2024" else ()
+    out = []
+    for name, run in (("the command with each source's stated flags only, no stack",
+                       lambda c: run_case(c, stack=False)),
+                      ("stacks as documented, cases.json's vpp = 1 for the README rows",
+                       lambda c: run_case(c, interleaved=False)),
+                      ("adopted: stacks as documented, the README's pipelined rows interleaved", run_case),
+                      ("adopted, with the Megatron-Core rows reducing gradients in bf16 (not r0.8's behaviour)",
+                       lambda c: run_case(c, bf16(c)))):
+        errs = [abs(run(c)["error_pct"]) for c in cases]
+        out.append({"design": name, "mean_abs_pct": statistics.mean(errs), "max_abs_pct": max(errs)})
+    return out
+
+
+def bf16_reduce_rows(cases: list[dict]) -> list[dict]:
+    """The Megatron-Core rows with gradients reduced in bf16 (`--grad-dtype bf16`) instead of the stack's fp32
+    (r0.8 forces fp32 under bf16; --grad-reduce-in-bf16 came later): the other design, measured beside."""
+    return [dict(run_case(c, ("--grad-dtype", "bf16")), command="--grad-dtype bf16") for c in cases
+            if SOURCES[c["source"]]["stack"] == "megatron-core-2024"]
 
 
 def deepspeed_schedule_rows(cases: list[dict]) -> list[dict]:
@@ -241,23 +262,14 @@ def summarize(rows: list[dict]) -> dict:
                           for k, x in by.items()}}
 
 
-def _source_bits(x: dict) -> dict:
-    """A source's settings as printed: ParallelConfig fields, model overrides, hardware, the rules above."""
-    per_case: dict = {}  # field -> value -> the cases that use it
-    for case, fields in x.get("per_case", {}).items():
-        for k, val in fields.items():
-            per_case.setdefault(k, {}).setdefault(val, []).append(case)
-    rules = {**({"bucket": "max(40M, 1M x dp) elements"} if x.get("megatron_buckets") else {}),
-             **{k: "; ".join(f"{val} for {' '.join(cases)}" for val, cases in by.items()) for k, by in per_case.items()},
-             **({"vpp": f"{x['interleave']} where the layers per stage divide"} if x.get("interleave") else {})}
-    return {**x["settings"], **x.get("model", {}), **({"hardware": x["hardware"]} if "hardware" in x else {}), **rules}
-
-
-def markdown(rows: list[dict], summary: dict, extra: list[dict], fp32: list[dict] = (), held: dict | None = None,
-             deepspeed: list[dict] = (), validation: list[dict] = ()) -> str:
+def markdown(rows: list[dict], summary: dict, extra: list[dict], bf16: list[dict] = (), held: dict | None = None,
+             deepspeed: list[dict] = (), validation: list[dict] = (), design: list[dict] = ()) -> str:
     s = summary
-    out = [f"{s['cases']} published steps: mean |error| {s['mean_abs_pct']:.1f}%, max {s['max_abs_pct']:.1f}%, "
-           f"{s['over_10pct']} over 10% (targets: mean <= 5%, per source <= 8%, max <= 12%)."]
+    out = [f"{s['cases']} published steps through `overlapkit plan --stack ...`: mean |error| {s['mean_abs_pct']:.1f}%, "
+           f"max {s['max_abs_pct']:.1f}%, {s['over_10pct']} over 10% (targets: mean <= 5%, per source <= 8%, max <= 12%)."]
+    if design:
+        out += ["", "| design (the same cases, the same command) | mean abs error % | max abs error % |", "|---|---:|---:|"]
+        out += [f"| {d['design']} | {d['mean_abs_pct']:.1f} | {d['max_abs_pct']:.1f} |" for d in design]
     if held:
         h = held["summary"]
         out += ["", f"With every source held out of anything fitted (each constant of FITTED refit without that "
@@ -279,8 +291,9 @@ def markdown(rows: list[dict], summary: dict, extra: list[dict], fp32: list[dict
                 f"{r['predicted_s']:.3f} | {r['error_pct']:+.1f} | {r['compute_s']:.3f} | {r['exposed_s']:.3f} | "
                 f"{r['bubble_s']:.3f} | {r['host_s']:.3f} |" for r in validation]
     out += ["",
-           "| source | cases | mean abs error % | max abs error % |", "|---|---:|---:|---:|"]
-    out += [f"| {k} | {x['cases']} | {x['mean_abs_pct']:.1f} | {x['max_abs_pct']:.1f} |" for k, x in s["by_source"].items()]
+           "| source | stack | cases | mean abs error % | max abs error % |", "|---|---|---:|---:|---:|"]
+    out += [f"| {k} | {SOURCES[k]['stack']} | {x['cases']} | {x['mean_abs_pct']:.1f} | {x['max_abs_pct']:.1f} |"
+            for k, x in s["by_source"].items()]
     out += ["", "| source | case | hardware | GPUs | published s | predicted s | error % | compute s | exposed s "
                 "| bubble s | host s |", "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows + extra:
@@ -291,9 +304,11 @@ def markdown(rows: list[dict], summary: dict, extra: list[dict], fp32: list[dict
         out += ["", "Below the 30: Llama 3's CP16 row (cases.json lists it as not run) priced with `--cp 16`, and "
                 "the two torchtitan async-TP runs the 500 W H100's matmul share (0.70) is calibrated on "
                 "(least squares over both)."]
-    if fp32:
-        out += ["", "The Megatron README rows with fp32 gradient reduction instead (r0.8's default): "
-                + ", ".join(f"{r['case']} {r['error_pct']:+.1f}%" for r in fp32) + "."]
+    if bf16:
+        out += ["", "The Megatron-Core rows with gradients reduced in bf16 instead of the stack's fp32 (not r0.8's "
+                "behaviour; the settings this table used before the stacks): "
+                + ", ".join(f"{r['case']} {r['error_pct']:+.1f}%" for r in bf16)
+                + f" (these {len(bf16)}: mean |error| {statistics.mean(abs(r['error_pct']) for r in bf16):.1f}%)."]
     if deepspeed:
         out += ["", "MT-NLG's pipeline replayed under DeepSpeed's TrainSchedule (benchmarks/_lib/deepspeed_pipe.py: step-paired, "
                 "blocking, unbatched sends) with the model's stage times, against the model's 1F1B pricing of the "
@@ -304,10 +319,9 @@ def markdown(rows: list[dict], summary: dict, extra: list[dict], fp32: list[dict
             + ", ".join(f"{k} {v:.3f}" for k, v in SUSTAINED_CLOCK.items())
             + f" (the 700 W H100: the 500 W measurement POWER_LIMIT_CLOCK {POWER_LIMIT_CLOCK} along P ~ f^3; the "
             "A100: its published MAMF as measured); the 500 W H100 runs at POWER_LIMIT_CLOCK, the H200 at 1.0."]
-    out += ["", "What each source used where cases.json leaves it open (`SOURCE_SETTINGS` in this script):", "",
-            "| source | settings | why |", "|---|---|---|"]
-    for k, x in SOURCE_SETTINGS.items():
-        out.append(f"| {k} | {', '.join(f'{a}={b}' for a, b in _source_bits(x).items())} | {x['why']} |")
+    out += ["", "Each source's `overlapkit plan` flags beyond cases.json (benchmarks/_lib/published_settings.py; "
+            "the stacks: src/overlapkit/costmodel/data/stacks/):", "", "| source | stack and stated flags |", "|---|---|"]
+    out += [f"| {k} | {describe(k)} |" for k in SOURCES]
     return "\n".join(out) + "\n"
 
 
@@ -337,21 +351,22 @@ def main(argv=None) -> int:
     cp = cp16_case(data.get("not_run", []))
     extra = ([run_case(cp)] if cp else []) + power_limit_rows()
     summary = summarize(rows)
-    fp32 = fp32_reduce_rows(data["cases"])
+    bf16 = bf16_reduce_rows(data["cases"])
     first = data["cases"][0]["source"]
     held = held_out([c for c in data["cases"] if c["source"] == first] if args.smoke else data["cases"])
     deepspeed = deepspeed_schedule_rows(data["cases"])
     validation_path = Path(args.validation)
     validation = [run_case(c) for c in json.loads(validation_path.read_text())["cases"]] if validation_path.is_file() else []
-    text = markdown(rows, summary, extra, fp32, held, deepspeed, validation)
+    design = [] if args.smoke else designs(data["cases"])
+    text = markdown(rows, summary, extra, bf16, held, deepspeed, validation, design)
     out = Path(out_dir(args))
     out.mkdir(parents=True, exist_ok=True)
     (out / "model_vs_published.json").write_text(json.dumps(
-        {"summary": summary, "rows": rows, "extra": extra, "megatron_fp32_reduce": fp32, "held_out": held,
+        {"summary": summary, "rows": rows, "extra": extra, "megatron_core_bf16_reduce": bf16, "designs": design, "held_out": held,
          "fitted": FITTED, "validation": {"summary": summarize(validation) if validation else {}, "rows": validation},
          "mt_nlg_deepspeed_schedule": deepspeed, "sustained_clock": dict(SUSTAINED_CLOCK),
          "power_limit_clock": POWER_LIMIT_CLOCK,
-         "settings": {k: {"settings": _source_bits(v), "why": v["why"]} for k, v in SOURCE_SETTINGS.items()}},
+         "settings": {k: describe(k) for k in SOURCES}},
         indent=1))
     (out / "model_vs_published.md").write_text(text)
     print(text)

@@ -1,58 +1,82 @@
-"""What each published source used that its cases leave open, with the reason: the one place
-benchmarks/model_vs_published.py takes its per-source settings from (printed under its table)."""
+"""Which stack each published source ran and what it states beyond cases.json: the one place
+benchmarks/model_vs_published.py takes its per-source `overlapkit plan` flags from (printed under its table).
 
-SOURCE_SETTINGS = {
+Each source names a stack (src/overlapkit/costmodel/data/stacks/NAME.json: the framework's own settings,
+each with the code or document it comes from) and the flags of its stated configuration, each with the
+sentence, table or script that states it. Nothing here is chosen to fit a published number: a setting that
+a source does not state and its stack does not document is left to the stack or to overlapkit's default,
+and `plan --json` lists it under `assumptions`.
+"""
+
+INTERLEAVED = ("the README: 'pipeline-parallel communication (enabled by default)' overlapped with computation, "
+               "which Megatron-Core does only under the interleaved schedule (arguments.py sets overlap_p2p_comm "
+               "False without virtual stages); the depth is not stated: the least > 1 that divides the layers per "
+               "stage (23 and 7 layers per stage for 119B and 462B: one layer per virtual stage)")
+"""Why the README's pipelined rows are priced interleaved."""
+
+SOURCES = {
     "Narayanan21-T1": dict(
-        settings=dict(dtype="fp16", attention="unfused", pp_scatter_gather=True, grad_bytes=2),
-        per_case={**{c: dict(grad_accumulation="autograd") for c in ("1.7B", "3.6B", "7.5B", "18B")},
-                  **{c: dict(grad_accumulation="hook") for c in ("39B", "76B", "145B", "310B", "530B", "1T")}},
-        why="Megatron-LM of April 2021 (examples/sc21 CONFIG.sh: --fp16): attention materialized the scores "
-            "(FusedScaleMaskSoftmax + dropout; flash attention came in 2022), pipeline sends used its "
-            "scatter-gather optimization (on by default), and gradients were all-reduced in fp16: CONFIG.sh "
-            "does not pass --accumulate-allreduce-grads-in-fp32, and without it Megatron's local DDP buffers "
-            "take the parameter dtype (_get_buffer_type), as torch DDP does. run_table_1.sh runs 1.7B-18B with "
-            "--DDP-impl torch (autograd accumulates micro-batch gradients in param.grad) and 39B-1T with local, "
-            "whose backward hook adds every micro-batch's gradient into the buffer (main_grad.add_(grad): "
-            "grad_accumulation=hook)."),
+        stack="megatron-2021",
+        stated=(("--fp16", "examples/sc21/CONFIG.sh passes --fp16"),),
+        per_case={c: (("--grad-accumulation", "autograd"),) for c in ("1.7B", "3.6B", "7.5B", "18B")},
+        per_case_why="examples/sc21/run_table_1.sh runs 1.7B-18B with --DDP-impl torch (autograd accumulates "
+                     "the micro-batch gradients in param.grad) and 39B-1T with the stack's local DDP"),
     "MegatronLM-README-H100": dict(
-        settings=dict(grad_bytes=2, dp_in_drain=True), megatron_buckets=True, interleave=2,
-        why="Megatron-Core r0.8 with --overlap-grad-reduce: each stage (each model chunk, interleaved) reduces "
-            "when its last backward ends, inside the pipeline drain; DDP buckets of max(40M, 1M x dp) elements "
-            "(distributed_data_parallel.py); flash attention (TE); micro-batch gradients accumulate inside the wgrad GEMM (gradient_accumulation_fusion, on unless --no-gradient-accumulation-fusion). Gradients reduced in bf16, although r0.8's "
-            "arguments.py forces fp32 for bf16 runs: under fp32 the 32B row (TP8 DP48, 4 micro-batches) must move "
-            "0.52 s of reduce-scatter + all-gather over 400 Gb/s per GPU with at most one micro-batch (~0.2 s) to "
-            "hide it, more than its whole published step leaves beside three micro-batches of compute (fp32 "
-            "results are printed beside). Interleaved with 2 virtual stages where the layers per stage divide "
-            "(70B, 177B, 314B; 119B and 462B have 23 and 7): the strong-scaling 4608-GPU endpoint keeps 42% MFU "
-            "at 12 micro-batches over 6 stages, which the 1F1B bubble (5/17 of the step) rules out."),
+        stack="megatron-core-2024", stated=(),
+        per_case={"70B": (("--vpp", "2"),), "119B": (("--vpp", "23"),), "177B": (("--vpp", "2"),),
+                  "314B": (("--vpp", "2"),), "462B": (("--vpp", "7"),)},
+        per_case_why=INTERLEAVED),
     "MegatronLM-README-H100-strong": dict(
-        settings=dict(grad_bytes=2, dp_in_drain=True), megatron_buckets=True, interleave=2,
-        why="the same Megatron-Core run as the weak-scaling table."),
+        stack="megatron-core-2024", stated=(),
+        per_case={"177B@96": (("--vpp", "2"),), "177B@4608": (("--vpp", "2"),)}, per_case_why=INTERLEAVED),
     "Llama3-T4": dict(
-        settings=dict(grad_bytes=4, dp_in_drain=True, first_stage_layers=7, last_stage_layers=7, vpp=2),
-        model=dict(num_layers=126),
-        why="the paper: 126 layers, one fewer on the first and the last stage (7 + 14x8 + 7), gradients "
-            "reduce-scattered in fp32, DP communication overlapped with the pipeline, an interleaved schedule "
-            "whose depth it does not give (vpp=2 here: the smallest interleaving)."),
+        stack="llama3-2024",
+        stated=(("--first-stage-layers", "7", "Sec. 3.3.2: one layer fewer on the first and the last stage"),
+                ("--last-stage-layers", "7", "(126 layers: 7 + 14 x 8 + 7)"),
+                ("--vpp", "2", "Sec. 3.3.2: an interleaved schedule; its depth is not given, 2 is the least")),
+        model=dict(num_layers=126), why="Table 4's split; the paper's 126 layers"),
     "MT-NLG-530B": dict(
-        settings=dict(dtype="bf16", attention="unfused", pp_scatter_gather=True, grad_accumulation="autograd"),
-        why="DeepSpeed pipeline engine + Megatron TP of 2021: bf16 mixed precision (the paper's Sec. 2.3, "
-            "'mixed precision using 16-bit bfloat'; the BigScience notes on it say the same), unfused attention, "
-            "activations partitioned over the TP ranks for the pipeline send (PipelineEngine is_pipe_partitioned), "
-            "gradients in param.grad, accumulated by autograd over the micro-batches and reduced in the parameter "
-            "dtype by ZeRO-1 at the step's end."),
+        stack="deepspeed-2022",
+        stated=(("--bf16", "Sec. 2.3: mixed precision with 16-bit bfloat"),)),
     "Korthikanti22-T5": dict(
-        settings=dict(dtype="bf16", attention="unfused", pp_scatter_gather=True),
-        why="Megatron-LM of 2022 (the held-out set: korthikanti22.json): attention materialized the scores "
-            "(FusedScaleMaskSoftmax + dropout), the TP backward collectives ran beside the weight-gradient GEMM "
-            "(the async all-reduce, and under sequence parallelism the overlapped all-gather and reduce-scatter of "
-            "LinearWithGradAccumulationAndAsyncCommunication: overlap tp=bulk in the cases), pipeline sends split "
-            "over the TP ranks, micro-batch gradients accumulated in the wgrad GEMM; dp 1, so no gradient reduction."),
+        stack="megatron-2022",
+        stated=(("--bf16", "Sec. 5: bf16 mixed precision"),)),
     "torchtitan-perf": dict(
-        settings=dict(recompute="op", grad_bytes=4, zero3_prefetch=1, zero3_wrap=1, attention="flash2"),
-        hardware="h100-sxm-500w",
-        why="torchtitan Dec 2024: Grand Teton H100 at 500 W with HBM2e, per-op selective AC (every other "
-            "matmul recomputed), FSDP2 with fp32 reduce dtype, one FSDP unit per block and its implicit "
-            "one-ahead prefetch, PyTorch SDPA's flash backend (FlashAttention-2 kernels); 'eager' rows "
-            "without torch.compile."),
+        stack="torchtitan-2024",
+        stated=(("--hardware", "h100-sxm-500w", "the benchmark page: H100 SXM at 500 W with HBM2e"),
+                ("--recompute", "op", "the benchmark page: selective activation checkpointing, per op")),
+        per_case={c: (("--compile",),) for c in ("8B@8 FSDP+compile", "8B@128 FSDP+compile")},
+        per_case_why="the '+compile' rows run with --training.compile"),
 }
+"""source -> stack, stated flags ((flag, value..., why) tuples), per-case flags, and why."""
+
+
+def source_flags(source: str, case: str, *, stack: bool = True, interleaved: bool = True) -> list[str]:
+    """The `plan` flags a source states beyond cases.json, for one of its cases, with its --stack.
+
+    stack=False leaves the stack out (and the interleaving its behaviour implies); interleaved=False keeps the
+    stack but not the README rows' interleaving: the other designs model_vs_published.py measures beside."""
+    s = SOURCES[source]
+    flags = ["--stack", s["stack"]] if stack else []
+    for item in s.get("stated", ()):
+        flags += list(item[:-1])
+    if stack and interleaved or s.get("per_case_why") != INTERLEAVED:
+        for item in s.get("per_case", {}).get(case, ()):
+            flags += list(item)
+    return flags
+
+
+def describe(source: str) -> str:
+    """One table cell: the stack and every stated flag with its reason."""
+    s = SOURCES[source]
+    parts = [f"--stack {s['stack']}"]
+    parts += [f"{' '.join(item[:-1])} ({item[-1]})" for item in s.get("stated", ())]
+    if s.get("per_case"):
+        by: dict = {}
+        for case, items in s["per_case"].items():
+            by.setdefault(" ".join(" ".join(i) for i in items), []).append(case)
+        parts.append(", ".join(f"{flags} for {' '.join(cases)}" for flags, cases in by.items())
+                     + f" ({s['per_case_why']})")
+    if s.get("model"):
+        parts.append("model " + ", ".join(f"{k}={v}" for k, v in s["model"].items()))
+    return "; ".join(parts)

@@ -103,7 +103,11 @@ def test_context_parallelism_splits_the_sequence_and_rings_kv():
     assert row(r2.layer_fwd, "attention fwd")["time_ms"] == pytest.approx(row(r1.layer_fwd, "attention fwd")["time_ms"] / 2)
     assert r2.comm_by_kind["cp_kv"] > 0 and r2.exposed_by_kind["cp_kv"] == pytest.approx(r2.comm_by_kind["cp_kv"])
     ring = predict(L8, ParallelConfig(cp=2, overlap=Overlap(cp="pipelined")), H100)
-    assert ring.exposed_by_kind["cp_kv"] < 0.5 * ring.comm_by_kind["cp_kv"]
+    bulk = predict(L8, ParallelConfig(cp=2, overlap=Overlap(cp="bulk")), H100)
+    # at cp 2 the ring's one dK/dV hop goes home after the last block (in the open); the all-gather
+    # schedule attends the other block first, so the part travels behind the rank's own block
+    assert bulk.exposed_by_kind["cp_kv"] < 0.5 * bulk.comm_by_kind["cp_kv"] < ring.exposed_by_kind["cp_kv"]
+    assert ring.exposed_by_kind["cp_kv"] < ring.comm_by_kind["cp_kv"]  # its forward hop hides
     assert ParallelConfig(tp=8, cp=16, pp=16, dp=8).world == 16384  # Llama 3's CP16 row is expressible
 
 
@@ -198,7 +202,9 @@ def test_moe_chunks_change_what_the_all_to_all_hides():
     r = {c: predict(moe, ParallelConfig(dp=8, ep=8, moe_chunks=c, overlap=Overlap(ep="pipelined")), H100)
          for c in (1, 4)}
     assert r[1].exposed_by_kind["ep_all_to_all"] > r[4].exposed_by_kind["ep_all_to_all"]
-    assert r[4].comm_by_kind["ep_all_to_all"] == pytest.approx(r[1].comm_by_kind["ep_all_to_all"])
+    # every chunk is its own all-to-all: the bytes are the same, the latency is paid per chunk
+    extra = r[4].comm_by_kind["ep_all_to_all"] - r[1].comm_by_kind["ep_all_to_all"]
+    assert 0 < extra < 0.5 * r[1].comm_by_kind["ep_all_to_all"]
 
 
 def test_zero3_prefetch_depth_and_wrap_are_priced():

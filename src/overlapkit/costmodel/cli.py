@@ -16,6 +16,7 @@ from ..vocabulary import check_bucket_mb, check_prefetch, positive_int
 from ._validate import ConfigError
 from .flops import CONVENTIONS
 from .parallel import ATTENTION, DTYPES, GRAD_ACCUMULATION, MODES, RECOMPUTE, TRANSPORTS, Overlap, ParallelConfig
+from .stacks import Assumption, PlanInputs, assumption_lines, fill_defaults, load_stack, stack_names
 
 
 MEGATRON_SWITCHES = (
@@ -51,57 +52,60 @@ def register(subparsers, draw=None, calibrate=None) -> None:
     p.error = _one_line_error  # argparse's usage + message would be several lines
     p.add_argument("--model", required=True,
                    help="llama3-8b | llama3-70b | llama3-405b | gpt3-175b | file.json (ours or a HuggingFace config.json)")
-    p.add_argument("--hardware", default="h200-sxm", help="h100-sxm | h100-sxm-500w | h200-sxm | a100-sxm-80g | "
+    p.add_argument("--hardware", help="h100-sxm | h100-sxm-500w | h200-sxm (default) | a100-sxm-80g | "
                    "h800-sxm | a800-sxm-80g | file.json (from `overlapkit bench gemm`)")
+    p.add_argument("--stack", help=f"the framework whose implementation settings fill what the flags leave out: "
+                   f"{' | '.join(stack_names())} | file.json (same format; docs/model.md)")
     for names, default, text in (
-            (("--tp", "--tensor-model-parallel-size"), 1, "tensor-parallel size"),
-            (("--pp", "--pipeline-model-parallel-size"), 1, "pipeline stages"),
-            (("--vpp", "--virtual-pipeline-model-parallel-size"), 1, "virtual stages per pipeline rank"),
-            (("--dp", "--data-parallel-size"), 1, "data-parallel size"),
-            (("--cp", "--context-parallel-size"), 1, "context-parallel size (ring attention over the sequence)"),
-            (("--ep", "--expert-model-parallel-size"), 1, "expert-parallel size (MoE)"),
-            (("--micro-batch", "--micro-batch-size"), 1, "sequences per micro-batch"),
+            (("--tp", "--tensor-model-parallel-size"), None, "tensor-parallel size"),
+            (("--pp", "--pipeline-model-parallel-size"), None, "pipeline stages"),
+            (("--vpp", "--virtual-pipeline-model-parallel-size"), None, "virtual stages per pipeline rank"),
+            (("--dp", "--data-parallel-size"), None, "data-parallel size"),
+            (("--cp", "--context-parallel-size"), None, "context-parallel size (ring attention over the sequence)"),
+            (("--ep", "--expert-model-parallel-size"), None, "expert-parallel size (MoE)"),
+            (("--micro-batch", "--micro-batch-size"), None, "sequences per micro-batch"),
             (("--global-batch", "--global-batch-size"), None, "sequences per step (default: one micro-batch per replica)"),
-            (("--first-stage-layers", "--decoder-first-pipeline-num-layers"), 0, "layers on the first stage (0: even)"),
-            (("--last-stage-layers", "--decoder-last-pipeline-num-layers"), 0, "layers on the last stage (0: even)"),
-            (("--moe-chunks",), 4, "token chunks of the MoE all-to-all when EP overlap is on"),
-            (("--zero3-wrap",), 1, "layers per ZeRO-3 / FSDP unit"),
+            (("--first-stage-layers", "--decoder-first-pipeline-num-layers"), None, "layers on the first stage (0: even)"),
+            (("--last-stage-layers", "--decoder-last-pipeline-num-layers"), None, "layers on the last stage (0: even)"),
+            (("--moe-chunks",), None, "token chunks of the MoE all-to-all when EP overlap is on (default 4)"),
+            (("--zero3-wrap",), None, "layers per ZeRO-3 / FSDP unit (default 1)"),
             (("--gpus",), None, "GPU count to check tp*cp*pp*dp against")):
         p.add_argument(*names, type=int, default=default, help=text, dest=names[0][2:].replace("-", "_"))
     for names, text in ((("--seq-len", "--seq-length"), "sequence length (replaces the model's)"),
                         (("--experts", "--num-experts"), "experts per MoE layer (replaces the model's)"),
                         (("--top-k", "--moe-router-topk"), "experts per token (replaces the model's)")):
         p.add_argument(*names, type=int, default=None, help=text, dest=names[0][2:].replace("-", "_"))
-    p.add_argument("--zero3-prefetch", default="auto",
+    p.add_argument("--zero3-prefetch",
                    help="ZeRO-3 prefetch depth in units ahead, or auto (the model's choice, as fully_shard's "
                         "prefetch='auto')")
-    p.add_argument("--sp", "--sequence-parallel", action=argparse.BooleanOptionalAction, default=True,
-                   help="sequence parallelism")
-    p.add_argument("--recompute", "--recompute-granularity", choices=RECOMPUTE, default="none",
+    p.add_argument("--sp", "--sequence-parallel", action=argparse.BooleanOptionalAction,
+                   help="sequence parallelism (default on)")
+    p.add_argument("--recompute", "--recompute-granularity", choices=RECOMPUTE,
                    help="none | selective (attention) | op (every other matmul, torchtitan) | full")
-    p.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0)
-    p.add_argument("--overlap", choices=MODES, default="none", help="overlap setting of every engine")
+    p.add_argument("--zero", type=int, choices=(0, 1, 2, 3), help="ZeRO stage (default 0)")
+    p.add_argument("--overlap", choices=MODES, help="overlap setting of every engine (default none)")
     for engine in ("tp", "dp", "zero", "pp", "ep", "cp"):
         p.add_argument(f"--overlap-{engine}", choices=MODES, help=f"override --overlap for {engine}")
-    p.add_argument("--tp-transport", choices=TRANSPORTS, default="p2p")
-    p.add_argument("--dtype", choices=DTYPES, default="bf16")
-    p.add_argument("--grad-dtype", choices=("bf16", "fp32"), default="bf16", help="dtype of the DP gradient reduction")
-    p.add_argument("--bucket-mb", type=float, default=25.0, help="DP gradient bucket size, MiB")
-    p.add_argument("--grad-accumulation", choices=GRAD_ACCUMULATION, default="fused",
+    p.add_argument("--tp-transport", choices=TRANSPORTS, help="default p2p")
+    p.add_argument("--dtype", choices=DTYPES, help="default bf16")
+    p.add_argument("--grad-dtype", choices=("bf16", "fp16", "fp32"), help="dtype of the DP gradient reduction")
+    p.add_argument("--bucket-mb", type=float, help="DP gradient bucket size, MiB (default 25)")
+    p.add_argument("--grad-accumulation", choices=GRAD_ACCUMULATION,
                    help="how micro-batch gradients accumulate: fused (in the wgrad GEMM), hook (a buffer add every "
                         "micro-batch: Megatron 2021 local DDP), autograd (in-place into param.grad after the first)")
-    p.add_argument("--attention", choices=ATTENTION, default="flash",
+    p.add_argument("--attention", choices=ATTENTION,
                    help="flash (cuDNN/FA3-class), flash2 (FlashAttention-2-class, 2024 PyTorch SDPA), or unfused "
                         "(scores materialized, softmax + dropout: Megatron before 2022)")
-    p.add_argument("--pp-scatter-gather", action=argparse.BooleanOptionalAction, default=False,
+    p.add_argument("--pp-scatter-gather", action=argparse.BooleanOptionalAction,
                    help="pipeline sends split over the TP ranks and re-gathered (Megatron's scatter-gather)")
-    p.add_argument("--dp-in-drain", action=argparse.BooleanOptionalAction, default=False,
+    p.add_argument("--dp-in-drain", action=argparse.BooleanOptionalAction,
                    help="each stage's DP reduction starts in the pipeline drain, after its last backward")
-    p.add_argument("--eager", action="store_true", help="memory-bound ops one kernel each (no torch.compile/fusion)")
+    p.add_argument("--eager", action="store_true", default=None,
+                   help="memory-bound ops one kernel each (no torch.compile/fusion)")
     p.add_argument("--compile", dest="eager", action="store_false", help="fused memory-bound ops (the default)")
     for flag, dest, value, text in MEGATRON_SWITCHES:
         p.add_argument(flag, dest=dest, action="store_const", const=value, help=text)
-    p.add_argument("--flops", choices=CONVENTIONS, default="megatron2024",
+    p.add_argument("--flops", choices=CONVENTIONS,
                    help="FLOP convention of the TFLOP/s per GPU and MFU printed")
     p.add_argument("--nccl-table", action="append", default=[], metavar="KIND=FILE",
                    help="nccl-tests output replacing the formula for KIND (all_reduce, all_gather, ...)")
@@ -162,6 +166,46 @@ def _parallel(args) -> ParallelConfig:
                           zero3_wrap=args.zero3_wrap)
 
 
+def plan_inputs(args) -> PlanInputs:
+    """Fill what the flags leave out from --stack, then overlapkit's defaults, and build the model and split.
+    `args` is the parsed `plan` namespace (changed in place: every default filled)."""
+    stack = load_stack(args.stack) if args.stack else None
+    assumptions = fill_defaults(args, stack)
+    par = _parallel(args)
+    model = _model(args)
+    if args.seq_len is None:
+        assumptions.append(Assumption("seq_len", model.seq_len, "model", "the model's own sequence length"))
+    if args.global_batch is None:
+        assumptions.append(Assumption("global_batch", par.global_batch, "overlapkit default",
+                                      "one micro-batch per data-parallel replica"))
+    return PlanInputs(model, par, args.hardware, stack.to_dict() if stack else None, tuple(assumptions))
+
+
+def parse_plan_args(argv: list[str]) -> argparse.Namespace:
+    """`overlapkit plan ARGV` parsed as the command parses it (defaults not yet filled: plan_inputs does)."""
+    ap = argparse.ArgumentParser(prog="overlapkit")
+    register(ap.add_subparsers())
+    return ap.parse_args(["plan", *argv])
+
+
+def plan_json(argv: list[str]) -> dict:
+    """What `overlapkit plan ARGV --json` prints, as a dict: the path the published-step validation
+    (benchmarks/model_vs_published.py) runs, so that what is validated is what a user runs."""
+    args = parse_plan_args(argv)
+    if args.calibrate:
+        raise ConfigError("plan_json prices the asked layout from the presets; --calibrate needs `overlapkit plan`")
+    return _plan_dict(args)[1]
+
+
+def _plan_dict(args):
+    from .advice import plan
+
+    inputs = plan_inputs(args)
+    report = plan(inputs.model, inputs.hardware, inputs.par, _tables(args.nccl_table), args.gpus, args.flops)
+    return report, _report_dict(report) | {"stack": inputs.stack,
+                                           "assumptions": [a.to_dict() for a in inputs.assumptions]}
+
+
 def _model(args):
     from dataclasses import replace
 
@@ -187,19 +231,16 @@ def _tables(specs: list[str]):
 
 
 def run_plan(args) -> int:
-    from .advice import plan
-
     try:
-        par = _parallel(args)
         if args.calibrate:
-            return _run_calibrated(args, par)
+            return _run_calibrated(args, plan_inputs(args).par)
         if args.traced:
             raise ConfigError("--traced describes the layout of --calibrate's traces: give --calibrate TRACE_DIR")
-        report = plan(_model(args), args.hardware, par, _tables(args.nccl_table), args.gpus, args.flops)
+        report, d = _plan_dict(args)
     except (ConfigError, TypeError, ValueError, OverflowError) as e:  # one line, whatever the input got wrong
         print(f"overlapkit plan: error: {e}", file=sys.stderr)
         return 2
-    print(json.dumps(_report_dict(report), indent=1) if args.json else format_report(report))
+    print(json.dumps(d, indent=1) if args.json else format_report(report) + assumption_lines(d["assumptions"]))
     if args.plot:
         return _plot(report, args)
     return 0

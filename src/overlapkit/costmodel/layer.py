@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from .collectives import Collectives, Group
 from .hardware import DTYPE_BYTES, Hardware
-from .overlap import layered_ms
+from .overlap import CP_SCHEDULES, cp_pass_ms, layered_ms
 from .planner import Site, SiteChoice, plan_site
 from .transformer import Gemm, ModelConfig, ParallelConfig, layer_gemms
 
@@ -100,22 +100,21 @@ def attention_ms(ctx: Ctx) -> tuple[float, float]:
 
 
 def kv_ring(ctx: Ctx, fwd, bwd, att_f: float, att_b: float) -> None:
-    """Context parallelism: K/V blocks around the CP ring beside the attention of the block in hand."""
+    """Context parallelism: K/V blocks (and in backward the fp32 dK/dV parts) between the CP ranks beside
+    the attention of the block in hand, priced per schedule (overlap.cp_pass_ms); auto keeps the fastest,
+    as the engine measures and keeps one."""
     par, model = ctx.par, ctx.model
     group = Group.strided(par.cp, par.tp, ctx.hw.gpus_per_node)
     kv_heads = max(1, model.num_kv_heads // par.tp)
     block = 2 * ctx.tokens * kv_heads * model.head_dim * ctx.db  # K and V of one rank's tokens
-    step = ctx.coll.time_ms("send_recv", block, group)
-    steps = par.cp - 1
-    # Backward sends K/V again and the dK/dV accumulators the other way: twice the bytes.
-    for blk, att, per in ((fwd, att_f, step), (bwd, att_b, 2 * step)):
-        comm = steps * per
-        if par.overlap.cp == "none":
-            exposed = comm
-        else:  # block i+1 travels while block i is attended; the local block needs no transfer
-            exposed = layered_ms([0.0] + [per] * steps, [att / par.cp] * par.cp, [0.0] * par.cp,
-                                 ctx.hw.sm_comm_slowdown) - att
-        blk.add_comm("cp_kv", comm, max(0.0, exposed))
+    kv = ctx.coll.time_ms("send_recv", block, group)
+    dkv = ctx.coll.time_ms("send_recv", block * 4 // ctx.db, group)  # dK/dV parts accumulate in fp32
+    mode = par.overlap.cp
+    schedules = CP_SCHEDULES if mode == "auto" else (mode,)
+    for blk, att, phase in ((fwd, att_f, "fwd"), (bwd, att_b, "bwd")):
+        comm = (par.cp - 1) * kv if phase == "fwd" else (par.cp - 2) * kv + (par.cp - 1) * dkv
+        wall = min(cp_pass_ms(s, phase, att / par.cp, kv, dkv, par.cp, ctx.hw.sm_comm_slowdown) for s in schedules)
+        blk.add_comm("cp_kv", comm, max(0.0, wall - att))
 
 
 def elementwise_ms(ctx: Ctx, gemms: list[Gemm]) -> float:
@@ -170,17 +169,20 @@ def expert_all_to_all(ctx: Ctx, fwd, bwd, gemms: list[Gemm]) -> None:
     expert_fwd = sum(ctx.gemm(g.m, g.k, g.n) for g in gemms[2:])
     chunked = par.overlap.ep in ("pipelined", "auto")
     c = par.moe_chunks if chunked else 1
+    # Each chunk is its own all-to-all: its latency is paid c times, its bytes once in all.
+    piece = ctx.coll.time_ms("all_to_all", max(1, nbytes // c), group) if chunked else a2a
+    comm = 2 * c * piece
     for block, expert_ms in ((fwd, expert_fwd), (bwd, 2 * expert_fwd)):  # backward: dgrad + wgrad
         if chunked:
             chunk = [ctx.gemm(max(1, g.m // c), g.k, g.n) for g in gemms[2:]]
             compute = c * sum(chunk) * (expert_ms / expert_fwd)
-            wall = layered_ms([a2a / c] * c, [compute / c] * c, [a2a / c] * c, ctx.hw.sm_comm_slowdown, prefetch=c)
+            wall = layered_ms([piece] * c, [compute / c] * c, [piece] * c, ctx.hw.sm_comm_slowdown, prefetch=c)
             exposed = max(0.0, wall - expert_ms)  # chunking losses count as exposed, as in TP
         else:
-            exposed = 2 * a2a
-        block.add_comm("ep_all_to_all", 2 * a2a, exposed)
+            exposed = comm
+        block.add_comm("ep_all_to_all", comm, exposed)
         block.rows.append({"op": "MoE dispatch + combine (exposed part)", "comm": "ep_all_to_all", "pattern": "exposed",
-                           "comm_ms": 2 * a2a, "gemm_ms": 0.0, "time_ms": exposed, "exposed_ms": exposed,
+                           "comm_ms": comm, "gemm_ms": 0.0, "time_ms": exposed, "exposed_ms": exposed,
                            "mode": "pipelined" if chunked else "none", "chunks": c, "group_size": par.ep,
                            "nbytes": nbytes, "note": "", "contention": ctx.hw.sm_comm_slowdown})
 

@@ -117,3 +117,49 @@ def layered_ms(before: list[float], compute: list[float], after: list[float],
         if after[i] > 0:
             tasks.append(Task(f"reduce {i}", "comm", "comm", after[i], (len(tasks) - 1,), contention=contention))
     return makespan(simulate(tasks))
+
+
+CP_SCHEDULES = ("none", "pipelined", "bulk")
+"""The context-parallel schedules the ring attention runs (context_parallel.OVERLAPS less auto)."""
+
+
+def cp_pass_ms(schedule: str, phase: str, block_ms: float, kv_ms: float, dkv_ms: float, blocks: int,
+               contention: float) -> float:
+    """Wall time of one attention pass (phase fwd or bwd) over `blocks` K/V blocks under a CP schedule, as
+    context_parallel runs it: `kv_ms` one K/V hop, `dkv_ms` one fp32 dK/dV hop, `block_ms` one block's attention.
+
+    none: every hop waits for the block before it and the block after waits for it (all in the open).
+    pipelined, the ring: a K/V hop forwards the block that just landed, posted as the step before it begins;
+    in backward (which keeps step 1's block from forward) the dK/dV accumulator of each block moves on
+    after it is attended, and the last hop, home to its owner, has nothing left to hide behind.
+    bulk, the all-gather schedule: every K/V hop is posted at the pass's start (one after the other on the
+    link), and backward attends the others' blocks first and its own last, sending each dK/dV part straight
+    to its owner, so the last part travels behind the own block."""
+    if schedule not in CP_SCHEDULES or phase not in ("fwd", "bwd"):
+        raise ValueError(f"schedule={schedule!r}, phase={phase!r}: one of {CP_SCHEDULES}, fwd or bwd")
+    if schedule == "none":
+        kv_hops = blocks - 1 if phase == "fwd" else max(0, blocks - 2)
+        return blocks * block_ms + kv_hops * kv_ms + (blocks - 1 if phase == "bwd" else 0) * dkv_ms
+    tasks: list[Task] = []
+
+    def add(name: str, duration: float, deps=(), comm: bool = False) -> int:
+        deps = tuple(d for d in deps if d is not None)
+        tasks.append(Task(name, "cp_kv" if comm else COMPUTE, "comm" if comm else "compute", duration, deps,
+                          contention=contention if comm else 1.0))
+        return len(tasks) - 1
+
+    first_hop = 1 if phase == "fwd" else 2  # backward attends step 1's block kept from forward
+    kv: dict[int, int] = {}
+    if schedule == "bulk":
+        for i in range(first_hop, blocks):
+            kv[i] = add(f"kv {i}", kv_ms, (kv.get(i - 1),), comm=True)
+    order = list(range(1, blocks)) + [0] if schedule == "bulk" and phase == "bwd" else list(range(blocks))
+    comp: dict[int, int] = {}
+    dkv = None
+    for step, i in enumerate(order):
+        if schedule == "pipelined" and i + 1 >= first_hop and i + 1 < blocks:
+            kv[i + 1] = add(f"kv {i + 1}", kv_ms, (kv.get(i), comp.get(i - 1)), comm=True)
+        comp[i] = add(f"block {i}", block_ms, (kv.get(i), comp.get(order[step - 1]) if step else None))
+        if phase == "bwd" and i != 0:  # the dK/dV of another rank's block goes back towards its owner
+            dkv = add(f"dkv {i}", dkv_ms, (comp[i], dkv if schedule == "pipelined" else None), comm=True)
+    return makespan(simulate(tasks))
