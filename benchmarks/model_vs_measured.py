@@ -301,7 +301,14 @@ def main(argv=None) -> int:
     ap.add_argument("--smoke", action="store_true", help=SMOKE_HELP + " (here: the whole table; it is quick)")
     ap.add_argument("--write-preset", action="store_true", help="refit src/overlapkit/costmodel/data/h200-sxm.json")
     ap.add_argument("--update-docs", action="store_true", help="rewrite the table block in docs/model.md")
-    args = ap.parse_args(argv)
+    ap.add_argument("--ep-cp", action="store_true", help="instead: the context-parallel schedules and MoE chunking "
+                    "priced against the committed 16-core runs (model_vs_cpu16.{json,md}; body in _lib/ep_cp_vs_measured.py)")
+    args, rest = ap.parse_known_args(argv)
+    if args.ep_cp:
+        from _lib import ep_cp_vs_measured
+        return ep_cp_vs_measured.main(rest + (["--out", args.out] if args.out else []))
+    if rest:
+        ap.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.smoke and (args.write_preset or args.update_docs):
         ap.error("--smoke writes nothing outside its results folder: not with --write-preset or --update-docs")
     cal = calibration_dir(args.calibration)

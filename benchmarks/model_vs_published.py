@@ -31,7 +31,7 @@ from _lib.common import ROOT as _ROOT, SMOKE_HELP, TEST_DATA, out_dir  # noqa: E
 from _lib.unexported import POWER_LIMIT_CLOCK, SUSTAINED_CLOCK, hardware, step_flops  # noqa: E402
 from overlapkit.costmodel import ModelConfig, Overlap, ParallelConfig, predict, preset  # noqa: E402
 from _lib.published_settings import SOURCES, describe, source_flags  # noqa: E402
-from overlapkit.costmodel.cli import parse_plan_args, plan_inputs, plan_json  # noqa: E402
+from _lib.unexported import parse_plan_args, plan_inputs, plan_json  # noqa: E402
 
 ROOT = Path(_ROOT)
 DOCS_BEGIN, DOCS_END = "<!-- model_vs_published:begin -->", "<!-- model_vs_published:end -->"

@@ -55,6 +55,11 @@ WHERE = {
     "add_probe": "overlapkit.costmodel.calibration", "fit_curves": "overlapkit.costmodel.calibration",
     "split_gemm": "overlapkit.costmodel.calibration", "with_add_probe": "overlapkit.costmodel.calibration",
     "bucket_sizes": "overlapkit.costmodel.overlap", "buckets_ms": "overlapkit.costmodel.overlap",
+    # The plan command line as a function (model_vs_published: each source priced through what a user runs),
+    # and the CP and MoE schedules priced alone (model_vs_measured --ep-cp).
+    "parse_plan_args": "overlapkit.costmodel.cli", "plan_inputs": "overlapkit.costmodel.cli",
+    "plan_json": "overlapkit.costmodel.cli", "cp_pass_ms": "overlapkit.costmodel.overlap",
+    "layered_ms": "overlapkit.costmodel.overlap",
     "Site": "overlapkit.costmodel.planner", "layer_gemms": "overlapkit.costmodel.transformer",
     # The data-parallel guards timed by themselves: reliability_cost.
     "ParamWatch": "overlapkit.data_parallel.watch", "guard": "overlapkit.data_parallel.zero_guard",

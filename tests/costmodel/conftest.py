@@ -46,5 +46,5 @@ def mvp():
 
 @pytest.fixture(scope="session")
 def cpu16():
-    """benchmarks/model_vs_cpu16.py as a module."""
-    return benchmark_script("model_vs_cpu16")
+    """benchmarks/_lib/ep_cp_vs_measured.py (model_vs_measured.py --ep-cp) as a module."""
+    return benchmark_script("_lib/ep_cp_vs_measured")

@@ -1,5 +1,5 @@
 """Context-parallel schedules and MoE chunks priced one by one, and against the committed 16-core runs
-(benchmarks/model_vs_cpu16.py reads benchmarks/results; nothing is timed here)."""
+(benchmarks/model_vs_measured.py --ep-cp reads benchmarks/results; nothing is timed here)."""
 
 from pathlib import Path
 

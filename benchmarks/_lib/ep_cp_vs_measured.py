@@ -8,7 +8,7 @@ per-block (per-chunk) compute, the transfer of one hop alone, and the one conten
 gloo's transfers share the cores) that makes the model's exposure equal the trace's recorded exposure;
 the other variants are then priced by the model's own schedules (overlap.cp_pass_ms, overlap.layered_ms).
 
-    python benchmarks/model_vs_cpu16.py [--results benchmarks/results] [--out benchmarks/results]
+    python benchmarks/model_vs_measured.py --ep-cp [--results benchmarks/results] [--out benchmarks/results]
 
 Writes model_vs_cpu16.{json,md}. Runs in a second.
 """
@@ -21,9 +21,9 @@ import statistics
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks/, for _lib
 from _lib.common import RESULTS  # noqa: E402
-from overlapkit.costmodel.overlap import cp_pass_ms, layered_ms  # noqa: E402
+from _lib.unexported import cp_pass_ms, layered_ms  # noqa: E402
 
 TARGET_PCT = 15.0
 """The band EP and CP predictions are held to against the measured 16-core steps."""
