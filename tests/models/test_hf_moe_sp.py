@@ -1,0 +1,58 @@
+"""Sequence parallelism through a transformers MoE model: each TP rank routes its slice of the sequence, equal to one process.
+
+`overlapkit.init(ep=2, tp=2)` then `parallelize(model, mesh, sequence_parallel=True)` on Qwen2-MoE (its
+shared expert and gate run on the slice too), Qwen3-MoE and Mixtral: the model's own router, top-k
+weights, normalisation and load-balancing loss (its logits gathered over tp, so the loss is the one of
+every token, padding masked as the model masks it), also under `overlap="pipelined"`, which needs SP; and
+at tp 2 alone, where the experts stay whole and their gradients are summed over tp. The loss and every
+gradient (fp32) within 1e-5 of one process.
+"""
+
+import pytest
+
+from distributed import distributed
+
+pytest.importorskip("transformers")
+
+import hf_moe_cases  # noqa: E402  (pytest puts this folder on sys.path; spawned ranks inherit it)
+
+TOL = 1e-5
+SP_FAMILIES = ("qwen2_moe", "qwen3_moe", "mixtral")
+
+
+@distributed(world_size=4, timeout_s=480)
+def _ep2_tp2():
+    import overlapkit
+
+    groups = overlapkit.init(ep=2, tp=2)
+    out = {f: hf_moe_cases.errors(f, groups, options=dict(sequence_parallel=True)) for f in SP_FAMILIES}
+    out["qwen3_moe pipelined, masked"] = hf_moe_cases.errors(
+        "qwen3_moe", groups, options=dict(sequence_parallel=True, overlap="pipelined"), mask=True)
+    return out
+
+
+@distributed(world_size=2, timeout_s=300)
+def _tp2():
+    import overlapkit
+
+    groups = overlapkit.init(tp=2)
+    return {f: hf_moe_cases.errors(f, groups, mask=True) for f in ("qwen2_moe", "mixtral")}
+
+
+def _check(out, ep):
+    for case, errs in out.items():
+        errs = dict(errs)
+        assert errs.pop("expert_fraction") == pytest.approx(1 / ep if ep > 1 else 0.0), case
+        assert errs.pop("routers_on_slices") == 2, case  # both layers' routers ran on a slice of the sequence
+        worst = max(errs, key=errs.get)
+        assert errs[worst] <= TOL, (case, worst, errs[worst])
+
+
+def test_ep2_x_tp2_with_sequence_parallelism_equals_one_process():
+    for out in _ep2_tp2():
+        _check(out, 2)
+
+
+def test_tp2_sequence_parallel_by_default_with_whole_experts():
+    for out in _tp2():
+        _check(out, 1)
