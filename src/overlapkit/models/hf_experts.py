@@ -15,8 +15,8 @@ parameter names and its own arithmetic; what changes:
 
 The EP group is the one `overlapkit.init(ep=...)` carved out of dp (ranks holding different tokens),
 found from the mesh handed to `parallelize`. Each expert's gradient then holds the contributions of
-every token of its EP group; `expert_parallel.average_data_parallel_grads` finishes the data-parallel
-average (DataParallel refuses these parameters rather than mixing experts).
+every token of its EP group; `DataParallel` (data_parallel/expert_grads.py) or
+`expert_parallel.average_data_parallel_grads` finishes the data-parallel average over each expert's copies.
 """
 
 from __future__ import annotations

@@ -1,0 +1,104 @@
+"""DataParallel on a transformers MoE model whose experts are split over ep: each expert's gradient reduced over the ranks that hold a copy of it, no more.
+
+`overlapkit.init(ep=..)`, `parallelize(model, groups.mesh)`, then `DataParallel(model, groups.dp)` with
+nothing else called: dense gradients averaged over dp in buckets during backward, expert gradients
+summed over their copies (the expert-data group) and divided by dp. Each dp rank on its own batch,
+two optimizer-free steps (the second after `zero_grad`): the loss and every gradient within 1e-5 of one
+process. Layouts: ep 2 in dp 2 (one copy of each expert), ep 2 in dp 4 (two copies), and ep 2 x tp 2 with
+sequence parallelism (dp 2). A data-parallel group the experts' groups do not tile is refused, naming it, and
+so is `fully_shard` over dp on the experts (not yet: it would copy and average different experts).
+"""
+
+import copy
+
+import pytest
+
+from distributed import distributed
+
+pytest.importorskip("transformers")
+
+import hf_moe_cases  # noqa: E402  (pytest puts this folder on sys.path; spawned ranks inherit it)
+
+TOL = 1e-5
+
+
+def _errors(family: str, groups) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    import overlapkit
+    from overlapkit.data_parallel import DataParallel
+
+    ref = hf_moe_cases.build(family)
+    model = DataParallel(overlapkit.parallelize(copy.deepcopy(ref), groups.mesh), groups.dp, bucket_mb=1)
+    dp, errs = groups.sizes.dp, {}
+    for step in range(2):
+        model.zero_grad()
+        ref.zero_grad()
+        ids = torch.randint(3, 64, (2 * dp, 8), generator=torch.Generator().manual_seed(10 + step))
+        mine = ids.chunk(dp)[groups.dp_rank]
+        out = model(input_ids=mine, labels=mine)
+        out.loss.backward()
+        ref_loss = 0.0
+        for part in ids.chunk(dp):
+            r = ref(input_ids=part, labels=part)
+            (r.loss / dp).backward()
+            ref_loss += r.loss.item() / dp
+        loss = torch.tensor([out.loss.item()], dtype=torch.float64)
+        dist.all_reduce(loss)
+        errs[f"loss{step}"] = abs(loss.item() / dist.get_world_size() - ref_loss) / abs(ref_loss)
+        ref_params = dict(ref.named_parameters())
+        for name, p in model.named_parameters():
+            grad = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+            want = ref_params[name].grad
+            errs[f"{name}@{step}"] = ((grad - want).norm() / want.norm().clamp_min(1e-6)).item()
+    return errs
+
+
+@distributed(world_size=4, timeout_s=480)
+def _world4():
+    import torch.distributed as dist
+
+    import overlapkit
+    from overlapkit.data_parallel import DataParallel, fully_shard
+
+    out = {"ep2 in dp4": _errors("qwen3_moe", overlapkit.init(ep=2)),
+           "ep2 x tp2, SP": _errors("mixtral", overlapkit.init(ep=2, tp=2))}
+    groups = overlapkit.init(ep=2, tp=2)
+    model = overlapkit.parallelize(hf_moe_cases.build("qwen3_moe"), groups.mesh)
+    try:
+        DataParallel(model, dist.group.WORLD)  # the world: the experts' copies are in dp, not here
+    except ValueError as e:
+        out["refused"] = str(e)
+    try:
+        fully_shard(model, groups.mesh)
+    except ValueError as e:
+        out["fully_shard"] = str(e)
+    return out
+
+
+@distributed(world_size=2, timeout_s=300)
+def _world2():
+    import overlapkit
+
+    return {"ep2 in dp2": _errors("qwen2_moe", overlapkit.init(ep=2))}
+
+
+def _check(out):
+    for case, errs in out.items():
+        if case in ("refused", "fully_shard"):
+            continue
+        worst = max(errs, key=errs.get)
+        assert errs[worst] <= TOL, (case, worst, errs[worst])
+
+
+def test_ep2_in_dp2_one_copy_of_each_expert():
+    for out in _world2():
+        _check(out)
+
+
+def test_ep2_in_dp4_and_with_tp2_experts_reduced_over_their_copies():
+    for out in _world4():
+        _check(out)
+        assert "does not tile the data-parallel group of 4" in out["refused"], out.get("refused")
+        assert "expert-parallel" in out["fully_shard"] and "DataParallel" in out["fully_shard"], out.get("fully_shard")
