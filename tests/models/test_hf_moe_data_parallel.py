@@ -6,7 +6,8 @@ summed over their copies (the expert-data group) and divided by dp. Each dp rank
 two optimizer-free steps (the second after `zero_grad`): the loss and every gradient within 1e-5 of one
 process. Layouts: ep 2 in dp 2 (one copy of each expert), ep 2 in dp 4 (two copies), and ep 2 x tp 2 with
 sequence parallelism (dp 2). A data-parallel group the experts' groups do not tile is refused, naming it, and
-so is `fully_shard` over dp on the experts (not yet: it would copy and average different experts).
+so is `fully_shard` over dp on the experts (not yet: it would copy and average different experts). A
+DataParallel's DCP checkpoint saved at ep 2 x tp 2 resumes at ep 2 in dp 4 with every parameter equal.
 """
 
 import copy
@@ -55,8 +56,29 @@ def _errors(family: str, groups) -> dict:
     return errs
 
 
+def _dcp_resume(directory: str) -> dict:
+    """Saved wrapped at ep 2 x tp 2 (dp 2, one copy of each expert), resumed wrapped at ep 2 in dp 4 (two copies)."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    import overlapkit
+    from overlapkit.data_parallel import DataParallel
+
+    first = overlapkit.init(ep=2, tp=2)
+    saved = DataParallel(overlapkit.parallelize(hf_moe_cases.build("qwen3_moe", seed=0), first.mesh), first.dp)
+    dcp.save(saved.state_dict(), checkpoint_id=directory)
+    groups = overlapkit.init(ep=2)
+    resumed = DataParallel(overlapkit.parallelize(hf_moe_cases.build("qwen3_moe", seed=5), groups.mesh), groups.dp)
+    state = resumed.state_dict()
+    dcp.load(state, checkpoint_id=directory)
+    resumed.load_state_dict(state)
+    want = {n: p.full_tensor() for n, p in saved.named_parameters()}
+    got = {n: p.full_tensor() for n, p in resumed.named_parameters()}
+    return {"differs": sorted(n for n in want if not torch.equal(want[n], got[n])), "names": sorted(want) == sorted(got)}
+
+
 @distributed(world_size=4, timeout_s=480)
-def _world4():
+def _world4(directory: str):
     import torch.distributed as dist
 
     import overlapkit
@@ -64,6 +86,7 @@ def _world4():
 
     out = {"ep2 in dp4": _errors("qwen3_moe", overlapkit.init(ep=2)),
            "ep2 x tp2, SP": _errors("mixtral", overlapkit.init(ep=2, tp=2))}
+    dcp = _dcp_resume(directory)
     groups = overlapkit.init(ep=2, tp=2)
     model = overlapkit.parallelize(hf_moe_cases.build("qwen3_moe"), groups.mesh)
     try:
@@ -74,7 +97,7 @@ def _world4():
         fully_shard(model, groups.mesh)
     except ValueError as e:
         out["fully_shard"] = str(e)
-    return out
+    return out, dcp
 
 
 @distributed(world_size=2, timeout_s=300)
@@ -97,8 +120,9 @@ def test_ep2_in_dp2_one_copy_of_each_expert():
         _check(out)
 
 
-def test_ep2_in_dp4_and_with_tp2_experts_reduced_over_their_copies():
-    for out in _world4():
+def test_ep2_in_dp4_and_with_tp2_experts_reduced_over_their_copies_and_dcp_resume_at_another_layout(tmp_path):
+    for out, dcp in _world4(str(tmp_path / "ckpt")):
+        assert dcp["names"] and dcp["differs"] == [], dcp
         _check(out)
         assert "does not tile the data-parallel group of 4" in out["refused"], out.get("refused")
         assert "expert-parallel" in out["fully_shard"] and "DataParallel" in out["fully_shard"], out.get("fully_shard")
