@@ -5,7 +5,7 @@ shared expert and gate run on the slice too), Qwen3-MoE and Mixtral: the model's
 weights, normalisation and load-balancing loss (its logits gathered over tp, so the loss is the one of
 every token, padding masked as the model masks it), also under `overlap="pipelined"`, which needs SP; and
 at tp 2 alone, where the experts stay whole and their gradients are summed over tp. The loss and every
-gradient (fp32) within 1e-5 of one process.
+gradient (fp32) within 1e-5 of one process; `generate` gives one process's tokens.
 """
 
 import pytest
@@ -28,7 +28,22 @@ def _ep2_tp2():
     out = {f: hf_moe_cases.errors(f, groups, options=dict(sequence_parallel=True)) for f in SP_FAMILIES}
     out["qwen3_moe pipelined, masked"] = hf_moe_cases.errors(
         "qwen3_moe", groups, options=dict(sequence_parallel=True, overlap="pipelined"), mask=True)
-    return out
+    return out, _generate(groups)
+
+
+def _generate(groups) -> bool:
+    """Greedy decoding: the prompt split over tp, each new token whole (nothing gathered), as one process."""
+    import copy
+
+    import torch
+
+    import overlapkit
+
+    ref = hf_moe_cases.build("qwen2_moe").eval()
+    model = overlapkit.parallelize(copy.deepcopy(ref), groups.mesh, sequence_parallel=True)
+    ids = torch.randint(3, 64, (1, 8), generator=torch.Generator().manual_seed(3))
+    return torch.equal(model.generate(ids, max_new_tokens=5, do_sample=False),
+                       ref.generate(ids, max_new_tokens=5, do_sample=False))
 
 
 @distributed(world_size=2, timeout_s=300)
@@ -48,9 +63,10 @@ def _check(out, ep):
         assert errs[worst] <= TOL, (case, worst, errs[worst])
 
 
-def test_ep2_x_tp2_with_sequence_parallelism_equals_one_process():
-    for out in _ep2_tp2():
+def test_ep2_x_tp2_with_sequence_parallelism_equals_one_process_and_generates_alike():
+    for out, generated_alike in _ep2_tp2():
         _check(out, 2)
+        assert generated_alike
 
 
 def test_tp2_sequence_parallel_by_default_with_whole_experts():
