@@ -4,7 +4,8 @@
 nothing else called: dense gradients averaged over dp in buckets during backward, expert gradients
 summed over their copies (the expert-data group) and divided by dp. Each dp rank on its own batch,
 two optimizer-free steps (the second after `zero_grad`): the loss and every gradient within 1e-5 of one
-process. Layouts: ep 2 in dp 2 (one copy of each expert), ep 2 in dp 4 (two copies), and ep 2 x tp 2 with
+process; the last layer's expert all-reduce is issued while the first layer's expert backward still runs.
+Layouts: ep 2 in dp 2 (one copy of each expert), ep 2 in dp 4 (two copies), and ep 2 x tp 2 with
 sequence parallelism (dp 2). A data-parallel group the experts' groups do not tile is refused, naming it, and
 so is `fully_shard` over dp on the experts (not yet: it would copy and average different experts). A
 DataParallel's DCP checkpoint saved at ep 2 x tp 2 resumes at ep 2 in dp 4 with every parameter equal.
@@ -23,7 +24,7 @@ import hf_moe_cases  # noqa: E402  (pytest puts this folder on sys.path; spawned
 TOL = 1e-5
 
 
-def _errors(family: str, groups) -> dict:
+def _errors(family: str, groups, spans: list | None = None) -> dict:
     import torch
     import torch.distributed as dist
 
@@ -38,8 +39,11 @@ def _errors(family: str, groups) -> dict:
         ref.zero_grad()
         ids = torch.randint(3, 64, (2 * dp, 8), generator=torch.Generator().manual_seed(10 + step))
         mine = ids.chunk(dp)[groups.dp_rank]
-        out = model(input_ids=mine, labels=mine)
-        out.loss.backward()
+        with overlapkit.timeline.record() as rec:
+            out = model(input_ids=mine, labels=mine)
+            out.loss.backward()
+        if spans is not None:
+            spans[:] = [(s.kind, s.name, s.start_ms, s.end_ms) for s in rec.spans]
         ref_loss = 0.0
         for part in ids.chunk(dp):
             r = ref(input_ids=part, labels=part)
@@ -84,8 +88,11 @@ def _world4(directory: str):
     import overlapkit
     from overlapkit.data_parallel import DataParallel, fully_shard
 
-    out = {"ep2 in dp4": _errors("qwen3_moe", overlapkit.init(ep=2)),
+    out = {"ep2 in dp4": _errors("qwen3_moe", overlapkit.init(ep=2), spans := []),
            "ep2 x tp2, SP": _errors("mixtral", overlapkit.init(ep=2, tp=2))}
+    # the last layer's experts all-reduce (module 1) is issued before the first layer's expert backward ends
+    first_layer_bwd = max(e for k, n, _, e in spans if k == "compute" and n.startswith("model.layers.0.mlp.experts.bwd"))
+    out["overlap"] = {"issued before": float(next(s for k, n, s, _ in spans if n == "expert_grads[1]") < first_layer_bwd)}
     dcp = _dcp_resume(directory)
     groups = overlapkit.init(ep=2, tp=2)
     model = overlapkit.parallelize(hf_moe_cases.build("qwen3_moe"), groups.mesh)
@@ -109,7 +116,7 @@ def _world2():
 
 def _check(out):
     for case, errs in out.items():
-        if case in ("refused", "fully_shard"):
+        if case in ("refused", "fully_shard", "overlap"):
             continue
         worst = max(errs, key=errs.get)
         assert errs[worst] <= TOL, (case, worst, errs[worst])
@@ -123,6 +130,7 @@ def test_ep2_in_dp2_one_copy_of_each_expert():
 def test_ep2_in_dp4_and_with_tp2_experts_reduced_over_their_copies_and_dcp_resume_at_another_layout(tmp_path):
     for out, dcp in _world4(str(tmp_path / "ckpt")):
         assert dcp["names"] and dcp["differs"] == [], dcp
+        assert out["overlap"]["issued before"] == 1.0, out["overlap"]
         _check(out)
         assert "does not tile the data-parallel group of 4" in out["refused"], out.get("refused")
         assert "expert-parallel" in out["fully_shard"] and "DataParallel" in out["fully_shard"], out.get("fully_shard")
