@@ -4,7 +4,7 @@
 nothing else called: dense gradients averaged over dp in buckets during backward, expert gradients
 summed over their copies (the expert-data group) and divided by dp. Each dp rank on its own batch,
 two optimizer-free steps (the second after `zero_grad`): the loss and every gradient within 1e-5 of one
-process; the last layer's expert all-reduce is issued while the first layer's expert backward still runs.
+process, also across two micro-batches the first under `no_sync`; the last layer's expert all-reduce is issued while the first layer's expert backward still runs.
 Layouts: ep 2 in dp 2 (one copy of each expert), ep 2 in dp 4 (two copies), and ep 2 x tp 2 with
 sequence parallelism (dp 2). A data-parallel group the experts' groups do not tile is refused, naming it, and
 so is `fully_shard` over dp on the experts (not yet: it would copy and average different experts). A
@@ -107,11 +107,36 @@ def _world4(directory: str):
     return out, dcp
 
 
+def _no_sync_errors(groups) -> dict:
+    """Two micro-batches, the first under no_sync: every gradient is that of their summed losses."""
+    import torch
+
+    import overlapkit
+    from overlapkit.data_parallel import DataParallel
+
+    ref = hf_moe_cases.build("mixtral")
+    model = DataParallel(overlapkit.parallelize(copy.deepcopy(ref), groups.mesh), groups.dp)
+    dp = groups.sizes.dp
+    batches = [torch.randint(3, 64, (2 * dp, 8), generator=torch.Generator().manual_seed(20 + i)) for i in range(2)]
+    with model.no_sync():
+        mine = batches[0].chunk(dp)[groups.dp_rank]
+        model(input_ids=mine, labels=mine).loss.backward()
+    mine = batches[1].chunk(dp)[groups.dp_rank]
+    model(input_ids=mine, labels=mine).loss.backward()
+    for ids in batches:
+        for part in ids.chunk(dp):
+            (ref(input_ids=part, labels=part).loss / dp).backward()
+    ref_params = dict(ref.named_parameters())
+    return {n: ((p.grad.full_tensor() - ref_params[n].grad).norm() / ref_params[n].grad.norm()).item()
+            for n, p in model.named_parameters()}
+
+
 @distributed(world_size=2, timeout_s=300)
 def _world2():
     import overlapkit
 
-    return {"ep2 in dp2": _errors("qwen2_moe", overlapkit.init(ep=2))}
+    groups = overlapkit.init(ep=2)
+    return {"ep2 in dp2": _errors("qwen2_moe", groups), "no_sync": _no_sync_errors(groups)}
 
 
 def _check(out):
@@ -122,7 +147,7 @@ def _check(out):
         assert errs[worst] <= TOL, (case, worst, errs[worst])
 
 
-def test_ep2_in_dp2_one_copy_of_each_expert():
+def test_ep2_in_dp2_one_copy_of_each_expert_and_no_sync_accumulation():
     for out in _world2():
         _check(out)
 
