@@ -4,7 +4,8 @@
 nothing else called: dense gradients averaged over dp in buckets during backward, expert gradients
 summed over their copies (the expert-data group) and divided by dp. Each dp rank on its own batch,
 two optimizer-free steps (the second after `zero_grad`): the loss and every gradient within 1e-5 of one
-process, also across two micro-batches the first under `no_sync`; the last layer's expert all-reduce is issued while the first layer's expert backward still runs.
+process, also across two micro-batches the first under `no_sync`; the last layer's expert all-reduce is
+issued while the first layer's expert backward still runs.
 Layouts: ep 2 in dp 2 (one copy of each expert), ep 2 in dp 4 (two copies), and ep 2 x tp 2 with
 sequence parallelism (dp 2). A data-parallel group the experts' groups do not tile is refused, naming it, and
 so is `fully_shard` over dp on the experts (not yet: it would copy and average different experts). A
@@ -78,7 +79,8 @@ def _dcp_resume(directory: str) -> dict:
     resumed.load_state_dict(state)
     want = {n: p.full_tensor() for n, p in saved.named_parameters()}
     got = {n: p.full_tensor() for n, p in resumed.named_parameters()}
-    return {"differs": sorted(n for n in want if not torch.equal(want[n], got[n])), "names": sorted(want) == sorted(got)}
+    return {"differs": sorted(n for n in want if not torch.equal(want[n], got[n])),
+            "names": sorted(want) == sorted(got)}
 
 
 @distributed(world_size=4, timeout_s=480)
@@ -91,8 +93,10 @@ def _world4(directory: str):
     out = {"ep2 in dp4": _errors("qwen3_moe", overlapkit.init(ep=2), spans := []),
            "ep2 x tp2, SP": _errors("mixtral", overlapkit.init(ep=2, tp=2))}
     # the last layer's experts all-reduce (module 1) is issued before the first layer's expert backward ends
-    first_layer_bwd = max(e for k, n, _, e in spans if k == "compute" and n.startswith("model.layers.0.mlp.experts.bwd"))
-    out["overlap"] = {"issued before": float(next(s for k, n, s, _ in spans if n == "expert_grads[1]") < first_layer_bwd)}
+    first_layer_bwd = max(e for k, n, _, e in spans
+                          if k == "compute" and n.startswith("model.layers.0.mlp.experts.bwd"))
+    issued = next(s for _, n, s, _ in spans if n == "expert_grads[1]")
+    out["overlap"] = {"issued before": float(issued < first_layer_bwd)}
     dcp = _dcp_resume(directory)
     groups = overlapkit.init(ep=2, tp=2)
     model = overlapkit.parallelize(hf_moe_cases.build("qwen3_moe"), groups.mesh)

@@ -72,3 +72,15 @@ def test_ep2_x_tp2_with_sequence_parallelism_equals_one_process_and_generates_al
 def test_tp2_sequence_parallel_by_default_with_whole_experts():
     for out in _tp2():
         _check(out, 1)
+
+
+def test_a_moe_block_whose_experts_the_ep_plan_does_not_name_keeps_sp_off_or_is_refused_naming_it():
+    from overlapkit.models import translate_hf_plan
+    from overlapkit.tensor_parallel import ScatterSequence
+
+    model = hf_moe_cases.build("qwen3_moe")
+    model.ep_plan = {}  # the experts are not known to the plan: not known to act per token
+    plan = translate_hf_plan(model, 2, overlap="none", sequence_parallel=None)
+    assert not any(isinstance(s, ScatterSequence) for s in plan.values()), plan
+    with pytest.raises(ValueError, match=r"sequence_parallel=True: model\.layers\.0\.mlp\.(experts|gate) "):
+        translate_hf_plan(model, 2, overlap="none", sequence_parallel=True)

@@ -243,9 +243,10 @@ def _sp_plan(model, modules: dict, styles: dict, blocks: set, layers: str | None
             region[path] = SequenceParallel()
     for block, parts in moe.items():
         if set(parts) != {"router", "experts"}:
-            lone = next(iter(parts.values()))
-            raise _SPRefused(f"{block}.{lone} is a {next(iter(parts))} without a {'experts' if 'router' in parts else 'router'} "
-                             "module beside it, so its tokens' routing cannot be followed on a slice of the sequence")
+            (role, lone), = parts.items()
+            other = "an experts module" if role == "router" else "a router"
+            raise _SPRefused(f"{block}.{lone} is the {role} of a MoE block without {other} beside it, so its "
+                             "tokens' routing cannot be followed on a slice of the sequence")
         region[block] = MoEBlockSequenceParallel(**parts)
     # After the last layer and before the head (the final norm): the modules of the layers'
     # parent registered after the layer list.
