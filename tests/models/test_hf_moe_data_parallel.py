@@ -8,7 +8,8 @@ process, also across two micro-batches the first under `no_sync`; the last layer
 issued while the first layer's expert backward still runs.
 Layouts: ep 2 in dp 2 (one copy of each expert), ep 2 in dp 4 (two copies), and ep 2 x tp 2 with
 sequence parallelism (dp 2). A data-parallel group the experts' groups do not tile is refused, naming it, and
-so is `fully_shard` over dp on the experts (not yet: it would copy and average different experts). A
+so are `fully_shard` over dp and ShardedOptimizer on the experts (not yet: they would copy and average
+different experts). A
 DataParallel's DCP checkpoint saved at ep 2 x tp 2 resumes at ep 2 in dp 4 with every parameter equal.
 """
 
@@ -85,6 +86,7 @@ def _dcp_resume(directory: str) -> dict:
 
 @distributed(world_size=4, timeout_s=480)
 def _world4(directory: str):
+    import torch
     import torch.distributed as dist
 
     import overlapkit
@@ -108,6 +110,12 @@ def _world4(directory: str):
         fully_shard(model, groups.mesh)
     except ValueError as e:
         out["fully_shard"] = str(e)
+    from overlapkit.data_parallel import ShardedOptimizer
+
+    try:
+        ShardedOptimizer(DataParallel(model, groups.dp), torch.optim.AdamW, groups.dp)
+    except ValueError as e:
+        out["sharded optimizer"] = str(e)
     return out, dcp
 
 
@@ -145,7 +153,7 @@ def _world2():
 
 def _check(out):
     for case, errs in out.items():
-        if case in ("refused", "fully_shard", "overlap"):
+        if case in ("refused", "fully_shard", "sharded optimizer", "overlap"):
             continue
         worst = max(errs, key=errs.get)
         assert errs[worst] <= TOL, (case, worst, errs[worst])
@@ -163,3 +171,4 @@ def test_ep2_in_dp4_and_with_tp2_experts_reduced_over_their_copies_and_dcp_resum
         _check(out)
         assert "does not tile the data-parallel group of 4" in out["refused"], out.get("refused")
         assert "expert-parallel" in out["fully_shard"] and "DataParallel" in out["fully_shard"], out.get("fully_shard")
+        assert "does not shard yet" in out["sharded optimizer"], out.get("sharded optimizer")

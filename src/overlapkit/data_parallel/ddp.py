@@ -147,6 +147,9 @@ class DataParallel(nn.Module):
         """
         if not any(hasattr(p, "device_mesh") for p in self.module.parameters()):
             return  # plain already: the buffer fits
+        if self.experts.params:  # their copies are found from their EP mesh, which plain tensors lose
+            raise ValueError("ShardedOptimizer: this DataParallel holds expert-parallel parameters, which it does not "
+                             "shard yet; use a plain optimizer (DataParallel reduces each expert over its copies)")
         for h in self.sync._hooks:
             h.remove()
         for p in self.sync.params:
