@@ -1,7 +1,7 @@
 """Sequence parallelism through a transformers MoE model: each TP rank routes its slice of the sequence, equal to one process.
 
 `overlapkit.init(ep=2, tp=2)` then `parallelize(model, mesh, sequence_parallel=True)` on Qwen2-MoE (its
-shared expert and gate run on the slice too), Qwen3-MoE and Mixtral: the model's own router, top-k
+shared expert and gate run on the slice too), Qwen3-MoE, Mixtral and OLMoE: the model's own router, top-k
 weights, normalisation and load-balancing loss (its logits gathered over tp, so the loss is the one of
 every token, padding masked as the model masks it), also under `overlap="pipelined"`, which needs SP; and
 at tp 2 alone, where the experts stay whole and their gradients are summed over tp. The loss and every
@@ -17,7 +17,8 @@ pytest.importorskip("transformers")
 import hf_moe_cases  # noqa: E402  (pytest puts this folder on sys.path; spawned ranks inherit it)
 
 TOL = 1e-5
-SP_FAMILIES = ("qwen2_moe", "qwen3_moe", "mixtral")
+SP_FAMILIES = ("qwen2_moe", "qwen3_moe", "mixtral", "olmoe")
+"""GPT-OSS is not here: SP is refused for it (its column/row layers do not all sit in the decoder-layer list)."""
 
 
 @distributed(world_size=4, timeout_s=480)
