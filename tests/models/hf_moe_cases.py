@@ -59,18 +59,20 @@ def build(family: str, seed: int = 0, **extra):
 
 
 def errors(family: str, groups, plan: dict | None = None, options: dict | None = None, mask: bool = False,
-           **extra) -> dict:
+           make=None, **extra) -> dict:
     """Relative errors of the loss and every gradient against one process, each rank of dp on its own
     batch, the gradients averaged over dp (`average_data_parallel_grads`); also each rank's expert memory
     as a fraction of the whole experts. `plan={}`: attention left whole (a family whose tp_plan has no
     translation); `routers_on_slices`: how many routers ran on a slice of the sequence. `options`: parallelize's keywords (sequence_parallel=, overlap=); `mask`: an attention
-    mask with padding on the left of some rows (the aux loss counts only the tokens it keeps)."""
+    mask with padding on the left of some rows (the aux loss counts only the tokens it keeps); `make`: how
+    the model is parallelized instead (the unsharded copy in, the parallel model out)."""
     import overlapkit
     from overlapkit.expert_parallel import average_data_parallel_grads
 
     ref = build(family, **extra)
-    model = overlapkit.parallelize(copy.deepcopy(ref), groups.mesh, **({} if plan is None else {"plan": plan}),
-                                   **(options or {}))
+    model = make(copy.deepcopy(ref)) if make is not None else \
+        overlapkit.parallelize(copy.deepcopy(ref), groups.mesh, **({} if plan is None else {"plan": plan}),
+                               **(options or {}))
     dp = groups.sizes.dp
     ids = torch.randint(3, 64, (2 * dp, 8), generator=torch.Generator().manual_seed(1))
     masks = torch.ones_like(ids)

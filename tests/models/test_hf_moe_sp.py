@@ -29,7 +29,26 @@ def _ep2_tp2():
     out = {f: hf_moe_cases.errors(f, groups, options=dict(sequence_parallel=True)) for f in SP_FAMILIES}
     out["qwen3_moe pipelined, masked"] = hf_moe_cases.errors(
         "qwen3_moe", groups, options=dict(sequence_parallel=True, overlap="pipelined"), mask=True)
+    out["qwen3_moe, experts split by torchtitan-style EP"] = hf_moe_cases.errors(
+        "qwen3_moe", groups, make=lambda m: _torchtitan_ep(m, groups))
     return out, _generate(groups)
+
+
+def _torchtitan_ep(model, groups):
+    """The benchmark's peer (benchmarks/_lib/hf_moe.py): experts split by torchtitan-style EP before
+    `parallelize` on the tp mesh alone, whose SP then sums each expert gradient over tp by a hook."""
+    import sys
+    from pathlib import Path
+
+    import overlapkit
+
+    bench = str(Path(__file__).resolve().parents[2] / "benchmarks")
+    sys.path.insert(0, bench)
+    try:
+        from _lib.hf_moe import apply_torchtitan_ep
+    finally:
+        sys.path.remove(bench)
+    return overlapkit.parallelize(apply_torchtitan_ep(model, groups.ep), groups.mesh["tp"], sequence_parallel=True)
 
 
 def _generate(groups) -> bool:

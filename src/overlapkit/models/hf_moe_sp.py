@@ -14,7 +14,8 @@ of both:
   this is tested on does; a block that reads it gets more rows than it routes and fails on shapes.
 - the parameters' gradients cover this rank's tokens only: the router's (and an unsplit experts
   module's) are summed over TP inside autograd (`mark_sequence_parallel`); experts split over ep
-  (hf_experts.py) sum their local shards over TP the same way in their routed forward.
+  (hf_experts.py) sum their local shards over TP the same way in their routed forward, and experts
+  another engine split (DTensors on its own mesh) by a hook on each gradient.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
+from ..runtime import comm
 from ..runtime.groups import resolve_group
 from ..tensor_parallel.mappings import gather_from_tp
 from ..tensor_parallel.region import split_here
@@ -64,12 +66,32 @@ class MoEBlockSequenceParallel(ParallelStyle):
         module.register_forward_pre_hook(functools.partial(_note_batch, batch, name), with_kwargs=True)
         mark_sequence_parallel(router, device_mesh, name=f"{name}.{self.router}")
         router.forward = _GatheredLogits(router, router.forward, group, batch, f"{name}.{self.router}")
-        if not sum_expert_grads_over(experts, group, f"{name}.{self.experts}"):
-            mark_sequence_parallel(experts, device_mesh, name=f"{name}.{self.experts}")
+        label = f"{name}.{self.experts}"
+        if sum_expert_grads_over(experts, group, label):
+            pass  # split over ep by parallelize: its routed forward sums the local shards over tp
+        elif any(hasattr(p, "device_mesh") for p in experts.parameters()):
+            # split over ep by another engine (DTensors on its own mesh): each gradient summed over tp
+            for pname, p in experts.named_parameters():
+                if p.requires_grad:
+                    p.register_hook(functools.partial(_sum_over_tp, group, f"{label}.{pname}"))
+        else:
+            mark_sequence_parallel(experts, device_mesh, name=label)
         return module
 
     def __repr__(self) -> str:
         return f"MoEBlockSequenceParallel(router={self.router!r}, experts={self.experts!r})"
+
+
+def _sum_over_tp(group, name: str, grad: torch.Tensor) -> torch.Tensor:
+    # The gradient of this rank's tokens (a DTensor's local shard, or a plain tensor), summed over tp.
+    local = (grad._local_tensor if hasattr(grad, "_local_tensor") else grad).clone()
+    comm.all_reduce(local, group, kind="tp_all_reduce", name=name, async_op=False)
+    if not hasattr(grad, "device_mesh"):
+        return local
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(local, grad.device_mesh, grad.placements, run_check=False, shape=grad.shape,
+                              stride=grad.stride())
 
 
 def _note_batch(batch: list, name: str, _module, args, kwargs):
