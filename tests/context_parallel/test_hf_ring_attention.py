@@ -2,7 +2,7 @@
 `parallelize` on a mesh with a cp dim, equals one process: the model's own labels= loss (through
 shift_labels, some -100) and every gradient, fp32, rel <= 1e-5, on Llama, Qwen2, Qwen3, Mistral
 (sliding window longer than the sequence), Gemma, Gemma 3 and eight more families at cp 2, on three
-at cp 3, and cp 2 x tp 2; what the ring cannot compute (soft-capped attention logits, a window shorter
+at cp 3, on Llama, Qwen2 and Gemma 3 at cp 4, and cp 2 x tp 2; what the ring cannot compute (soft-capped attention logits, a window shorter
 than the sequence, labels shifted locally) is refused naming it.
 """
 
@@ -116,6 +116,12 @@ def _cp3():
 
 
 @distributed(world_size=4, timeout_s=180)
+def _cp4():
+    mesh = _cp_mesh()
+    return {f: case(mesh, mesh.get_group("cp"), f) for f in ("llama", "qwen2", "gemma3_text")}
+
+
+@distributed(world_size=4, timeout_s=180)
 def _cp2_tp2():
     import overlapkit
 
@@ -141,6 +147,10 @@ def test_every_family_at_cp2_matches_one_process_and_refuses_what_the_ring_canno
 
 def test_cp3_matches_one_process():
     _check(_cp3())
+
+
+def test_cp4_matches_one_process():
+    _check(_cp4())
 
 
 def test_cp2_with_tp2_matches_one_process():

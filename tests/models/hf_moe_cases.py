@@ -58,25 +58,35 @@ def build(family: str, seed: int = 0, **extra):
     return model
 
 
-def errors(family: str, groups, plan: dict | None = None, **extra) -> dict:
+def errors(family: str, groups, plan: dict | None = None, options: dict | None = None, mask: bool = False,
+           make=None, **extra) -> dict:
     """Relative errors of the loss and every gradient against one process, each rank of dp on its own
     batch, the gradients averaged over dp (`average_data_parallel_grads`); also each rank's expert memory
     as a fraction of the whole experts. `plan={}`: attention left whole (a family whose tp_plan has no
-    translation)."""
+    translation); `routers_on_slices`: how many routers ran on a slice of the sequence. `options`: parallelize's keywords (sequence_parallel=, overlap=); `mask`: an attention
+    mask with padding on the left of some rows (the aux loss counts only the tokens it keeps); `make`: how
+    the model is parallelized instead (the unsharded copy in, the parallel model out)."""
     import overlapkit
     from overlapkit.expert_parallel import average_data_parallel_grads
 
     ref = build(family, **extra)
-    model = overlapkit.parallelize(copy.deepcopy(ref), groups.mesh, **({} if plan is None else {"plan": plan}))
+    model = make(copy.deepcopy(ref)) if make is not None else \
+        overlapkit.parallelize(copy.deepcopy(ref), groups.mesh, **({} if plan is None else {"plan": plan}),
+                               **(options or {}))
     dp = groups.sizes.dp
     ids = torch.randint(3, 64, (2 * dp, 8), generator=torch.Generator().manual_seed(1))
-    mine = ids.chunk(dp)[groups.dp_rank]
-    out = model(input_ids=mine, labels=mine)
+    masks = torch.ones_like(ids)
+    if mask:
+        masks[::2, :3] = 0
+    mine, my_mask = ids.chunk(dp)[groups.dp_rank], masks.chunk(dp)[groups.dp_rank]
+    feed = (lambda i, m: dict(input_ids=i, labels=i, attention_mask=m)) if mask else \
+        (lambda i, m: dict(input_ids=i, labels=i))
+    out = model(**feed(mine, my_mask))
     out.loss.backward()
     average_data_parallel_grads(model, groups.dp, groups.ep)
     ref_loss = 0.0
-    for part in ids.chunk(dp):
-        r = ref(input_ids=part, labels=part)
+    for part, part_mask in zip(ids.chunk(dp), masks.chunk(dp)):
+        r = ref(**feed(part, part_mask))
         (r.loss / dp).backward()
         ref_loss += r.loss.item() / dp
     loss = torch.tensor([out.loss.item()], dtype=torch.float64)
@@ -92,4 +102,6 @@ def errors(family: str, groups, plan: dict | None = None, **extra) -> dict:
             held += p.to_local().numel()
             whole += p.numel()
     errs["expert_fraction"] = held / max(whole, 1)
+    # routers whose logits are gathered over tp for the aux loss: the sequence is split before them
+    errs["routers_on_slices"] = sum(type(m.__dict__.get("forward")).__name__ == "_GatheredLogits" for m in model.modules())
     return errs

@@ -108,9 +108,9 @@ def test_what_the_translation_cannot_express_is_refused_naming_the_module():
     from overlapkit.tensor_parallel import ScatterSequence
 
     # A MoE family. transformers 5.24's plan shards the experts' fused projections (no overlapkit
-    # style): refused, naming them. 5.17's names only the attention and dense-MLP paths the MoE
-    # block lacks: the experts stay whole (their gradient complete), and SP steps aside because
-    # the router and experts are not known to act per token.
+    # style): refused, naming them. Later ones name only the attention and dense-MLP paths the MoE
+    # block lacks: the experts stay whole (their gradient complete), and under SP the MoE block routes
+    # this rank's slice of the sequence, its router's logits gathered for the aux loss (hf_moe_sp.py).
     moe = AutoModelForCausalLM.from_config(AutoConfig.for_model(
         "qwen2_moe", hidden_size=32, intermediate_size=64, moe_intermediate_size=16, shared_expert_intermediate_size=16,
         num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, vocab_size=64, num_experts=4,
@@ -119,10 +119,13 @@ def test_what_the_translation_cannot_express_is_refused_naming_the_module():
         with pytest.raises(ValueError, match=r"model\.layers\.[0*]\.mlp\.experts.*pass plan="):
             translate_hf_plan(moe, 2, overlap="none", sequence_parallel=None)
     else:
+        from overlapkit.models.hf_moe_sp import MoEBlockSequenceParallel
+
         plan = translate_hf_plan(moe, 2, overlap="none", sequence_parallel=None)
-        assert not any(".mlp" in k or isinstance(s, ScatterSequence) for k, s in plan.items()), plan
-        with pytest.raises(ValueError, match=r"sequence_parallel=True: model\.layers\.0\.mlp\.\w+ \(Qwen2Moe"):
-            translate_hf_plan(moe, 2, overlap="none", sequence_parallel=True)
+        assert any(isinstance(s, ScatterSequence) for s in plan.values()), plan
+        assert repr(plan["model.layers.*.mlp"]) == repr(MoEBlockSequenceParallel(router="gate", experts="experts"))
+        assert not any(k.startswith("model.layers.*.mlp.experts") or k == "model.layers.*.mlp.gate" for k in plan)
+        assert repr(plan["model.layers.*.mlp.shared_expert_gate"]) == "SequenceParallel()"
     # A family without a plan.
     stablelm = AutoModelForCausalLM.from_config(AutoConfig.for_model(
         "stablelm", hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4, vocab_size=64))

@@ -24,6 +24,7 @@ from ..runtime.groups import resolve_group
 from ..vocabulary import OVERLAP_MEANING
 from .agree import copy_from_first_rank
 from .buckets import local
+from .expert_grads import ExpertGrads, expert_params
 from .progress import Progress
 from .grad_sync import MAX_BUCKET_MB, SHARD_ALIGN, DataParallelConfig, GradSync
 from .watch import ParamWatch
@@ -79,16 +80,10 @@ class DataParallel(nn.Module):
         # DTensor parameters (TP shards, replicated norms) stay DTensors, so the optimizer's
         # states, clip_grad_norm_ and DCP see their placements; the buffers hold their local
         # tensors (buckets.py).
-        experts = [n for n, p in module.named_parameters() if getattr(p, "expert_parallel", False)]
-        if experts and comm.group_size(group) > 1:
-            # Each EP rank holds other experts: averaging (and the rank-0 copy below) would mix
-            # different experts' weights into every rank's, with no error.
-            raise ValueError(
-                f"DataParallel: {len(experts)} parameter(s) are expert-parallel (e.g. {experts[0]}): each rank "
-                "holds different experts, so averaging them over the data-parallel group would mix them; use "
-                "overlapkit.expert_parallel.average_data_parallel_grads for a model with MoE layers")
-        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
-        self.sync = GradSync(named, group, self.config, sequence_parallel_group)
+        # Each EP rank holds other experts: averaging them (or copying rank 0's) over dp would mix
+        # different experts into every rank's, with no error. They are reduced over their copies only.
+        self.experts = ExpertGrads(expert_params(module) if comm.group_size(group) > 1 else [], group)
+        self.sync = GradSync(self._dense_named(), group, self.config, sequence_parallel_group)
         # No .grad before the first forward, as with torch's DDP: torch's get_state_dict takes
         # existing gradients for "this optimizer has stepped" and gives a fresh optimizer an empty
         # template, so set_state_dict would restore no optimizer state at all, silently. The
@@ -100,12 +95,19 @@ class DataParallel(nn.Module):
         # backward; allreduce_sequence_parallel_grads refuses to do it a second time.
         self.sums_sequence_parallel_grads = sequence_parallel_group is not None
         with torch.no_grad():
-            copy_from_first_rank([local(t) for t in (*module.parameters(), *module.buffers())], group)
+            own = {id(p) for p in self.experts.params}
+            copy_from_first_rank([local(t) for t in (*module.parameters(), *module.buffers()) if id(t) not in own],
+                                 group)
+        self.experts.copy_from_first()
         # state_dict() without the "module." prefix: a DataParallel's checkpoint (DCP, torch.save)
         # is the wrapped model's, loadable into it unwrapped (a plain HF model) and back.
         self._register_state_dict_hook(_strip_module_prefix)
         self._register_load_state_dict_pre_hook(_add_module_prefix, with_module=True)
         self._watch_module()
+
+    def _dense_named(self) -> list:
+        own = {id(p) for p in self.experts.params}
+        return [(n, p) for n, p in self.module.named_parameters() if p.requires_grad and id(p) not in own]
 
     @property
     def bucket_choice(self):
@@ -145,13 +147,15 @@ class DataParallel(nn.Module):
         """
         if not any(hasattr(p, "device_mesh") for p in self.module.parameters()):
             return  # plain already: the buffer fits
+        if self.experts.params:  # their copies are found from their EP mesh, which plain tensors lose
+            raise ValueError("ShardedOptimizer: this DataParallel holds expert-parallel parameters, which it does not "
+                             "shard yet; use a plain optimizer (DataParallel reduces each expert over its copies)")
         for h in self.sync._hooks:
             h.remove()
         for p in self.sync.params:
             p._overlapkit_grad_sync = False  # this sync is replaced, not doubled
         localize_parameters(self.module)
-        named = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
-        self.sync = GradSync(named, self.group, self.config, self.sync.sp_group)
+        self.sync = GradSync(self._dense_named(), self.group, self.config, self.sync.sp_group)
         self._watch_module()  # the parameters are new objects
 
     def forward(self, *args, **kwargs):
@@ -182,8 +186,12 @@ class DataParallel(nn.Module):
                 if isinstance(t, torch.Tensor) and t.requires_grad:
                     # The first output gradient starts backward: queue its callback there, on
                     # the outermost graph task, and time backward from its very first op.
-                    t.register_hook(lambda _g, sync=sync: self.sync.begin_backward(sync))
+                    t.register_hook(lambda _g, sync=sync: self._begin_backward(sync))
         return out
+
+    def _begin_backward(self, sync: bool) -> None:
+        self.sync.begin_backward(sync)
+        self.experts.begin_backward(sync and self.sync.enabled)
 
     def _check_model(self) -> None:
         # This rank's model changed since wrapping: the next backward still sends what the buffer
@@ -218,5 +226,7 @@ class DataParallel(nn.Module):
             self.sync.enabled = before
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Zero the gradient buffer in place; the views stay (set_to_none is ignored on purpose)."""
+        """Zero the gradient buffer in place; the views stay (set_to_none is ignored on purpose). Expert
+        gradients, outside the buffer, are set to None."""
         self.sync.buffer.zero_()
+        self.experts.zero_grad()

@@ -122,6 +122,12 @@ def fully_shard(model: nn.Module, mesh_or_dim=None, *, dim: str = "dp", overlap:
     """
     mesh = _dp_mesh(mesh_or_dim, dim)
     group = mesh.get_group()
+    experts = [n for n, p in model.named_parameters() if getattr(p, "expert_parallel", False)]
+    if experts and mesh.size() > 1:
+        # Each EP rank holds other experts: copying rank 0's and averaging over dp would mix them, silently.
+        raise ValueError(f"fully_shard: {len(experts)} parameter(s) are expert-parallel (e.g. {experts[0]!r}), held "
+                         "by one rank of each EP group, which fully_shard over dp cannot shard yet; wrap the model "
+                         "in DataParallel(model, groups.dp), which reduces each expert over its copies only")
     _rehome_dtensors(model, mesh_or_dim)
     problem = None
     try:

@@ -15,8 +15,8 @@ parameter names and its own arithmetic; what changes:
 
 The EP group is the one `overlapkit.init(ep=...)` carved out of dp (ranks holding different tokens),
 found from the mesh handed to `parallelize`. Each expert's gradient then holds the contributions of
-every token of its EP group; `expert_parallel.average_data_parallel_grads` finishes the data-parallel
-average (DataParallel refuses these parameters rather than mixing experts).
+every token of its EP group; `DataParallel` (data_parallel/expert_grads.py) or
+`expert_parallel.average_data_parallel_grads` finishes the data-parallel average over each expert's copies.
 """
 
 from __future__ import annotations
@@ -29,6 +29,8 @@ from torch import nn
 from ..expert_parallel.routed import DispatchCombine
 from ..runtime.agreement import agree
 from ..runtime.groups import expert_group_of
+from ..tensor_parallel.mappings import copy_to_tp
+from ..tensor_parallel.region import split_here
 
 EP_DISPATCH = "ep_dispatch_experts"
 """The transformers ep_plan style of a module whose tokens are dispatched to its experts."""
@@ -133,6 +135,15 @@ def _shard_module(module: nn.Module, num_experts: int, group, ep_mesh, chunks, p
     module.forward = _RoutedForward(module)
 
 
+def sum_expert_grads_over(module: nn.Module, group, name: str) -> bool:
+    """Sum the gradients of an experts module split over ep over the TP `group` too (each TP rank routes
+    its slice of the sequence under sequence parallelism); False, doing nothing, for a module not split."""
+    if "_overlapkit_experts" not in module.__dict__:
+        return False
+    module.__dict__["_overlapkit_tp_sum"] = (group, name)
+    return True
+
+
 def run_local_experts(module: nn.Module, rows: torch.Tensor, expert: torch.Tensor, weights: dict,
                       num_local: int) -> torch.Tensor:
     """The experts module's own forward on `rows` whose local expert ids are `expert` [rows], with the
@@ -159,6 +170,9 @@ class _RoutedForward:
                             f"top_k_index, top_k_weights), got {len(args)} more positional and {sorted(kwargs)}")
         router, names = self.module.__dict__["_overlapkit_experts"]
         weights = [self.module._parameters[n].to_local() for n in names]
+        tp_sum = self.module.__dict__.get("_overlapkit_tp_sum")
+        if tp_sum is not None and split_here(self.module):  # this TP rank routed its slice of the sequence
+            weights = [copy_to_tp(w, tp_sum[0], f"{tp_sum[1]}.{n}") for w, n in zip(weights, names)]
         return router(hidden_states, top_k_index, top_k_weights, self._run_local, weights)
 
     def _run_local(self, rows: torch.Tensor, groups, weights) -> torch.Tensor:

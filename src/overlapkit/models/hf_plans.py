@@ -16,6 +16,8 @@ from torch import nn
 
 from ..tensor_parallel.styles import (ColwiseParallel, GatherSequence, RowwiseParallel, ScatterSequence,
                                       SequenceParallel, VocabParallel)
+from .hf_experts import expert_modules
+from .hf_moe_sp import MoEBlockSequenceParallel, router_classes
 
 COLWISE = ("colwise", "local_colwise")
 COLWISE_GATHERED = ("colwise_rep", "colwise_gather_output")
@@ -156,26 +158,30 @@ def translate_hf_plan(model: nn.Module, tp: int, *, overlap: str, sequence_paral
     plan: dict = {}
     if emb_path is not None:
         plan[emb_path] = _vocab_style(modules[emb_path], emb_path)
+    moe_blocks = [p for p, s in (checks or {}).items() if isinstance(s, MoEBlockSequenceParallel)] if sp else []
     for block in sorted(blocks):
-        gathers = sp and not _is_mlp(block)
+        # A shared expert inside a MoE block takes the block's flattened [tokens, hidden]: its
+        # sequence slice is dim 0, and it acts per token, so it gathers and scatters there itself.
+        in_moe = any(block.startswith(m + ".") for m in moe_blocks)
+        gathers = sp and not _is_mlp(block) and not in_moe
         if gathers:
             plan[block] = GatherSequence(sequence_dim=1)
+        opts_here = {**lin_opts, "sequence_dim": 0} if in_moe else lin_opts
         for path in sorted(p for p in linears if _parent(p) == block):
             style = linears[path]
             if style in (*COLWISE, *COLWISE_GATHERED):
                 gather = dict(gather_output=True) if style in COLWISE_GATHERED else {}
-                opts = dict(input_gathered=True) if gathers else lin_opts
+                opts = dict(input_gathered=True) if gathers else opts_here
                 plan[path] = ColwiseParallel(**opts, **gather)
             else:
                 rep = dict(input_is_parallel=False) if style in ROWWISE_REPLICATED_INPUT else {}
-                plan[path] = RowwiseParallel(**lin_opts, **rep)
+                plan[path] = RowwiseParallel(**opts_here, **rep)
     for path, style in styles.items():
         if style in GRAD_SUM or (style in SEQUENCE and sp):
             plan[path] = SequenceParallel()
     if sp:
         plan[f"{layers}.0"] = ScatterSequence(sequence_dim=1)
-        for path in checks:
-            plan[path] = SequenceParallel()
+        plan.update(checks)
     if head_path is not None and styles.get(head_path) in (*COLWISE, *COLWISE_GATHERED):
         plan[head_path] = ColwiseParallel(**lin_opts, use_local_output=False)
     return _with_wildcards(plan, layers, len(modules[layers]) if layers is not None else 0)
@@ -209,24 +215,39 @@ def _layers_list(modules: dict, blocks: set, cls: str) -> str | None:
     return lists.pop() if len(lists) == 1 else None
 
 
-def _sp_plan(model, modules: dict, styles: dict, blocks: set, layers: str | None, emb_path, head_path) -> list[str]:
-    """The modules that run on a slice of the sequence under SP (to be SequenceParallel), or _SPRefused why not."""
+def _sp_plan(model, modules: dict, styles: dict, blocks: set, layers: str | None, emb_path, head_path) -> dict:
+    """The modules that run on a slice of the sequence under SP and their styles (SequenceParallel; a MoE
+    block's router and experts, hf_moe_sp.py), or _SPRefused why not."""
     if layers is None:
         raise _SPRefused("the column/row layers do not all sit in one list of decoder layers")
     if head_path is None or styles.get(head_path) not in (*COLWISE, *COLWISE_GATHERED):
         raise _SPRefused("the output head is not split by the plan (it would need the whole sequence)")
     in_blocks = {m for b in blocks for m in (b, *(f"{b}.{n}" for n, _ in modules[b].named_modules() if n))}
-    region: list[str] = []
+    region: dict = {}
+    routers, experts = router_classes(model), set(expert_modules(model))
+    moe: dict[str, dict] = {}  # MoE block path -> {"router": child name, "experts": child name}
     layer_list = modules[layers]
     for i, layer in enumerate(layer_list):
         for name, sub in layer.named_modules():
             path = f"{layers}.{i}.{name}" if name else f"{layers}.{i}"
-            if path in in_blocks or not _own_params(sub) or any(path.startswith(b + ".") for b in blocks):
+            if path in in_blocks or not _own_params(sub) or any(path.startswith(b + ".") for b in blocks) \
+                    or any(path.startswith(e + ".") for e in experts):
+                continue
+            role = "router" if isinstance(sub, routers) else "experts" if path in experts else None
+            if role is not None:
+                moe.setdefault(_parent(path), {})[role] = path.rpartition(".")[2]
                 continue
             if not _is_per_token(sub):
                 raise _SPRefused(f"{path} ({type(sub).__name__}) has parameters and is not known to act per "
                                  "token, so it cannot run on a slice of the sequence")
-            region.append(path)
+            region[path] = SequenceParallel()
+    for block, parts in moe.items():
+        if set(parts) != {"router", "experts"}:
+            (role, lone), = parts.items()
+            other = "an experts module" if role == "router" else "a router"
+            raise _SPRefused(f"{block}.{lone} is the {role} of a MoE block without {other} beside it, so its "
+                             "tokens' routing cannot be followed on a slice of the sequence")
+        region[block] = MoEBlockSequenceParallel(**parts)
     # After the last layer and before the head (the final norm): the modules of the layers'
     # parent registered after the layer list.
     parent_path = _parent(layers)
@@ -243,7 +264,7 @@ def _sp_plan(model, modules: dict, styles: dict, blocks: set, layers: str | None
                     if not _is_per_token(leaf):
                         raise _SPRefused(f"{path} ({type(leaf).__name__}) runs after the decoder layers and is not "
                                          "known to act per token")
-                    region.append(f"{path}.{sub_name}" if sub_name else path)
+                    region[f"{path}.{sub_name}" if sub_name else path] = SequenceParallel()
     return region
 
 

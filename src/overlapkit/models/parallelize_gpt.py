@@ -17,7 +17,7 @@ from .parallelize import parallelize
 from .ring_attention import apply_to_gpt
 
 
-def parallelize_gpt(model: nn.Module, groups: ParallelGroups, *, overlap: str = "none", zero: int = 0,
+def parallelize_gpt(model: nn.Module, groups: ParallelGroups, *, overlap: str = "auto", zero: int = 0,
                     tensor_parallel: bool = True) -> tuple[nn.Module, dist.ProcessGroup]:
     """(the GPT with every engine of `groups` applied, the group its replicated parameters average over).
 

@@ -125,6 +125,7 @@ class ParallelGroups:
         layout = torch.arange(sizes.world_size).reshape(sizes.shape)
         mesh = DeviceMesh.from_group([mine[d] for d in DIMS], device_type, mesh=layout, mesh_dim_names=DIMS)
         _remember_expert_group(mesh, mine["ep"], ep)
+        _make_expert_data_groups(mine["ep"], sizes.dp_groups(), ep, timeout)
         return cls(sizes=sizes, rank=rank, mesh=mesh, timeout_s=timeout_s, **mine)
 
     @classmethod
@@ -164,6 +165,8 @@ class ParallelGroups:
                     if rank in dp_ranks[i:i + ep]:
                         mine["ep"] = group
         _remember_expert_group(mesh, mine["ep"], ep)
+        _make_expert_data_groups(mine["ep"], _all_groups_along(mesh, "dp", names), ep,
+                                 datetime.timedelta(seconds=timeout_s))
         return cls(sizes=sizes, rank=rank, mesh=mesh, timeout_s=timeout_s, **mine)
 
 
@@ -176,6 +179,37 @@ whole on every rank, silently."""
 
 def _remember_expert_group(mesh, group, ep: int) -> None:
     _EXPERT_GROUPS[id(mesh)] = (mesh, group, ep)
+
+
+_EXPERT_DATA: dict = state.process_dict("groups.expert_data_group_of")
+"""id(expert-parallel group) -> (that group, the group of the ranks holding copies of the same experts or
+None where each expert has one copy in its dp group): how DataParallel reduces each expert's gradient over
+its copies and no more."""
+
+
+def _make_expert_data_groups(ep_group, dp_layouts: list[list[int]], ep: int, timeout) -> None:
+    # The copies of the experts at EP position k of a dp group are its ranks k, k + ep, k + 2ep, ...
+    # (the EP groups are its consecutive runs of ep). Every rank creates every group, in one order.
+    if ep == 1 or ep_group is None:
+        return
+    rank, mine = dist.get_rank(), None
+    for dp_ranks in dp_layouts:
+        if len(dp_ranks) == ep:
+            continue  # one copy of each expert per dp group: nothing to reduce over
+        for k in range(ep):
+            group = dist.new_group(dp_ranks[k::ep], timeout=timeout)
+            if rank in dp_ranks[k::ep]:
+                mine = group
+    _EXPERT_DATA[id(ep_group)] = (ep_group, mine)
+
+
+def expert_data_group_of(ep_group) -> tuple[bool, dist.ProcessGroup | None]:
+    """(whether `overlapkit.init` built this expert-parallel group, the group of the ranks that hold copies of
+    this rank's experts: None where each expert has a single copy in the data-parallel group)."""
+    entry = _EXPERT_DATA.get(id(ep_group))
+    if entry is None or entry[0] is not ep_group:
+        return False, None
+    return True, entry[1]
 
 
 def expert_group_of(mesh) -> tuple[dist.ProcessGroup | None, int]:

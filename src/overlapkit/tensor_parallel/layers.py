@@ -37,7 +37,8 @@ class ColumnParallelLinear(ParallelLinear):
             SP): gathered before the GEMM (column) or reduce-scattered after it (row).
         sequence_dim: which dim of the activation is the sequence: 0 for [seq, batch, hidden]
             (Megatron, our GPT), 1 for [batch, seq, hidden] (HF, torchtitan).
-        overlap: "none", "bulk", "pipelined" (needs sequence_parallel) or "auto".
+        overlap: "none", "bulk", "pipelined" (needs sequence_parallel) or "auto" (the default: the cost
+            model picks per input shape, as the README's numbers are measured).
         transport: how pipelined moves its chunks: "p2p" (send/recv, NCCL or gloo) or "symm_mem"
             (copy-engine pulls from symmetric memory; one node, CUDA peer access).
         chunks: pipelined only: chunks of the gathered (or scattered) dim, a multiple of the TP size;
@@ -56,7 +57,7 @@ class ColumnParallelLinear(ParallelLinear):
 
     def __init__(self, in_features: int, out_features: int, mesh_or_group=None, *, bias: bool = True,
                  gather_output: bool = False, sequence_parallel: bool = False, sequence_dim: int = 0,
-                 overlap: str = "none", transport: str = "p2p", chunks: int | None = None,
+                 overlap: str = "auto", transport: str = "p2p", chunks: int | None = None,
                  save_gathered_input: bool = False, hardware: str = "h200-sxm", name: str = "",
                  device=None, dtype=None) -> None:
         super().__init__(in_features, out_features, mesh_or_group, bias=bias, sequence_parallel=sequence_parallel,
@@ -101,7 +102,8 @@ class RowParallelLinear(ParallelLinear):
             SP): gathered before the GEMM (column) or reduce-scattered after it (row).
         sequence_dim: which dim of the activation is the sequence: 0 for [seq, batch, hidden]
             (Megatron, our GPT), 1 for [batch, seq, hidden] (HF, torchtitan).
-        overlap: "none", "bulk", "pipelined" (needs sequence_parallel) or "auto".
+        overlap: "none", "bulk", "pipelined" (needs sequence_parallel) or "auto" (the default: the cost
+            model picks per input shape, as the README's numbers are measured).
         transport: how pipelined moves its chunks: "p2p" (send/recv, NCCL or gloo) or "symm_mem"
             (copy-engine pulls from symmetric memory; one node, CUDA peer access).
         chunks: pipelined only: chunks of the gathered (or scattered) dim, a multiple of the TP size;
@@ -118,7 +120,7 @@ class RowParallelLinear(ParallelLinear):
 
     def __init__(self, in_features: int, out_features: int, mesh_or_group=None, *, bias: bool = True,
                  input_is_parallel: bool = True, sequence_parallel: bool = False, sequence_dim: int = 0,
-                 overlap: str = "none", transport: str = "p2p", chunks: int | None = None,
+                 overlap: str = "auto", transport: str = "p2p", chunks: int | None = None,
                  hardware: str = "h200-sxm", name: str = "", device=None, dtype=None) -> None:
         super().__init__(in_features, out_features, mesh_or_group, bias=bias, sequence_parallel=sequence_parallel,
                          sequence_dim=sequence_dim, overlap=overlap, name=name, device=device, dtype=dtype,
