@@ -1,0 +1,170 @@
+"""MoE decode as two micro-batches (expert_parallel/two_batch.py): `generate()` gives the plain model's tokens.
+
+A transformers MoE model from `parallelize` with its experts over ep runs every forward without
+gradients as two micro-batches of sequences whose all-to-alls hide behind each other's compute. Greedy
+`generate()` with the KV cache, batched prompts left-padded, each dp rank on prompts of its own (and a
+batch size of its own): the tokens equal the plain one-process model's at ep 2 (Qwen2-MoE with its shared
+expert, Qwen3-MoE, Mixtral), ep 3 (6 experts), ep 4 and ep 2 x tp 2; the logits of one forward equal one
+micro-batch's; the router logits the model returns are one entry per layer, as for one batch. Batch 1 on
+every rank runs one micro-batch's collectives only; batch 1 beside a peer's batch 2 takes B's turns empty.
+From recorded spans: an all-to-all of one micro-batch ran while the other's experts computed.
+"""
+
+import copy
+
+import pytest
+import torch
+
+from distributed import distributed
+
+pytest.importorskip("transformers")
+
+import hf_moe_cases  # noqa: E402
+
+TOL = 1e-5
+
+
+def _prompts(seed: int, batch: int, length: int = 5):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, 64, (batch, length), generator=g)
+    mask = torch.ones_like(ids)
+    for b in range(1, batch):  # later prompts shorter: left padding
+        pad = min(b, length - 1)
+        ids[b, :pad], mask[b, :pad] = 1, 0
+    return ids, mask
+
+
+def _generate(family: str, groups, batch: int, experts: int = 4, plan=None) -> dict:
+    import overlapkit
+    from overlapkit.models.hf_experts import inference_micro_batches
+
+    ref = hf_moe_cases.build(family, experts=experts, output_router_logits=False).eval()
+    kw = {} if plan is None else {"plan": plan}
+    model = overlapkit.parallelize(copy.deepcopy(ref), groups.mesh, **kw).eval()
+    ids, mask = _prompts(10 + groups.dp_rank, batch)  # tp peers hold the same prompts
+    gen = dict(attention_mask=mask, max_new_tokens=4, do_sample=False, use_cache=True, pad_token_id=1,
+               synced_gpus=True)  # ranks whose prompts end early keep stepping with their peers
+    expected = ref.generate(ids, **gen)
+    got = model.generate(ids, **gen)
+    with torch.no_grad():
+        two = model(input_ids=ids, attention_mask=mask).logits
+        inference_micro_batches(model, 1)
+        one = model(input_ids=ids, attention_mask=mask).logits
+        inference_micro_batches(model, 2)
+        plain = ref(input_ids=ids, attention_mask=mask).logits
+    return dict(tokens=torch.equal(got, expected), new=got.shape[1] - ids.shape[1],
+                vs_one=((two - one).abs().max() / one.abs().max()).item(),
+                vs_plain=((two - plain).abs().max() / plain.abs().max()).item())
+
+
+def _router_logits(groups) -> dict:
+    """output_router_logits=True: one entry per layer, every token's rows in batch order, as the plain model."""
+    import overlapkit
+
+    ref = hf_moe_cases.build("qwen3_moe").eval()
+    model = overlapkit.parallelize(copy.deepcopy(ref), groups.mesh).eval()
+    ids, mask = _prompts(20 + groups.dp_rank, 3)
+    with torch.no_grad():
+        got = model(input_ids=ids, attention_mask=mask, output_router_logits=True).router_logits
+        want = ref(input_ids=ids, attention_mask=mask, output_router_logits=True).router_logits
+    return dict(entries=(len(got), len(want)), err=max((g - w).abs().max().item() for g, w in zip(got, want)))
+
+
+def _spans_of(groups, batch: int) -> list:
+    import overlapkit
+    from overlapkit.timeline import record
+
+    model = overlapkit.parallelize(hf_moe_cases.build("mixtral").eval(), groups.mesh).eval()
+    ids, _ = _prompts(30, batch)
+    with torch.no_grad():
+        model(input_ids=ids)
+        with record() as rec:
+            model(input_ids=ids)
+    return sorted({s.name.split(".infer.", 1)[1] for s in rec.spans if ".infer." in s.name})
+
+
+def _overlap(steps: int = 3) -> list[float]:
+    """Per MoE layer and forward: how long micro-batch B's dispatch overlapped A's experts, plus how long A's
+    combine overlapped B's experts (ms), from the recorded spans of no-grad forwards (prefill-sized)."""
+    import overlapkit
+    from overlapkit.timeline import record
+
+    groups = overlapkit.init(ep=2)
+    model = overlapkit.parallelize(hf_moe_cases.build("mixtral", hidden_size=256, intermediate_size=512, head_dim=64),
+                                   groups.mesh).eval()
+    ids = torch.randint(3, 64, (4, 32), generator=torch.Generator().manual_seed(groups.dp_rank))
+    with torch.no_grad():
+        model(input_ids=ids)
+        with record() as rec:
+            for _ in range(steps):
+                rec.next_step()
+                model(input_ids=ids)
+
+    def both(a, b):
+        return max(0.0, min(a.end_ms, b.end_ms) - max(a.start_ms, b.start_ms))
+    out = []
+    for step in range(1, steps + 1):
+        spans = {s.name: s for s in rec.spans if s.step == step and ".infer." in s.name}
+        for layer in sorted({n.split(".infer.")[0] for n in spans}):
+            sp = {n.split(".infer.")[1]: s for n, s in spans.items() if n.startswith(layer + ".infer.")}
+            out.append(both(sp["dispatch[1]"], sp["experts[0]"]) + both(sp["combine[0]"], sp["experts[1]"]))
+    return out
+
+
+@distributed(world_size=2, timeout_s=300)
+def _ep2():
+    import torch.distributed as dist
+
+    import overlapkit
+
+    groups = overlapkit.init(ep=2)
+    out = {f: _generate(f, groups, batch=3 if dist.get_rank() == 0 else 2)
+           for f in ("qwen2_moe", "qwen3_moe", "mixtral")}
+    out["batch1"] = _generate("qwen3_moe", groups, batch=1)
+    out["batch1_beside_2"] = _generate("mixtral", groups, batch=1 + dist.get_rank())
+    out["router_logits"] = _router_logits(groups)
+    out["spans_batch1"] = _spans_of(groups, 1)
+    out["spans_batch2"] = _spans_of(groups, 2)
+    out["overlap"] = _overlap()
+    return out
+
+
+@distributed(world_size=3, timeout_s=300)
+def _ep3():
+    import overlapkit
+
+    return {"qwen3_moe_6_experts": _generate("qwen3_moe", overlapkit.init(ep=3), batch=3, experts=6)}
+
+
+@distributed(world_size=4, timeout_s=480)
+def _world4():
+    import overlapkit
+
+    return {"mixtral_ep4": _generate("mixtral", overlapkit.init(ep=4), batch=2),
+            "qwen3_moe_ep2_tp2": _generate("qwen3_moe", overlapkit.init(ep=2, tp=2), batch=3)}
+
+
+def _check(results):
+    for rank, r in enumerate(results):
+        for case, v in r.items():
+            if not isinstance(v, dict) or "tokens" not in v:
+                continue
+            assert v["tokens"] and 1 <= v["new"] <= 4, (rank, case, v)  # eos may end a rank's prompts early
+            assert v["vs_one"] <= TOL and v["vs_plain"] <= TOL, (rank, case, v)
+
+
+def test_two_micro_batches_generate_the_plain_tokens_at_ep2():
+    results = _ep2()
+    _check(results)
+    for r in results:
+        assert r["router_logits"]["entries"] == (2, 2) and r["router_logits"]["err"] <= TOL, r["router_logits"]
+        # batch 1 everywhere: micro-batch A's collectives only; batch 2: both micro-batches' transfers and experts
+        assert not any(n.endswith("[1]") for n in r["spans_batch1"]), r["spans_batch1"]
+        assert {"dispatch[1]", "combine[1]", "experts[1]", "dispatch[0]", "combine[0]"} <= set(r["spans_batch2"])
+        # an all-to-all of one micro-batch ran while the other's experts computed, measured from the spans
+        assert max(r["overlap"]) > 0, r["overlap"]
+
+
+def test_two_micro_batches_at_ep3_ep4_and_ep2_x_tp2():
+    _check(_ep3())
+    _check(_world4())
