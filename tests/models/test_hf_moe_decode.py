@@ -111,6 +111,69 @@ def _overlap(steps: int = 3) -> list[float]:
     return out
 
 
+def _mark_steps(model):
+    """Each forward as a serving step, as overlapkit's inference forwards mark them: a new recorder step and a
+    compute span `prefill` / `decode` around the forward (also the profiler range overlapkit.compute.<kind>)."""
+    import contextlib
+
+    from overlapkit.runtime.recorder import active, compute_span
+
+    open_ = []
+
+    def pre(_m, _args, kwargs):
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))  # transformers 5 names it cache
+        decode = cache is not None and cache.get_seq_length() > 0
+        if active() is not None:
+            active().next_step()
+        stack = contextlib.ExitStack()
+        stack.enter_context(compute_span("decode" if decode else "prefill"))
+        open_.append(stack)
+
+    def post(_m, _args, _out):
+        open_.pop().close()
+    model.register_forward_pre_hook(pre, with_kwargs=True)
+    model.register_forward_hook(post)
+
+
+def _recorder_and_profiler(directory: str) -> dict:
+    """Exposed communication per decode step of MoE decode (two micro-batches, ep 2), from the recorder and from
+    the torch.profiler trace of the same run (CPU, gloo), read by `overlapkit analyze`'s serving rule."""
+    import os
+
+    import torch.distributed as dist
+
+    import overlapkit
+    from overlapkit.timeline import record
+    from overlapkit.timeline.serving import by_kind, recorded_steps, trace_steps
+    from overlapkit.timeline.trace import read_trace
+
+    groups = overlapkit.init(ep=2)
+    model = overlapkit.parallelize(hf_moe_cases.build("mixtral", hidden_size=128, intermediate_size=256, head_dim=32,
+                                                      output_router_logits=False), groups.mesh).eval()
+    _mark_steps(model)
+    ids = torch.randint(3, 64, (4, 8), generator=torch.Generator().manual_seed(groups.dp_rank))
+    gen = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=1, synced_gpus=True)
+    model.generate(ids, **gen)  # warm-up: first-call agreements
+    from torch._C._profiler import _ExperimentalConfig
+
+    # torch's profiler records the threads that started it (and, through their works, gloo's); micro-batch B runs
+    # on a thread of its own, seen only with profile_all_threads
+    seen = _ExperimentalConfig(profile_all_threads=True)
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    with torch.profiler.profile(activities=activities, experimental_config=seen) as prof, record() as rec:
+        model.generate(ids, **gen)
+    path = os.path.join(directory, f"moe_decode_rank{dist.get_rank()}.json")
+    prof.export_chrome_trace(path)
+    rank = dist.get_rank()
+    return dict(recorder=[r.__dict__ for r in by_kind(rank, recorded_steps(rec.spans))],
+                trace=[r.__dict__ for r in by_kind(rank, trace_steps(read_trace(path)))])
+
+
+@distributed(world_size=2, timeout_s=300)
+def _recorder_vs_trace(directory: str):
+    return _recorder_and_profiler(directory)
+
+
 @distributed(world_size=2, timeout_s=300)
 def _ep2():
     import torch.distributed as dist
@@ -168,3 +231,19 @@ def test_two_micro_batches_generate_the_plain_tokens_at_ep2():
 def test_two_micro_batches_at_ep3_ep4_and_ep2_x_tp2():
     _check(_ep3())
     _check(_world4())
+
+
+def test_exposed_comm_per_decode_step_recorder_matches_the_profiler_trace(tmp_path):
+    for r in _recorder_vs_trace(str(tmp_path)):
+        rec, trace = ({x["kind"]: x for x in r[k]} for k in ("recorder", "trace"))
+        assert set(rec) == set(trace) == {"prefill", "decode"}, r
+        assert rec["decode"]["steps"] == trace["decode"]["steps"] == 5 and rec["prefill"]["steps"] == 1, r
+        for kind in ("prefill", "decode"):
+            a, b = rec[kind], trace[kind]
+            # The recorder's transfer ends when its wait returns or its watcher sees it done, the trace's when gloo's
+            # worker leaves it; each thread is scheduled among the other ranks' on a loaded machine. Within that
+            # resolution (a millisecond, or 30 %), the two agree.
+            said = (kind, {k: round(v, 3) for k, v in a.items() if k.endswith("ms")},
+                    {k: round(v, 3) for k, v in b.items() if k.endswith("ms")})
+            assert abs(a["exposed_ms"] - b["exposed_ms"]) <= max(1.0, 0.3 * max(a["exposed_ms"], b["exposed_ms"])), said
+            assert abs(a["step_ms"] - b["step_ms"]) <= max(0.5, 0.1 * a["step_ms"]), said

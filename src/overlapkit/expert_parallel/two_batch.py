@@ -2,8 +2,8 @@
 
 SGLang's two-batch overlap, inside a block. In a forward without gradients (`generate`) the batch's
 sequences are cut in two, A (the first half, rounded up) and B, and the block's own forward runs once
-for each, taking turns: exactly one runs at a time (A on the caller's thread, B on a thread of its
-own), and the turn passes at fixed points of the experts call, so every rank issues its collectives
+for each, taking turns: exactly one runs at a time (A on the caller's thread, B on a worker thread the
+model's blocks share), and the turn passes at fixed points of the experts call, so every rank issues its collectives
 in one order:
 
     A: counts, dispatch A ->|                         |-> wait A, experts A, combine A ->|            |-> wait, sum A, rest of A's block
@@ -24,19 +24,47 @@ whose B is empty while a peer's is not still takes B's turns with zero rows (the
 from __future__ import annotations
 
 import contextvars
+import queue
 import threading
 from typing import Callable, Sequence
 
 import torch
 
 from ..runtime import comm
-from ..runtime.recorder import compute_span
+from ..runtime.recorder import compute_span, wait_range
 from .dispatch import _slots, plan_dispatch
 from .moe import _WeightedSum
 
 
 class MicroBatchAborted(RuntimeError):
     """Raised in one micro-batch when the other failed: it unwinds instead of waiting for a turn that never comes."""
+
+
+class MicroBatchWorker:
+    """The thread micro-batch B runs on, kept for a model's life and shared by its MoE blocks (they run one after
+    another): a thread started per block call would pay its start in every layer of every decode step, a stretch
+    in which neither micro-batch computes."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+
+    def submit(self, job: Callable[[], None]) -> None:
+        """Run `job` on the worker thread (started on first use, and again in a forked child, where it is gone)."""
+        if self._thread is None or not self._thread.is_alive():
+            self._jobs = queue.SimpleQueue()
+            self._thread = threading.Thread(target=self._loop, args=(self._jobs,), daemon=True,
+                                            name="overlapkit-micro-batch-b")
+            self._thread.start()
+        self._jobs.put(job)
+
+    @staticmethod
+    def _loop(jobs: queue.SimpleQueue) -> None:
+        while True:
+            jobs.get()()
+
+    def __deepcopy__(self, memo):  # a thread is not copied: the copy starts its own on first use
+        return MicroBatchWorker()
 
 
 class TwoBatch:
@@ -47,13 +75,14 @@ class TwoBatch:
     then `finish()`; any failure in either ends both (`abort`).
     """
 
-    def __init__(self, second: Callable[[], object], second_tokens: int) -> None:
-        self._second, self.second_tokens = second, second_tokens
+    def __init__(self, second: Callable[[], object], second_tokens: int, worker: MicroBatchWorker,
+                 name: str = "moe") -> None:
+        self._second, self.second_tokens, self._worker, self.name = second, second_tokens, worker, name
         self._cv = threading.Condition()
         self._turn = 0
         self._done = [False, False]
         self._error: BaseException | None = None
-        self._thread: threading.Thread | None = None
+        self._started = False
         self._first = threading.get_ident()
         self._result = None
         self.needed = False
@@ -72,9 +101,12 @@ class TwoBatch:
         me = self.index()
         if not self.needed or self._done[1 - me]:
             return
-        if me == 0 and self._thread is None:
+        if me == 0 and not self._started:
             self._start()
-        with self._cv:
+        # A profiler trace's reader carves each thread's waits from its own compute ranges: the stretch a
+        # micro-batch waits for its turn is not its compute (the other's compute range covers it). The recorder
+        # keeps one host lane for every thread, where the other micro-batch's compute is what runs meanwhile.
+        with self._cv, wait_range():
             self._turn = 1 - me
             self._cv.notify_all()
             self._wait_turn(me)
@@ -97,7 +129,7 @@ class TwoBatch:
             with self._cv:
                 self._wait_turn(1)
             try:
-                with torch.inference_mode(inference), torch.no_grad():
+                with torch.inference_mode(inference), torch.no_grad(), compute_span(f"{self.name}.micro_batch[1]"):
                     if stream is not None:  # the stream is per thread: B queues its kernels where A does
                         with torch.cuda.device(device), torch.cuda.stream(stream):
                             self._result = context.run(self._second)
@@ -112,30 +144,31 @@ class TwoBatch:
                     self._turn = 0
                     self._cv.notify_all()
 
-        self._thread = threading.Thread(target=body, daemon=True, name="overlapkit-micro-batch-b")
-        self._thread.start()
+        self._started = True
+        self._worker.submit(body)
 
     def finish(self):
         """A is done: B runs to its end (if it ran at all); its result, or None when B never started."""
-        if self._thread is None:
+        if not self._started:
             return None
         with self._cv:
             self._done[0] = True
             self._turn = 1
             self._cv.notify_all()
-        self._thread.join()
+            while not self._done[1]:
+                self._cv.wait()
         if self._error is not None:
             raise self._error
         return self._result
 
     def abort(self) -> None:
-        """A failed: B unwinds at its next turn (raising MicroBatchAborted), and the thread is joined."""
+        """A failed: B unwinds at its next turn (raising MicroBatchAborted), and A waits until it has."""
         with self._cv:
             self._error = self._error or MicroBatchAborted("micro-batch A of this MoE block failed")
             self._done[0] = True
             self._cv.notify_all()
-        if self._thread is not None:
-            self._thread.join()
+            while self._started and not self._done[1]:
+                self._cv.wait()
 
     # -- the experts call of either micro-batch ------------------------------------------------
     def experts(self, router, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from ..expert_parallel.routed import DispatchCombine
-from ..expert_parallel.two_batch import TwoBatch, split_sequences
+from ..expert_parallel.two_batch import MicroBatchWorker, TwoBatch, split_sequences
 from ..runtime.agreement import agree
 from ..runtime.groups import expert_group_of
 
@@ -100,11 +100,12 @@ def shard_experts(model: nn.Module, mesh, *, chunks: int | str = "auto") -> dict
     if problem is not None:
         raise ValueError(f"parallelize: {problem}")
     ep_mesh = _ep_mesh(group)
+    worker = MicroBatchWorker()  # micro-batch B's thread, shared by the blocks: they run one after another
     for path, module in modules.items():
         _shard_module(module, counts[0], group, ep_mesh, chunks, path)
         block = model.get_submodule(path.rpartition(".")[0])
         if block is not module and "forward" not in block.__dict__:
-            block.forward = _TwoBatchBlock(block, module)
+            block.forward = _TwoBatchBlock(block, module, worker)
     return modules
 
 
@@ -189,8 +190,8 @@ class _TwoBatchBlock:
     """The MoE block's forward under EP: in a forward without gradients, its own forward on two micro-batches of
     sequences taking turns (expert_parallel/two_batch.py), their outputs concatenated back in batch order."""
 
-    def __init__(self, block: nn.Module, experts: nn.Module, micro_batches: int = 2) -> None:
-        self.block, self.experts, self.micro_batches = block, experts, micro_batches
+    def __init__(self, block: nn.Module, experts: nn.Module, worker: MicroBatchWorker, micro_batches: int = 2) -> None:
+        self.block, self.experts, self.worker, self.micro_batches = block, experts, worker, micro_batches
 
     def __call__(self, hidden_states, *args, **kwargs):
         own = type(self.block).forward
@@ -209,7 +210,7 @@ class _TwoBatchBlock:
             self.experts(*turns.empty_args)  # an empty B still takes its turns: a peer's B holds tokens
             return None
 
-        turns = TwoBatch(run_second, second.shape[0] * second.shape[1])
+        turns = TwoBatch(run_second, second.shape[0] * second.shape[1], self.worker, f"{router.name}.infer")
         router.two_batch = turns
         try:
             out_a = own(self.block, first)
@@ -227,8 +228,10 @@ class _TwoBatchBlock:
         return type(out_a)(torch.cat([x, y]) if torch.is_tensor(x) else x for x, y in zip(out_a, out_b))
 
     def __deepcopy__(self, memo):  # a deep copy of the model gets a forward bound to its own copies
+        if id(self.worker) not in memo:  # the copied model's blocks share one new worker
+            memo[id(self.worker)] = MicroBatchWorker()
         return _TwoBatchBlock(memo.get(id(self.block), self.block), memo.get(id(self.experts), self.experts),
-                              self.micro_batches)
+                              memo[id(self.worker)], self.micro_batches)
 
 
 def _thread_bound(x: torch.Tensor) -> bool:
