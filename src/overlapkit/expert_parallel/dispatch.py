@@ -157,15 +157,15 @@ def plan_dispatch(experts: torch.Tensor, num_experts: int, chunks: int, capacity
     else:
         counts = count(key, chunks * num_experts + 1)[:-1].view(chunks, ep, local)
     # Counts first: every rank learns how many rows each peer will send it, chunk by chunk.
-    recv, announced = counts, None
+    recv, announced, told = counts, None, None
     if ep > 1:
         send = counts.transpose(0, 1).contiguous()  # [dest rank, chunk, local expert]
         if announce is not None:  # one more column: the number every peer is told
             send = torch.cat([send.view(ep, -1), send.new_full((ep, 1), announce)], 1)
         got = torch.empty_like(send)
         comm.all_to_all_single(got, send, group, kind="ep_dispatch", name=f"{name}.fwd.counts", async_op=False)
-        if announce is not None:
-            announced = got[:, -1].tolist()
+        if announce is not None:  # read back with the counts below: no host sync of its own
+            told = got[:, -1]
             got = got[:, :-1].reshape(ep, chunks, local)
         recv = got.transpose(0, 1)  # [chunk, source rank, local expert]
     elif announce is not None:
@@ -176,7 +176,14 @@ def plan_dispatch(experts: torch.Tensor, num_experts: int, chunks: int, capacity
     if ep > 1 or capacity is not None or not grouped_on(dev):
         # The forward's one host sync (none on a CPU): transfers, and the per-expert loop, need their split
         # sizes on the host; the grouped GEMMs take theirs on the device.
-        counts_l, recv_l = torch.stack([counts, recv]).tolist()  # both [chunk][rank][e]
+        both = torch.stack([counts, recv])
+        if told is None:
+            counts_l, recv_l = both.tolist()  # both [chunk][rank][e]
+        else:
+            read = torch.cat([both.reshape(-1), told]).tolist()
+            announced, rows = read[both.numel():], iter(read[:both.numel()])
+            counts_l, recv_l = ([[[next(rows) for _ in range(local)] for _ in range(ep)] for _ in range(chunks)]
+                                for _ in range(2))
         send_splits = [[sum(counts_l[c][r]) for r in range(ep)] for c in range(chunks)]
         recv_splits = [[sum(recv_l[c][s]) for s in range(ep)] for c in range(chunks)]
         expert_rows = [[sum(recv_l[c][s][e] for s in range(ep)) for e in range(local)] for c in range(chunks)]
