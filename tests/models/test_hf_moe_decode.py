@@ -4,7 +4,8 @@ A transformers MoE model from `parallelize` with its experts over ep runs every 
 gradients as two micro-batches of sequences whose all-to-alls hide behind each other's compute. Greedy
 `generate()` with the KV cache, batched prompts left-padded, each dp rank on prompts of its own (and a
 batch size of its own): the tokens equal the plain one-process model's at ep 2 (Qwen2-MoE with its shared
-expert, Qwen3-MoE, Mixtral), ep 3 (6 experts), ep 4 and ep 2 x tp 2; the logits of one forward equal one
+expert, Qwen3-MoE, Mixtral), ep 3 (6 experts), ep 4 and ep 2 x tp 2 (Qwen3-MoE, and Qwen2-MoE with its shared
+expert; attention over tp); the logits of one forward equal one
 micro-batch's; the router logits the model returns are one entry per layer, as for one batch. Batch 1 on
 every rank runs one micro-batch's collectives only; batch 1 beside a peer's batch 2 takes B's turns empty.
 From recorded spans: an all-to-all of one micro-batch ran while the other's experts computed.
@@ -204,7 +205,8 @@ def _world4():
     import overlapkit
 
     return {"mixtral_ep4": _generate("mixtral", overlapkit.init(ep=4), batch=2),
-            "qwen3_moe_ep2_tp2": _generate("qwen3_moe", overlapkit.init(ep=2, tp=2), batch=3)}
+            "qwen3_moe_ep2_tp2": _generate("qwen3_moe", overlapkit.init(ep=2, tp=2), batch=3),
+            "qwen2_moe_ep2_tp2": _generate("qwen2_moe", overlapkit.init(ep=2, tp=2), batch=2)}
 
 
 def _check(results):
