@@ -175,6 +175,24 @@ def _recorder_vs_trace(directory: str):
     return _recorder_and_profiler(directory)
 
 
+def _micro_batches_differ(groups) -> str:
+    """One rank set to one micro-batch, its peer to two: both fail, naming it, before any transfer."""
+    import torch.distributed as dist
+
+    import overlapkit
+    from overlapkit.models.hf_experts import inference_micro_batches
+    from overlapkit.runtime.agreement import RankMismatchError
+
+    model = overlapkit.parallelize(hf_moe_cases.build("qwen3_moe").eval(), groups.mesh).eval()
+    inference_micro_batches(model, 1 + dist.get_rank())
+    try:
+        with torch.no_grad():
+            model(input_ids=torch.randint(3, 64, (2, 4)))
+    except RankMismatchError as e:
+        return str(e)
+    return "no error"
+
+
 @distributed(world_size=2, timeout_s=300)
 def _ep2():
     import torch.distributed as dist
@@ -190,6 +208,7 @@ def _ep2():
     out["spans_batch1"] = _spans_of(groups, 1)
     out["spans_batch2"] = _spans_of(groups, 2)
     out["overlap"] = _overlap()
+    out["differ"] = _micro_batches_differ(groups)
     return out
 
 
@@ -228,6 +247,7 @@ def test_two_micro_batches_generate_the_plain_tokens_at_ep2():
         assert {"dispatch[1]", "combine[1]", "experts[1]", "dispatch[0]", "combine[0]"} <= set(r["spans_batch2"])
         # an all-to-all of one micro-batch ran while the other's experts computed, measured from the spans
         assert max(r["overlap"]) > 0, r["overlap"]
+        assert "micro_batches differs (rank 0: 1, rank 1: 2)" in r["differ"], r["differ"]
 
 
 def test_two_micro_batches_at_ep3_ep4_and_ep2_x_tp2():

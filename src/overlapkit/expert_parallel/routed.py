@@ -130,7 +130,7 @@ class DispatchCombine:
         """x [tokens, hidden], the router's [tokens, top_k] choices and weights -> [tokens, hidden]:
         sum_j weights[:, j] * expert_{index[:, j]}(x), the experts run where they live."""
         self._agreement.check(self.group, width=x.shape[-1], dtype=x.dtype, top_k=top_k_index.shape[-1],
-                              device=x.device.type)
+                              device=x.device.type, micro_batches=1 if self.two_batch is None else 2)
         if self.two_batch is not None:
             return self.two_batch.experts(self, x, top_k_index, top_k_weights, run, weights)
         chunks, trial = self.chunk_choice.decided, None
