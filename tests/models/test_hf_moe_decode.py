@@ -262,10 +262,11 @@ def test_exposed_comm_per_decode_step_recorder_matches_the_profiler_trace(tmp_pa
         assert rec["decode"]["steps"] == trace["decode"]["steps"] == 5 and rec["prefill"]["steps"] == 1, r
         for kind in ("prefill", "decode"):
             a, b = rec[kind], trace[kind]
-            # The recorder's transfer ends when its wait returns or its watcher sees it done, the trace's when gloo's
-            # worker leaves it; each thread is scheduled among the other ranks' on a loaded machine. Within that
-            # resolution (a millisecond, or 30 %), the two agree.
+            # The recorder's transfer ends when its waiting thread wakes (or its watcher sees it done), the trace's
+            # when gloo's worker leaves it: every wait of a step adds the scheduler's wake-up latency to the
+            # recorder's exposed time, a millisecond a step and more on this loaded 2-core machine, and a prefill is
+            # one step. Within that resolution (2 ms, or 40 %) the two agree.
             said = (kind, {k: round(v, 3) for k, v in a.items() if k.endswith("ms")},
                     {k: round(v, 3) for k, v in b.items() if k.endswith("ms")})
-            assert abs(a["exposed_ms"] - b["exposed_ms"]) <= max(1.0, 0.3 * max(a["exposed_ms"], b["exposed_ms"])), said
+            assert abs(a["exposed_ms"] - b["exposed_ms"]) <= max(2.0, 0.4 * max(a["exposed_ms"], b["exposed_ms"])), said
             assert abs(a["step_ms"] - b["step_ms"]) <= max(0.5, 0.1 * a["step_ms"]), said

@@ -31,7 +31,7 @@ from typing import Callable, Sequence
 import torch
 
 from ..runtime import comm
-from ..runtime.recorder import compute_span, wait_range
+from ..runtime.recorder import active, compute_span, wait_range
 from .dispatch import _slots, plan_dispatch
 from .moe import _WeightedSum
 
@@ -83,6 +83,7 @@ class TwoBatch:
         self._done = [False, False]
         self._error: BaseException | None = None
         self._started = False
+        self._handed = None  # the host stamp of the last hand-over, while a recorder runs on the host clock
         self._first = threading.get_ident()
         self._result = None
         self.needed = False
@@ -107,9 +108,23 @@ class TwoBatch:
         # micro-batch waits for its turn is not its compute (the other's compute range covers it). The recorder
         # keeps one host lane for every thread, where the other micro-batch's compute is what runs meanwhile.
         with self._cv, wait_range():
-            self._turn = 1 - me
-            self._cv.notify_all()
+            self._hand_over(1 - me)
             self._wait_turn(me)
+        self._gap()
+
+    def _hand_over(self, to: int) -> None:
+        rec = active()
+        self._handed = rec.now() if rec is not None and not rec.cuda else None
+        self._turn = to
+        self._cv.notify_all()
+
+    def _gap(self) -> None:
+        """The stretch from the other's hand-over until this thread ran again computed nothing (the waking
+        thread is scheduled late on a loaded host): not compute for the recorder, whose one host lane cannot
+        tell which thread a compute span's time belongs to."""
+        rec = active()
+        if rec is not None and not rec.cuda and self._handed is not None:
+            rec.blocked(self._handed, rec.now())
 
     def _wait_turn(self, me: int) -> None:
         while self._turn != me and self._error is None and not self._done[1 - me]:
@@ -128,6 +143,7 @@ class TwoBatch:
         def body():
             with self._cv:
                 self._wait_turn(1)
+            self._gap()
             try:
                 with torch.inference_mode(inference), torch.no_grad(), compute_span(f"{self.name}.micro_batch[1]"):
                     if stream is not None:  # the stream is per thread: B queues its kernels where A does
@@ -141,8 +157,7 @@ class TwoBatch:
             finally:
                 with self._cv:
                     self._done[1] = True
-                    self._turn = 0
-                    self._cv.notify_all()
+                    self._hand_over(0)
 
         self._started = True
         self._worker.submit(body)
@@ -153,10 +168,10 @@ class TwoBatch:
             return None
         with self._cv:
             self._done[0] = True
-            self._turn = 1
-            self._cv.notify_all()
+            self._hand_over(1)
             while not self._done[1]:
                 self._cv.wait()
+        self._gap()
         if self._error is not None:
             raise self._error
         return self._result
