@@ -235,9 +235,10 @@ class _TwoBatchBlock:
 
 
 def _thread_bound(x: torch.Tensor) -> bool:
-    """State a second thread would not inherit: autocast, or a CUDA graph being captured (the plan's host sync
-    could not run in one anyway). Then the block runs one micro-batch."""
-    if torch.is_autocast_enabled(x.device.type):
+    """State a second thread would not inherit: autocast, a CUDA graph being captured (the plan's host sync
+    could not run in one anyway), torch.compile tracing (turns between threads cannot be traced). Then the
+    block runs one micro-batch."""
+    if torch.compiler.is_compiling() or torch.is_autocast_enabled(x.device.type):
         return True
     return x.is_cuda and torch.cuda.is_current_stream_capturing()
 
