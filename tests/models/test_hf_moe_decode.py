@@ -53,7 +53,10 @@ def _generate(family: str, groups, batch: int, experts: int = 4, plan=None) -> d
         one = model(input_ids=ids, attention_mask=mask).logits
         inference_micro_batches(model, 2)
         plain = ref(input_ids=ids, attention_mask=mask).logits
+    with torch.inference_mode():  # micro-batch B's thread runs in inference mode too
+        inference = model(input_ids=ids, attention_mask=mask).logits
     return dict(tokens=torch.equal(got, expected), new=got.shape[1] - ids.shape[1],
+                inference_mode=bool(torch.equal(inference, two)),
                 vs_one=((two - one).abs().max() / one.abs().max()).item(),
                 vs_plain=((two - plain).abs().max() / plain.abs().max()).item())
 
@@ -234,7 +237,7 @@ def _check(results):
             if not isinstance(v, dict) or "tokens" not in v:
                 continue
             assert v["tokens"] and 1 <= v["new"] <= 4, (rank, case, v)  # eos may end a rank's prompts early
-            assert v["vs_one"] <= TOL and v["vs_plain"] <= TOL, (rank, case, v)
+            assert v["vs_one"] <= TOL and v["vs_plain"] <= TOL and v["inference_mode"], (rank, case, v)
 
 
 def test_two_micro_batches_generate_the_plain_tokens_at_ep2():
