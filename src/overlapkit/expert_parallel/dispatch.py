@@ -58,6 +58,8 @@ class DispatchPlan:
     """[num_experts] assignments of this rank's tokens dropped for lack of capacity (None: dropless)."""
     received_per_expert: torch.Tensor
     """[local experts] rows this rank's experts computed, from every rank."""
+    announced: list[int] | None = None
+    """[ep rank] the number each EP rank sent along with its counts (`plan_dispatch(announce=)`); None if not asked."""
 
     @property
     def expert_rows(self) -> list[list[int]]:
@@ -121,12 +123,15 @@ def _receive_layout(recv: torch.Tensor, total: int, dev, cache: dict | None = No
 
 
 def plan_dispatch(experts: torch.Tensor, num_experts: int, chunks: int, capacity: int | None, group,
-                  name: str, per_expert: torch.Tensor | None = None, cache: dict | None = None) -> DispatchPlan:
+                  name: str, per_expert: torch.Tensor | None = None, cache: dict | None = None,
+                  announce: int | None = None) -> DispatchPlan:
     """Collective over the EP group (one all-to-all of counts, on more than one rank): the plan of one forward.
 
     `experts` [tokens, top_k] are the router's choices on this rank; `chunks` a count or "ranks";
     `per_expert` [num_experts] their counts if the caller has them (the router counted them for its loss);
-    `cache` the layer's dict of shape-only constants (see `constant`).
+    `cache` the layer's dict of shape-only constants (see `constant`); `announce`: a number this rank tells
+    every EP rank in the same exchange (each rank's lands in `plan.announced`: a decision all ranks then make
+    alike, at no extra collective).
     """
     ep = comm.group_size(group)
     schedule, by_rank = chunks, chunks == RANKS and ep > 1
@@ -152,19 +157,33 @@ def plan_dispatch(experts: torch.Tensor, num_experts: int, chunks: int, capacity
     else:
         counts = count(key, chunks * num_experts + 1)[:-1].view(chunks, ep, local)
     # Counts first: every rank learns how many rows each peer will send it, chunk by chunk.
-    recv = counts
+    recv, announced, told = counts, None, None
     if ep > 1:
         send = counts.transpose(0, 1).contiguous()  # [dest rank, chunk, local expert]
+        if announce is not None:  # one more column: the number every peer is told
+            send = torch.cat([send.view(ep, -1), send.new_full((ep, 1), announce)], 1)
         got = torch.empty_like(send)
         comm.all_to_all_single(got, send, group, kind="ep_dispatch", name=f"{name}.fwd.counts", async_op=False)
+        if announce is not None:  # read back with the counts below: no host sync of its own
+            told = got[:, -1]
+            got = got[:, :-1].reshape(ep, chunks, local)
         recv = got.transpose(0, 1)  # [chunk, source rank, local expert]
+    elif announce is not None:
+        announced = [announce]
     # [piece, local expert]: rows each local expert computes
     per_chunk = recv[0] if by_rank else recv[:, 0] if ep == 1 else recv.sum(1)
     send_splits = recv_splits = expert_rows = None
     if ep > 1 or capacity is not None or not grouped_on(dev):
         # The forward's one host sync (none on a CPU): transfers, and the per-expert loop, need their split
         # sizes on the host; the grouped GEMMs take theirs on the device.
-        counts_l, recv_l = torch.stack([counts, recv]).tolist()  # both [chunk][rank][e]
+        both = torch.stack([counts, recv])
+        if told is None:
+            counts_l, recv_l = both.tolist()  # both [chunk][rank][e]
+        else:
+            read = torch.cat([both.reshape(-1), told]).tolist()
+            announced, rows = read[both.numel():], iter(read[:both.numel()])
+            counts_l, recv_l = ([[[next(rows) for _ in range(local)] for _ in range(ep)] for _ in range(chunks)]
+                                for _ in range(2))
         send_splits = [[sum(counts_l[c][r]) for r in range(ep)] for c in range(chunks)]
         recv_splits = [[sum(recv_l[c][s]) for s in range(ep)] for c in range(chunks)]
         expert_rows = [[sum(recv_l[c][s][e] for s in range(ep)) for e in range(local)] for c in range(chunks)]
@@ -201,7 +220,7 @@ def plan_dispatch(experts: torch.Tensor, num_experts: int, chunks: int, capacity
         recv_rows=recv_rows, groups=groups,
         recv_perm=_receive_layout(recv, total, dev, cache) if ep > 1 and not by_rank else None,
         assignments=flat.numel(), dropless=keep is None, sent_per_expert=sent, dropped_per_expert=dropped,
-        received_per_expert=per_chunk[0] if pieces == 1 else per_chunk.sum(0))
+        received_per_expert=per_chunk[0] if pieces == 1 else per_chunk.sum(0), announced=announced)
 
 
 class _Done:

@@ -116,6 +116,9 @@ class DispatchCombine:
             self.chunk_choice.decide_now(1, "one EP rank: nothing travels, so nothing to hide behind chunks")
         elif chunks != "auto":
             self.chunk_choice.reason = "fixed by the caller"
+        self.two_batch = None
+        """The turns of an inference block call running two micro-batches (two_batch.py), set by its caller for
+        the call's duration; None: one batch, chunked as above."""
 
     @property
     def local_experts(self) -> slice:
@@ -127,7 +130,9 @@ class DispatchCombine:
         """x [tokens, hidden], the router's [tokens, top_k] choices and weights -> [tokens, hidden]:
         sum_j weights[:, j] * expert_{index[:, j]}(x), the experts run where they live."""
         self._agreement.check(self.group, width=x.shape[-1], dtype=x.dtype, top_k=top_k_index.shape[-1],
-                              device=x.device.type)
+                              device=x.device.type, micro_batches=1 if self.two_batch is None else 2)
+        if self.two_batch is not None:
+            return self.two_batch.experts(self, x, top_k_index, top_k_weights, run, weights)
         chunks, trial = self.chunk_choice.decided, None
         if chunks is None:  # auto, still timing: this call runs one candidate
             trial = self.chunk_choice.trial(x.device)

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from ..expert_parallel.routed import DispatchCombine
+from ..expert_parallel.two_batch import MicroBatchWorker, TwoBatch, split_sequences
 from ..runtime.agreement import agree
 from ..runtime.groups import expert_group_of
 from ..tensor_parallel.mappings import copy_to_tp
@@ -101,9 +102,25 @@ def shard_experts(model: nn.Module, mesh, *, chunks: int | str = "auto") -> dict
     if problem is not None:
         raise ValueError(f"parallelize: {problem}")
     ep_mesh = _ep_mesh(group)
+    worker = MicroBatchWorker()  # micro-batch B's thread, shared by the blocks: they run one after another
     for path, module in modules.items():
         _shard_module(module, counts[0], group, ep_mesh, chunks, path)
+        block = model.get_submodule(path.rpartition(".")[0])
+        if block is not module and "forward" not in block.__dict__:
+            block.forward = _TwoBatchBlock(block, module, worker)
     return modules
+
+
+def inference_micro_batches(model: nn.Module, n: int) -> None:
+    """How many micro-batches the MoE blocks of `model` (its experts split by `parallelize`) cut a forward
+    without gradients into: 2 (the default: one's all-to-alls hide behind the other's compute) or 1 (the
+    whole batch at once, chunked as in training). Every EP rank must set the same."""
+    if n not in (1, 2):
+        raise ValueError(f"inference_micro_batches: n must be 1 or 2, got {n!r}")
+    for m in model.modules():
+        wrapper = m.__dict__.get("forward")
+        if isinstance(wrapper, _TwoBatchBlock):
+            wrapper.micro_batches = n
 
 
 def _ep_mesh(group):
@@ -181,3 +198,92 @@ class _RoutedForward:
 
     def __deepcopy__(self, memo):  # a deep copy of the model gets a forward bound to its own copy of the module
         return _RoutedForward(memo.get(id(self.module), self.module))
+
+
+class _TwoBatchBlock:
+    """The MoE block's forward under EP: in a forward without gradients, its own forward on two micro-batches of
+    sequences taking turns (expert_parallel/two_batch.py), their outputs concatenated back in batch order."""
+
+    def __init__(self, block: nn.Module, experts: nn.Module, worker: MicroBatchWorker, micro_batches: int = 2) -> None:
+        self.block, self.experts, self.worker, self.micro_batches = block, experts, worker, micro_batches
+
+    def __call__(self, hidden_states, *args, **kwargs):
+        own = type(self.block).forward
+        if (self.micro_batches < 2 or args or kwargs or torch.is_grad_enabled() or not torch.is_tensor(hidden_states)
+                or hidden_states.dim() != 3 or hidden_states.shape[0] == 0 or _thread_bound(hidden_states)):
+            return own(self.block, hidden_states, *args, **kwargs)
+        router = self.experts.__dict__["_overlapkit_experts"][0]
+        a = split_sequences(hidden_states.shape[0])
+        first, second = hidden_states[:a], hidden_states[a:]
+        capture = _OutputCapture()
+
+        def run_second():
+            capture.divert()
+            if second.shape[0]:
+                return own(self.block, second)
+            self.experts(*turns.empty_args)  # an empty B still takes its turns: a peer's B holds tokens
+            return None
+
+        turns = TwoBatch(run_second, second.shape[0] * second.shape[1], self.worker, f"{router.name}.infer")
+        router.two_batch = turns
+        try:
+            out_a = own(self.block, first)
+            out_b = turns.finish()
+        except BaseException:
+            turns.abort()
+            raise
+        finally:
+            router.two_batch = None
+        capture.merge()
+        if out_b is None:
+            return out_a
+        if torch.is_tensor(out_a):
+            return torch.cat([out_a, out_b])
+        return type(out_a)(torch.cat([x, y]) if torch.is_tensor(x) else x for x, y in zip(out_a, out_b))
+
+    def __deepcopy__(self, memo):  # a deep copy of the model gets a forward bound to its own copies
+        if id(self.worker) not in memo:  # the copied model's blocks share one new worker
+            memo[id(self.worker)] = MicroBatchWorker()
+        return _TwoBatchBlock(memo.get(id(self.block), self.block), memo.get(id(self.experts), self.experts),
+                              memo[id(self.worker)], self.micro_batches)
+
+
+def _thread_bound(x: torch.Tensor) -> bool:
+    """State a second thread would not inherit: autocast, a CUDA graph being captured (the plan's host sync
+    could not run in one anyway), torch.compile tracing (turns between threads cannot be traced). Then the
+    block runs one micro-batch."""
+    if torch.compiler.is_compiling() or torch.is_autocast_enabled(x.device.type):
+        return True
+    return x.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+class _OutputCapture:
+    """transformers records outputs (router logits) into a collector held by a ContextVar: micro-batch B records
+    into a collector of its own, merged after the block into the entries A recorded (A's rows, then B's: batch
+    order), so the model returns one entry per layer, as for one batch."""
+
+    def __init__(self) -> None:
+        try:
+            from transformers.utils import output_capturing
+
+            self.var = output_capturing._active_collector
+        except (ImportError, AttributeError):
+            self.var = None
+        self.outer = self.var.get() if self.var is not None else None
+        lists = {k: v for k, v in (self.outer or {}).items() if isinstance(v, list)}
+        self.before = {k: len(v) for k, v in lists.items()}
+        self.apart = {k: ([] if k in lists else v) for k, v in (self.outer or {}).items()}
+
+    def divert(self) -> None:
+        """In B's thread (a copy of A's context): record into B's own collector."""
+        if self.outer is not None:
+            self.var.set(self.apart)
+
+    def merge(self) -> None:
+        for key, n in self.before.items():
+            mine, theirs = self.outer[key][n:], self.apart[key]
+            if not theirs:  # this rank's B was empty: A's entries hold every token
+                continue
+            if len(mine) != len(theirs):
+                raise RuntimeError(f"micro-batches recorded {len(mine)} and {len(theirs)} {key!r} entries in one block")
+            self.outer[key][n:] = [torch.cat([x, y]) if torch.is_tensor(x) else x for x, y in zip(mine, theirs)]

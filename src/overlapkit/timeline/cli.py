@@ -141,6 +141,7 @@ def _what_ifs(args, analysis, traces) -> list[dict]:
 def run(args) -> int:
     from .diagnose import walk
     from .fsdp2 import layer_table
+    from .serving import serving_table
     from .table import path_tables, print_diagnosis, print_report, print_tables
 
     for out, flag in ((args.plot, "--plot"),):
@@ -176,6 +177,7 @@ def run(args) -> int:
             print_report(analysis.report, console=console, detail=not args.brief)
         if not args.brief:
             print_tables(layer_table(traces), console=console)
+            print_tables(serving_table(traces), console=console)
             print_tables(path_tables(analysis), console=console)
         if asked:
             print_tables([("What-if, asked", ["if", "step ms", "saves ms", "measured ms"],
@@ -253,6 +255,7 @@ def to_json(analysis, traces, diagnosis) -> dict:
     from dataclasses import asdict
 
     from .fsdp2 import layer_json
+    from .serving import serving_json
 
     doc = analysis.report.to_dict()
     for row, t in zip(doc["ranks"], traces):
@@ -273,6 +276,7 @@ def to_json(analysis, traces, diagnosis) -> dict:
     doc["slow_groups"] = analysis.slow_groups
     doc["diagnosis"] = diagnosis
     doc["zero3_layers"] = layer_json(traces)
+    doc["serving_steps"] = serving_json(traces)
     return doc
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from .fsdp2 import fsdp2_comm
 from .kinds import collective_kind, copy_comm_kind, is_nccl, kernel_comm_kind, nccl_kind_from_name, range_label
-from .messages import message
+from .messages import keep, message
 from ..runtime.spans import COMPUTE, Span
 
 
@@ -66,3 +66,14 @@ def nccl_kind(name, args, launch, param_comms, param_by_ext) -> tuple[str, int, 
     nbytes, group, pg = message(meta)
     kind = collective_kind(str(meta["Collective name"])) if "Collective name" in meta else nccl_kind_from_name(name)
     return kind, nbytes, group, pg
+
+
+_GPU_ARGS = ("correlation", "stream", "device", "bytes", "External id")
+
+
+def keep_gpu(args: dict) -> dict:
+    """What the reader needs of a GPU event's args (a kernel's carry a dozen more fields)."""
+    out = {k: args[k] for k in _GPU_ARGS if k in args}
+    if "Collective name" in args:
+        out.update(keep(args))
+    return out

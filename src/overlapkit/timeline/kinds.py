@@ -1,9 +1,11 @@
 """Which GPU kernels and copies of a trace are communication, and which collective each one is.
 
 Overlap is communication hidden behind computation, so every transfer a trace holds must be
-told apart from compute, whoever wrote the kernel: NCCL/RCCL collectives, DeepEP's
-expert-parallel dispatch/combine kernels, TransformerEngine's userbuffers kernels, PyTorch
-symmetric-memory kernels, NVSHMEM, and peer-to-peer copies (copy-engine pulls between GPUs).
+told apart from compute, whoever wrote the kernel: NCCL/RCCL collectives (NCCL's symmetric
+`ncclSymk*` kernels too), DeepEP's expert-parallel dispatch/combine kernels, TransformerEngine's
+userbuffers kernels, PyTorch symmetric-memory kernels, NVSHMEM, the serving stacks' all-reduces
+(vLLM's custom all-reduce, FlashInfer's and TensorRT-LLM's one-shot/two-shot and fused
+all-reduce + norm kernels) and peer-to-peer copies (copy-engine pulls between GPUs).
 """
 
 from __future__ import annotations
@@ -14,7 +16,9 @@ from functools import lru_cache
 from ..runtime.spans import COMM_RANGE_PREFIX, COMPUTE_RANGE_PREFIX, WAIT_RANGE
 
 _NCCL = re.compile(r"^(?:nccl|rccl)", re.IGNORECASE)
-_NCCL_COLLECTIVE = re.compile(r"^(?:nccl|rccl)(?:Dev)?Kernel_([A-Za-z]+)", re.IGNORECASE)
+# ncclDevKernel_AllReduce_..., and NCCL's symmetric-memory kernels ncclSymkDevKernel_AllReduce_AGxLL_R_sum_f32
+# (ncclSymDevKernel_ in NCCL 2.27)
+_NCCL_COLLECTIVE = re.compile(r"^(?:nccl|rccl)(?:Symk?)?(?:Dev)?Kernel_([A-Za-z]+)", re.IGNORECASE)
 # DeepEP (deep_ep::intranode|internode|internode_ll::dispatch|combine|notify_dispatch|...), also
 # its in-house build seen in DeepSeek's published profile (dpsk::ep::...).
 _DEEPEP = re.compile(r"\b(?:deep_ep|dpsk::ep)::(?:intranode|internode|internode_ll)::(\w+)")
@@ -22,6 +26,16 @@ _USERBUFFERS = re.compile(r"\bk?userbuffers_(\w+)", re.IGNORECASE)
 _SYMM_MEM = re.compile(r"\b(?:c10d::symmetric_memory|symm_mem)::(\w+)")
 _NVSHMEM = re.compile(r"\bnvshmem\w*", re.IGNORECASE)
 _PEER_COPY = re.compile(r"\bPtoP\b")
+# The serving stacks' all-reduce kernels, all one collective whatever else they fuse (a residual add, an RMSNorm,
+# a quantization): vLLM's custom all-reduce (vllm::cross_device_reduce_1stage / _2stage); TensorRT-LLM's and
+# FlashInfer's (ar_fusion::allreduce_fusion_kernel_oneshot_lamport / _twoshot_sync, moereduce_allreduce_fusion_*,
+# oneShotAllReduceKernel / twoShotAllReduceKernel, MNNVL's oneshotAllreduceFusionKernel / twoshotAllreduceKernel
+# and the rmsNormLamport that finishes it, lamport buffer initialisation); torch's symmetric-memory kernels
+# (one_shot_all_reduce_kernel, two_shot_all_reduce_kernel, multimem_all_reduce_kernel), whose namespace a
+# demangled name may hide behind "(anonymous namespace)".
+_SERVING_ALL_REDUCE = re.compile(r"cross_device_reduce_\dstage|allreduce_fusion|(?:one|two)_?shot_?all_?reduce|lamport",
+                                 re.IGNORECASE)
+_MULTIMEM = re.compile(r"\bmultimem_(\w+)")
 
 
 def collective_kind(name: str) -> str:
@@ -66,7 +80,8 @@ def kernel_comm_kind(name: str) -> str | None:
     DeepEP: `ep_dispatch` (dispatch, notify_dispatch), `ep_combine` (combine), `ep_notify`
     (cached_notify, shared by both). userbuffers: the collective its name carries (`_rs` ->
     reduce_scatter, `_ag` -> all_gather), else `userbuffers`. Symmetric memory and NVSHMEM: the
-    collective in the function name, else `symm_mem` / `nvshmem`.
+    collective in the function name, else `symm_mem` / `nvshmem`. The serving stacks' all-reduce
+    kernels (vLLM, FlashInfer, TensorRT-LLM, torch's one-shot/two-shot): `all_reduce`.
     """
     if (m := _DEEPEP.search(name)) is not None:
         fn = m.group(1)
@@ -81,6 +96,10 @@ def kernel_comm_kind(name: str) -> str | None:
             return "all_gather"
         return "userbuffers"
     if (m := _SYMM_MEM.search(name)) is not None:
+        return _from_function(m.group(1)) or "symm_mem"
+    if _SERVING_ALL_REDUCE.search(name) is not None:
+        return "all_reduce"
+    if (m := _MULTIMEM.search(name)) is not None:
         return _from_function(m.group(1)) or "symm_mem"
     if _NVSHMEM.search(name) is not None:
         return _from_function(name) or "nvshmem"

@@ -32,13 +32,14 @@ from pathlib import Path
 from . import cpu_trace
 from .framework import GRAPH_LAUNCHES, HOST_SYNCS, tag
 from .fsdp2 import is_fsdp_range
-from .gpu_trace import gpu_spans
+from .gpu_trace import gpu_spans, keep_gpu
 from .jsonstream import UNSUPPORTED_DEVICES, TraceEvents, TraceFileError, unsupported
 from .kinds import collective_kind
 from .messages import dtype_bytes, keep
 from .phases import marker_phase, span_phase
 from . import validate
 from .ranges import Ranges
+from .serving import outermost_steps, step_kind
 from .validate import BadTrace
 from ..runtime.spans import COMM_RANGE_PREFIX, COMPUTE_RANGE_PREFIX, WAIT_RANGE, Span
 
@@ -102,6 +103,8 @@ class Trace:
     """(thread, start ms, end ms) a CPU trace's compute threads sat blocked in a wait for communication."""
     step_ranges: dict = field(default_factory=dict)
     """ProfilerStep number -> (start ms, end ms) of its CPU range."""
+    serving_ranges: list = field(default_factory=list)
+    """(kind, start ms, end ms) of every serving step's range, prefill or decode (timeline/serving.py's rule)."""
     evidence: dict = field(default_factory=dict)
     """Framework evidence: tag -> how many events carried it (timeline/framework.py)."""
 
@@ -115,23 +118,25 @@ class Trace:
         self.host_ops = [(t, a - offset_ms, b - offset_ms, n) for t, a, b, n in self.host_ops]
         self.blocked = [(t, a - offset_ms, b - offset_ms) for t, a, b in self.blocked]
         self.step_ranges = {n: (a - offset_ms, b - offset_ms) for n, (a, b) in self.step_ranges.items()}
+        self.serving_ranges = [(k, a - offset_ms, b - offset_ms) for k, a, b in self.serving_ranges]
 
 
 def _role(cat: str, name: str) -> tuple:
     """(lower-case category, what the reader does with an X event of it and this name, its framework tag,
-    the phase it marks). The role is None for events whose times no number is read from (Python frames,
+    the phase it marks, the serving step it is: prefill, decode or None). The role is None for events whose times no number is read from (Python frames,
     GPU images of CPU ranges, ranges that mark nothing): those are neither kept nor checked (validate.py).
     Refuses a category of a device overlapkit cannot read."""
     if (device := cat.split("_", 1)[0]) in UNSUPPORTED_DEVICES:
         raise unsupported(device)
     marker = marker_phase(name) if cat in MARKER_CATEGORIES else None
     t = tag(name) if cat in TAGGED_CATEGORIES else None
+    serve = step_kind(name) if cat in MARKER_CATEGORIES else None
     if cat in GPU_CATEGORIES:
         role = "gpu"
     elif cat in LAUNCH_CATEGORIES:
         role = "launch"
     elif cat.startswith("gpu_"):
-        return cat, None, t, None  # gpu_user_annotation: GPU images of CPU ranges, not work of their own
+        return cat, None, t, None, None  # gpu_user_annotation: GPU images of CPU ranges, not work of their own
     elif name.startswith(_STEP_PREFIX) and name[len(_STEP_PREFIX):].isdigit():
         role = "step"
     elif name.startswith((COMM_RANGE_PREFIX, COMPUTE_RANGE_PREFIX)) or name == WAIT_RANGE:
@@ -145,8 +150,8 @@ def _role(cat: str, name: str) -> tuple:
     elif cat in CPU_OP_CATEGORIES:
         role = "op"
     else:
-        role = "marker" if marker is not None else None
-    return cat, role, t, marker
+        role = "marker" if marker is not None or serve is not None else None
+    return cat, role, t, marker, serve
 
 
 def _gpu_name(meta: dict) -> str | None:
@@ -184,7 +189,7 @@ def read_trace(path: str | Path, rank: int | None = None, last_step: bool = Fals
         raise TraceError(f"{path}: {e}") from None
     gpu, launches, steps, syncs, evidence = [], {}, [], [], {}
     ranges, param_comms, param_by_ext, markers, fsdp = Ranges(), Ranges(), {}, Ranges(), Ranges()
-    gloo, ops = [], []
+    gloo, ops, serving = [], [], []
     first, last, starts = (_INF, -1, None), (-_INF, -1, None), []  # the used events' earliest start, latest end
     roles = {}  # (cat, name) -> _role(...): names repeat 10^5 times, so each is classified once
     try:
@@ -198,7 +203,7 @@ def read_trace(path: str | Path, rank: int | None = None, last_step: bool = Fals
                 cat, name = str(cat), str(name)
             if (known := roles.get((cat, name))) is None:
                 known = roles[(cat, name)] = (*_role(cat.lower(), name), name)
-            cat, role, t, phase, name = known  # the first event's name: one str kept per distinct name
+            cat, role, t, phase, serve, name = known  # the first event's name: one str kept per distinct name
             if t is not None:
                 evidence[t] = evidence.get(t, 0) + 1
             if role is None:
@@ -234,6 +239,8 @@ def read_trace(path: str | Path, rank: int | None = None, last_step: bool = Fals
                 gloo.append((tid, ts, ts + dur, name, keep(e.get("args") or {})))
             if phase is not None:
                 markers.add(tid, ts, ts + dur, {"phase": phase})
+            if serve is not None:
+                serving.append((tid, ts, ts + dur, serve))
             starts.append(ts)
             if ts < first[0]:
                 first = (ts, i, e)
@@ -314,18 +321,9 @@ def read_trace(path: str | Path, rank: int | None = None, last_step: bool = Fals
                  host_ops=[(t, ms(a), ms(b), n) for t, a, b, n in _outermost(ops)],
                  blocked=[(t, ms(a), ms(b)) for t, a, b in blocked],
                  step_ranges={n: (ms(a), ms(b)) for a, b, n in steps if n in kept or n == dropped},
-                 evidence=evidence)
+                 serving_ranges=[(k, ms(a), ms(b)) for a, b, k in outermost_steps(serving)
+                                 if dropped is None or a < steps[-1][0]], evidence=evidence)
 
-
-_GPU_ARGS = ("correlation", "stream", "device", "bytes", "External id")
-
-
-def keep_gpu(args: dict) -> dict:
-    """What the reader needs of a GPU event's args (a kernel's carry a dozen more fields)."""
-    out = {k: args[k] for k in _GPU_ARGS if k in args}
-    if "Collective name" in args:
-        out.update(keep(args))
-    return out
 
 
 def _place(s: Span, origin_us: float, rank: int, step: int | None, phase: str | None) -> Span:
