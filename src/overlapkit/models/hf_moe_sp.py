@@ -52,7 +52,7 @@ def router_classes(model: nn.Module) -> tuple[type, ...]:
 class MoEBlockSequenceParallel(ParallelStyle):
     """A MoE block (its `router` and `experts` children named) on this rank's slice of the sequence.
 
-    Its input must be [batch, sequence slice, hidden] (the batch size orders the gathered logits).
+    Its input must be [batch, sequence slice, hidden] (its sequence slice orders the gathered logits).
     """
 
     def __init__(self, *, router: str, experts: str) -> None:
@@ -62,10 +62,10 @@ class MoEBlockSequenceParallel(ParallelStyle):
         group = resolve_group(device_mesh, "tp")
         name = getattr(module, "_overlapkit_name", "") or type(module).__name__
         router, experts = module.get_submodule(self.router), module.get_submodule(self.experts)
-        batch: list[int] = []
-        module.register_forward_pre_hook(functools.partial(_note_batch, batch, name), with_kwargs=True)
+        seq: list[int] = []
+        module.register_forward_pre_hook(functools.partial(_note_sequence, seq, name), with_kwargs=True)
         mark_sequence_parallel(router, device_mesh, name=f"{name}.{self.router}")
-        router.forward = _GatheredLogits(router, router.forward, group, batch, f"{name}.{self.router}")
+        router.forward = _GatheredLogits(router, router.forward, group, seq, f"{name}.{self.router}")
         label = f"{name}.{self.experts}"
         if sum_expert_grads_over(experts, group, label):
             pass  # split over ep by parallelize: its routed forward sums the local shards over tp
@@ -94,12 +94,14 @@ def _sum_over_tp(group, name: str, grad: torch.Tensor) -> torch.Tensor:
                               stride=grad.stride())
 
 
-def _note_batch(batch: list, name: str, _module, args, kwargs):
+def _note_sequence(seq: list, name: str, _module, args, kwargs):
     x = args[0] if args else kwargs.get("hidden_states")
     if not isinstance(x, torch.Tensor) or x.dim() != 3:
         raise ValueError(f"{name} under sequence parallelism takes hidden_states [batch, sequence, hidden], got "
                          f"{getattr(x, 'shape', type(x).__name__)}")
-    batch[:] = [x.shape[0]]
+    # The local sequence length, not the batch: inference runs the block's own forward on parts of the
+    # batch (expert_parallel.two_batch) without this hook, and every part keeps the sequence whole.
+    seq[:] = [x.shape[1]]
     # The region keeps activations sequence-major (tensor_parallel/layout.py); the block flattens its
     # input with .view into [tokens, hidden], which needs the batch-major layout of a plain model.
     x = x.contiguous()
@@ -109,8 +111,8 @@ def _note_batch(batch: list, name: str, _module, args, kwargs):
 class _GatheredLogits:
     """The router's forward with its first output (the logits the model records) gathered over TP."""
 
-    def __init__(self, router: nn.Module, forward, group, batch: list, name: str) -> None:
-        self.router, self.forward, self.group, self.batch, self.name = router, forward, group, batch, name
+    def __init__(self, router: nn.Module, forward, group, seq: list, name: str) -> None:
+        self.router, self.forward, self.group, self.seq, self.name = router, forward, group, seq, name
 
     def __call__(self, *args, **kwargs):
         out = self.forward(*args, **kwargs)
@@ -120,7 +122,8 @@ class _GatheredLogits:
             raise TypeError(f"{self.name} ({type(self.router).__name__}) under sequence parallelism must return "
                             "(logits [tokens, experts], ...), so that its logits can be gathered for the "
                             "load-balancing loss")
-        logits, b = out[0], self.batch[0]
+        logits = out[0]
+        b = logits.shape[0] // self.seq[0]
         # [b * s_local, E] -> [b, s_local * E]: concatenating the ranks' last dims is [b, s, E] in order
         whole = gather_from_tp(logits.reshape(b, -1), self.group, f"{self.name}.router_logits")
         return (whole.reshape(-1, logits.shape[-1]), *out[1:])
@@ -128,4 +131,4 @@ class _GatheredLogits:
     def __deepcopy__(self, memo):  # a deep copy of the model gets a forward bound to its own router
         router = memo.get(id(self.router), self.router)
         return _GatheredLogits(router, type(router).forward.__get__(router), self.group,
-                               copy.deepcopy(self.batch, memo), self.name)
+                               copy.deepcopy(self.seq, memo), self.name)
