@@ -37,7 +37,8 @@ WHERE = {
     "matmul_reduce_scatter": "overlapkit.tensor_parallel.pipelined",
     # A module's parameters as replicated DTensors computing on local views: replicated_params_probe.
     "replicate_module": "overlapkit.tensor_parallel.replicated",
-    # One chunk's expert GEMMs and the devices the grouped path runs on: ep_grouped_probe.
+    # One chunk's expert GEMMs and the devices the grouped path runs on: ep_grouped_probe (GROUPED_DEVICES also
+    # ep_host_cost, moe_vs_grouped_moe).
     "Groups": "overlapkit.expert_parallel.experts", "experts_forward": "overlapkit.expert_parallel.experts",
     "experts_backward": "overlapkit.expert_parallel.experts", "GROUPED_DEVICES": "overlapkit.expert_parallel.experts",
     # The demo's rank body: teardown_repeat.
