@@ -87,7 +87,7 @@ class SlotActions:
         sync = isinstance(chunk, DataParallel) and not split and a.mb == self._last_backward[a.chunk]
         store = st.stores[(a.chunk, a.mb)] = WeightGradStore(f"pp.W{a.mb}.c{a.chunk}") if split else None
         quiet = chunk.no_sync() if isinstance(chunk, DataParallel) and not sync else contextlib.nullcontext()
-        routed = split_linears(self._linear_weights[a.chunk], store) if split else contextlib.nullcontext()
+        routed = split_linears(self._linear_router[a.chunk], store) if split else contextlib.nullcontext()
         with compute_span(f"pp.F{a.mb}.c{a.chunk}"), quiet, routed:
             out = chunk(x)
             loss = None
