@@ -37,6 +37,8 @@ class WeightGradStore:
         self._items: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, Callable | None]] = []
         self.extra: dict[torch.Tensor, torch.Tensor] = {}
         """Other gradients B computed but did not accumulate (the last micro-batch of a data-parallel chunk)."""
+        self.kept_bytes = 0
+        """`nbytes` as its B left it (what the step's accounting added, and its W takes away)."""
 
     def add(self, param: torch.Tensor, dy: torch.Tensor, x: torch.Tensor, as_grad: Callable | None = None) -> None:
         """Keep dW = dy^T x for `param` (dy [rows, out], x [rows, in]); `as_grad` turns it into the
