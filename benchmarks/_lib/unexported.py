@@ -41,6 +41,9 @@ WHERE = {
     # ep_host_cost, moe_vs_grouped_moe).
     "Groups": "overlapkit.expert_parallel.experts", "experts_forward": "overlapkit.expert_parallel.experts",
     "experts_backward": "overlapkit.expert_parallel.experts", "GROUPED_DEVICES": "overlapkit.expert_parallel.experts",
+    # A chunk forward as split_backward's F runs it, beside the plain one: pp_step_cost.
+    "LinearRouter": "overlapkit.pipeline_parallel.wgrad", "split_linears": "overlapkit.pipeline_parallel.wgrad",
+    "WeightGradStore": "overlapkit.pipeline_parallel.wgrad",
     # The demo's rank body: teardown_repeat.
     "DemoConfig": "overlapkit.demos.gpt", "run_rank": "overlapkit.demos.gpt",
     # The calibrated cost model (what `overlapkit plan --calibrate` runs): calibrate_validation.

@@ -4,7 +4,7 @@ W action — run where the pipeline would otherwise idle, and under whose GEMMs 
 reduction of the gradients they complete can run.
 
 Which GEMMs are deferred: those of every `nn.Linear` of the chunk (a forward run under
-`split_linears` runs their GEMM on the weight detached, and a hook on the output keeps dy and x), and
+`split_linears` runs their GEMM on the weight detached, and a hook on the output's node keeps dy and x), and
 those of overlapkit's tensor-parallel linears (tensor_parallel.ops.defer_weight_grads; the GEMM of
 a symm_mem column layer fused with its re-gather stays in B). Every other gradient (biases, norms,
 embeddings, experts) is computed in B as usual. A weight used elsewhere too (tied) still gets that
@@ -114,14 +114,16 @@ _linear_sink = contextvars.ContextVar("overlapkit_pp_linear_sink", default=None)
 """The store of the split forward running in this thread (a pair's other side runs in another)."""
 
 
-def _hold(store: WeightGradStore, w: torch.Tensor, x: torch.Tensor, dy: torch.Tensor) -> None:
-    """The hook on a split linear's output: its gradient dy and the input x go to the store, for dW = dy^T x."""
+def _hold(store: WeightGradStore, w: torch.Tensor, x: torch.Tensor, grad_outputs: tuple) -> None:
+    """The pre-hook on a split linear's output node: its gradient dy and the input x go to the store, for
+    dW = dy^T x."""
+    dy = grad_outputs[0]
     store.add(w, dy.reshape(-1, dy.shape[-1]), x.detach().reshape(-1, x.shape[-1]))
 
 
 def _routed_forward(m: nn.Linear) -> Callable:
     """m's forward during a split F. The GEMM is nn.Linear's own, on the weight detached: autograd's native
-    backward then computes dx and db and no dW; a hook on the output hands dy (with x) to the store instead.
+    backward then computes dx and db and no dW; a pre-hook on the output's node hands dy (with x) to the store.
     Under autocast x is cast first, so that the store keeps the operands the GEMM used (autocast casts the
     weight and bias inside F.linear as for any linear); W needs no autocast of its own."""
     def forward(x):
@@ -133,7 +135,9 @@ def _routed_forward(m: nn.Linear) -> Callable:
         if dt in ("cpu", "cuda") and torch.is_autocast_enabled(dt) and x.dtype != torch.get_autocast_dtype(dt):
             x = x.to(torch.get_autocast_dtype(dt))
         y = F.linear(x, w.detach(), b)
-        y.register_hook(functools.partial(_hold, store, w, x))
+        # On the output's node, not the tensor: half the host cost of Tensor.register_hook, the same gradient
+        # (what reaches the linear's output, whatever an in-place op does to the tensor afterwards).
+        y.grad_fn.register_prehook(functools.partial(_hold, store, w, x))
         return y
     return forward
 
@@ -143,7 +147,7 @@ class LinearRouter:
     forward each takes while a split F runs.
 
     The forwards are set on the modules' instances only for the F's duration (`split_linears`), so a split
-    F costs a detach and a tensor hook per linear over nn.Linear's own (its backward stays autograd's
+    F costs a detach and a node pre-hook per linear over nn.Linear's own (its backward stays autograd's
     native one), where a TorchFunctionMode over the forward paid a Python call per torch function of the
     whole chunk and an autograd Function per linear; at any other time (an unsplit F, the shape
     sweep, a copy of the module) the modules are untouched. Weights held as DTensors (tensor-parallel
