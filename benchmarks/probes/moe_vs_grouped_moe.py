@@ -22,6 +22,7 @@ import os
 import statistics
 import sys
 import time
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -45,7 +46,7 @@ SYNCING = {aten._local_scalar_dense.default, aten.nonzero.default, aten.item.def
 
 class _Syncs(TorchDispatchMode):
     """Counts the ops that read a device value back to the host (a stall of the GPU's queue; refused in a
-    CUDA graph's capture)."""
+    CUDA graph's capture). A CPU tensor's tolist dispatches no op: on a GPU, CUDA's sync debug mode sees it."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -138,11 +139,22 @@ def _check_equal(layers: dict, x, dy, device) -> dict:
 
 
 def _syncs(layer, x, dy) -> list[str]:
+    """The host syncs of one forward+backward: ops that read a device value back, and on a GPU every
+    synchronization CUDA's own sync debug mode reports (a tolist, a blocking copy)."""
     mode = _Syncs()
-    with mode:
-        _call(layer, x.detach().requires_grad_(), dy)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if x.is_cuda:
+            torch.cuda.set_sync_debug_mode("warn")
+        try:
+            with mode:
+                _call(layer, x.detach().requires_grad_(), dy)
+        finally:
+            if x.is_cuda:
+                torch.cuda.set_sync_debug_mode("default")
     layer.zero_grad(set_to_none=True)
-    return sorted(set(mode.seen))
+    cuda = [f"CUDA: {str(w.message).splitlines()[0][:60]}" for w in caught if "synchroniz" in str(w.message)]
+    return sorted(set(mode.seen + cuda))
 
 
 def _graph_capture(layer, x) -> str:
