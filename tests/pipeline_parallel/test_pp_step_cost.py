@@ -59,6 +59,24 @@ def test_a_split_forward_runs_the_plain_forwards_ops_and_its_w_gives_the_same_gr
         torch.testing.assert_close(p.grad, want[n], rtol=1e-5, atol=1e-6, msg=n)
 
 
+def test_a_forward_set_on_the_instance_is_left_alone():
+    chunk = _chunk()
+    router = LinearRouter([chunk])
+    first = next(iter(router.forwards))
+    wrapped = first.forward
+
+    def theirs(x):  # as a wrapper set on the instance would (accelerate's hooks do)
+        return wrapped(x)
+    first.forward = theirs
+    store = WeightGradStore()
+    x = torch.randn(2, 4, 8, requires_grad=True)
+    with split_linears(router, store):
+        assert first.forward is theirs
+        chunk(x).square().sum().backward()
+    assert first.forward is theirs and first.weight.grad is not None  # its dW computed in B, its wrapper kept
+    assert len(store) == len(router.forwards) - 1
+
+
 def test_split_under_autocast_keeps_the_autocast_operands():
     chunk = _chunk()
     store = WeightGradStore()

@@ -151,8 +151,8 @@ class LinearRouter:
     native one), where a TorchFunctionMode over the forward paid a Python call per torch function of the
     whole chunk and an autograd Function per linear; at any other time (an unsplit F, the shape
     sweep, a copy of the module) the modules are untouched. Weights held as DTensors (tensor-parallel
-    linears defer through their own path) and subclasses with a forward of their own (what else they
-    compute is theirs) are left to B."""
+    linears defer through their own path), subclasses with a forward of their own and modules whose instance
+    already carries a forward (a wrapper someone set: what else they compute is theirs) are left to B."""
 
     def __init__(self, modules: Iterable[nn.Module]) -> None:
         self.forwards: dict[nn.Module, Callable] = {}
@@ -174,12 +174,15 @@ class split_linears:
     def __enter__(self):
         self._tp.__enter__()
         self._token = _linear_sink.set(self._store)
+        self._set = []
         for m, fn in self._router.forwards.items():
-            m.__dict__["forward"] = fn  # past nn.Module.__setattr__: an instance attribute, removed at exit
+            if "forward" not in m.__dict__:  # a forward set on the instance by someone else (a hook) is theirs
+                m.__dict__["forward"] = fn  # past nn.Module.__setattr__: an instance attribute, removed at exit
+                self._set.append(m)
         return self
 
     def __exit__(self, *exc):
-        for m in self._router.forwards:
+        for m in self._set:
             m.__dict__.pop("forward", None)
         _linear_sink.reset(self._token)
         return self._tp.__exit__(*exc)
