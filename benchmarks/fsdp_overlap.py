@@ -65,6 +65,9 @@ AUTO_TRIALS = "overlapkit prefetch=auto, trials=4"
 beside the twin pinned at the default's depths, it shows what the trials leave behind."""
 PINNED = "overlapkit fixed at auto's depths"
 """A fixed model at the (forward, backward) depths auto chose, built after the decision: always run."""
+PINNED2 = "overlapkit fixed at auto's depths, again"
+"""A second instance of PINNED, built right after it: the twin against it is the noise of two fixed instances of one
+configuration, which auto against its twin is judged by."""
 VARIANTS = ("FSDP2 defaults", *FIXED, AUTO, AUTO_TRIALS, "ShardedOptimizer (ZeRO-2)", "torch DDP")
 RECORDED = (*FIXED, AUTO, PINNED, "ShardedOptimizer (ZeRO-2)")
 SHORT = dict(zip(("fsdp2", "0", "1", "2", "auto", "auto_trials", "zero2", "ddp"), VARIANTS))
@@ -145,13 +148,14 @@ def _rank_body(device_type: str, preset: dict, steps: int, warmup: int, recorded
             decide[name] += 1
     decide_steps = decide[AUTO]
     auto_plan = prefetch_plan(models[AUTO])
-    models[PINNED] = fully_shard(fresh(), mesh, prefetch=(auto_plan.forward_depth, auto_plan.backward_depth))
-    opts[PINNED] = torch.optim.AdamW(models[PINNED].parameters(), lr=1e-4)
-    for _ in range(warmup):
-        step(PINNED)  # as warm as the others before the round they all share
-    variants = tuple(v for k in variants for v in ((k, PINNED) if k == AUTO else (k,)))  # its row under auto's
+    for name in (PINNED, PINNED2):
+        models[name] = fully_shard(fresh(), mesh, prefetch=(auto_plan.forward_depth, auto_plan.backward_depth))
+        opts[name] = torch.optim.AdamW(models[name].parameters(), lr=1e-4)
+        for _ in range(warmup):
+            step(name)  # as warm as the others before the round they all share
+    variants = tuple(v for k in variants for v in ((k, PINNED, PINNED2) if k == AUTO else (k,)))  # rows under auto's
     time_balanced(step, list(variants), 1, device)  # untimed: auto ran its decision alone
-    per_round *= len(variants) / (len(variants) - 1)
+    per_round *= len(variants) / (len(variants) - 2)
     if ends_at is not None:  # what is left of --total-s, less the tail (one step each, two rounds' slack)
         left = torch.tensor([ends_at - time.time() - 2 * per_round.item()], dtype=torch.float64)
         dist.all_reduce(left, op=dist.ReduceOp.MIN)
@@ -257,6 +261,7 @@ def summarize(per_rank: list[dict]) -> dict:
                     depths=depths, reason=plan["reason"], probe=probe, measured=plan.get("measured", {}),
                     vs_best_fixed=ratio(fastest_fixed), vs_fsdp2=ratio("FSDP2 defaults"), vs_same_depth=ratio(same),
                     vs_pinned=ratio(PINNED), pinned_vs_same_depth=ratio(same, of=PINNED),
+                    pinned2_vs_pinned=ratio(PINNED, of=PINNED2),
                     trials_vs_pinned=ratio(PINNED, of=AUTO_TRIALS) if AUTO_TRIALS in steps else None,
                     vs_fixed={k: ratio(k) for k in fixed},
                     layers=per_rank[0]["recorded"][AUTO][-1]["layers"] if per_rank[0]["recorded"].get(AUTO) else []))
@@ -329,6 +334,8 @@ def markdown(result: dict) -> str:
             + said("the fixed model pinned at its depths, built after its decision", a.get("vs_pinned"),
                    within=TARGETS["pinned"])
             + said("the same fixed depth", a["vs_same_depth"], within=TARGETS["pinned"])
+            + said("the first instance (two fixed instances of auto's depths: the noise auto vs its twin is judged by)",
+                   a.get("pinned2_vs_pinned"), None)
             + said("the fixed depth of the same number (another instance of one configuration: the run's noise "
                    "floor)", a.get("pinned_vs_same_depth"), None)
             + said("the fixed model pinned at the default auto's depths (what the trials leave, where they keep those depths)",

@@ -37,9 +37,13 @@ WHERE = {
     "matmul_reduce_scatter": "overlapkit.tensor_parallel.pipelined",
     # A module's parameters as replicated DTensors computing on local views: replicated_params_probe.
     "replicate_module": "overlapkit.tensor_parallel.replicated",
-    # One chunk's expert GEMMs and the devices the grouped path runs on: ep_grouped_probe.
+    # One chunk's expert GEMMs and the devices the grouped path runs on: ep_grouped_probe (GROUPED_DEVICES also
+    # ep_host_cost, moe_vs_grouped_moe).
     "Groups": "overlapkit.expert_parallel.experts", "experts_forward": "overlapkit.expert_parallel.experts",
     "experts_backward": "overlapkit.expert_parallel.experts", "GROUPED_DEVICES": "overlapkit.expert_parallel.experts",
+    # A chunk forward as split_backward's F runs it, beside the plain one: pp_step_cost.
+    "LinearRouter": "overlapkit.pipeline_parallel.wgrad", "split_linears": "overlapkit.pipeline_parallel.wgrad",
+    "WeightGradStore": "overlapkit.pipeline_parallel.wgrad",
     # The demo's rank body: teardown_repeat.
     "DemoConfig": "overlapkit.demos.gpt", "run_rank": "overlapkit.demos.gpt",
     # The calibrated cost model (what `overlapkit plan --calibrate` runs): calibrate_validation.

@@ -19,6 +19,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn import functional as F
 
 from distributed import distributed
+from step_trace import differences, step_trace
 from overlapkit.runtime import tuning
 from overlapkit.runtime.agreement import RankMismatchError
 from overlapkit.data_parallel import fully_shard, layer_report, prefetch_plan
@@ -228,7 +229,9 @@ def _decided_case(world: int, mesh) -> dict:
         F.mse_loss(fixed(x), y).backward()
         states.append(_state(auto) == _state(fixed))
     auto_calls, fixed_calls = _python_calls(auto, x, y), _python_calls(fixed, x, y)
-    return {"decided after": steps, "auto decided": plan.decided, "same state after each step": states,
+    traces = [step_trace(m, lambda m=m: F.mse_loss(m(x), y).backward()) for m in (auto, fixed)]
+    return {"trace differences": differences(*traces), "trace sizes": {k: len(v) for k, v in traces[0].items()},
+            "held": traces[0]["held"], "decided after": steps, "auto decided": plan.decided, "same state after each step": states,
             "state": _state(auto),
             "auto depths": (plan.forward_depth, plan.backward_depth),
             "auto issues": _issued(auto, x, y), "fixed issues": _issued(fixed, x, y),

@@ -61,6 +61,9 @@ def test_decided_auto_issues_what_the_fixed_model_at_its_depths_issues(world):
         # The first steps after the decision too: FSDP2's units, hooks and auto's own state as the fixed model's.
         assert r["same state after each step"] == [True, True, True], r["state"]
         assert r["state"]["zero3"] == (None, False, 0, None, None, None, False, 0), r["state"]["zero3"]
+        # And the step itself: the same aten ops on the same shapes, collectives, hooks and held tensors.
+        assert r["trace sizes"]["ops"] > 100 and r["held"][0] > 10, (r["trace sizes"], r["held"])
+        assert r["trace differences"] == {}, r["trace differences"]
 
 
 def test_auto_keeps_and_runs_the_depths_its_trials_measured_fastest_pass_by_pass():

@@ -1,10 +1,14 @@
 """The MoE layer at one EP rank (no group: one process) in fp32 equals the single-process reference through
 each path — exact counts (the loop on CPU, grouped GEMMs on CUDA, where nothing waits for the device) and
 padded to a capacity (batched GEMMs) — forward and every gradient, at 1 and 3 chunks; on CPU, and on CUDA
-where there is one."""
+where there is one. On the GPUs' path (dropless, or padded) the forward and backward, first call included, read
+nothing back from the device: no host sync, so the layer is CUDA-graph capturable."""
+
+import contextlib
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from overlapkit.expert_parallel import MoE, init_full_experts
 from overlapkit.expert_parallel import experts as X
@@ -15,6 +19,48 @@ DEVICES = ["cpu", "cpu-grouped",
 """cpu-grouped: CPU through the GPUs' path (grouped GEMMs, no split sizes read back to the host)."""
 
 
+aten = torch.ops.aten
+SYNCING = {aten._local_scalar_dense.default, aten.nonzero.default, aten.item.default}
+
+
+class NoHostSync(TorchDispatchMode):
+    """Fails on any op that would read a device value back to the host (what a CUDA graph's capture refuses), and on
+    Tensor.tolist / numpy, which read a CPU tensor's memory without dispatching an op (on a GPU: a copy and a sync)."""
+
+    def __enter__(self):
+        self._saved = torch.Tensor.tolist, torch.Tensor.numpy
+
+        def refuse(t, *_a, **_k):
+            raise AssertionError("Tensor.tolist/numpy reads a device value back to the host")
+        torch.Tensor.tolist = torch.Tensor.numpy = refuse
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.Tensor.tolist, torch.Tensor.numpy = self._saved
+        return super().__exit__(*exc)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        unsized = func is aten.repeat_interleave.Tensor and kwargs.get("output_size") is None
+        if func in SYNCING or unsized:
+            raise AssertionError(f"{func} reads a device value back to the host")
+        return func(*args, **kwargs)
+
+
+def test_the_sync_check_sees_a_sync():
+    for read in (lambda t: t.nonzero(), lambda t: t.tolist(), lambda t: float(t.sum())):
+        with pytest.raises(AssertionError, match="reads a device value"), NoHostSync():
+            read(torch.tensor([1.0, 0.0]))
+    assert torch.tensor([1, 2]).tolist() == [1, 2]  # restored after the mode
+
+
+def test_the_per_expert_loop_is_seen_to_read_its_split_sizes():
+    # The CPU loop path reads its split sizes on the host by design: the check must see that.
+    moe = MoE(32, 48, 4, 2, None, overlap="none")
+    with pytest.raises(AssertionError, match="reads a device value"), NoHostSync():
+        moe(torch.randn(40, 32))
+
+
 def _rel(a, b) -> float:
     return ((a - b).abs().max() / b.abs().max().clamp_min(1e-6)).item()
 
@@ -23,6 +69,7 @@ def _rel(a, b) -> float:
 @pytest.mark.parametrize("chunks", [1, 3])
 @pytest.mark.parametrize("device", DEVICES)
 def test_moe_paths_at_one_rank_match_the_reference_in_fp32(device, capacity, pad, chunks, monkeypatch):
+    grouped = device != "cpu"
     if device == "cpu-grouped":
         monkeypatch.setattr(X, "GROUPED_DEVICES", {"cpu"})
         device = "cpu"
@@ -36,8 +83,12 @@ def test_moe_paths_at_one_rank_match_the_reference_in_fp32(device, capacity, pad
         moe.router.gate.weight.copy_(gate)
     moe.load_full(*full)
     xc = x.to(device, copy=True).requires_grad_()
-    out = moe(xc)
-    ((out * dy.to(device)).sum() + 0.1 * moe.aux_loss).backward()
+    # The GPUs' path reads nothing back from the device (no split sizes, no counts) unless it must send exact
+    # capacity-limited counts: there a sync-checking mode fails on any op that would stall a GPU's queue.
+    syncless = grouped and (capacity is None or pad)
+    with NoHostSync() if syncless else contextlib.nullcontext():
+        out = moe(xc)
+        ((out * dy.to(device)).sum() + 0.1 * moe.aux_loss).backward()
     ref = [p.clone().requires_grad_() for p in (gate, *full)]
     rx = x.clone().requires_grad_()
     o, aux, dropped = reference_moe(rx, *ref, 2, True, capacity)

@@ -186,6 +186,8 @@ class MoE(nn.Module):
         if chunks is None:  # auto, still timing: this call runs one candidate
             trial = self.chunk_choice.trial(x.device)
             chunks = self.chunk_choice.decided if trial is None else trial.choice
+            if trial is None:  # decided on this call: the other counts' constants would stay alive for nothing
+                self._constants.clear()
         with timed(trial, "forward"):
             out = self._route_and_compute(x2, chunks, padded, trial, cdt)
         return out.view(x.shape)

@@ -137,6 +137,8 @@ class DispatchCombine:
         if chunks is None:  # auto, still timing: this call runs one candidate
             trial = self.chunk_choice.trial(x.device)
             chunks = self.chunk_choice.decided if trial is None else trial.choice
+            if trial is None:  # decided on this call: the other counts' constants would stay alive for nothing
+                self._constants.clear()
         with timed(trial, "forward"):
             plan = plan_dispatch(top_k_index.long(), self.num_experts, chunks, None, self.group, self.name,
                                  cache=self._constants)

@@ -87,7 +87,7 @@ class SlotActions:
         sync = isinstance(chunk, DataParallel) and not split and a.mb == self._last_backward[a.chunk]
         store = st.stores[(a.chunk, a.mb)] = WeightGradStore(f"pp.W{a.mb}.c{a.chunk}") if split else None
         quiet = chunk.no_sync() if isinstance(chunk, DataParallel) and not sync else contextlib.nullcontext()
-        routed = split_linears(self._linear_weights[a.chunk], store) if split else contextlib.nullcontext()
+        routed = split_linears(self._linear_router[a.chunk], store) if split else contextlib.nullcontext()
         with compute_span(f"pp.F{a.mb}.c{a.chunk}"), quiet, routed:
             out = chunk(x)
             loss = None
@@ -128,7 +128,8 @@ class SlotActions:
             else:
                 torch.autograd.backward(out, grad)
         if store is not None:
-            st.kept_bytes += store.nbytes
+            store.kept_bytes = store.nbytes  # read once: W gives back what B took (a walk over the store's tensors)
+            st.kept_bytes += store.kept_bytes
             st.peak_kept_bytes = max(st.peak_kept_bytes, st.kept_bytes)
 
     @staticmethod
@@ -144,7 +145,7 @@ class SlotActions:
 
     def _weight(self, a: Action, st: StepState) -> None:
         store = st.stores.pop((a.chunk, a.mb))
-        st.kept_bytes -= store.nbytes
+        st.kept_bytes -= store.kept_bytes
         chunk = self._local(a.chunk)
         final = a.mb == self._last_backward[a.chunk]
         quiet = chunk.no_sync() if isinstance(chunk, DataParallel) and not final else contextlib.nullcontext()

@@ -11,13 +11,15 @@ its parameter gathers before the step: each module's pre-forward hook waits for 
 its first forward, so the gathers land while the stage waits for its first input (the warm-up).
 
 Every step, the ranks compare what decides the inter-stage shapes (the first rank's inputs,
-autocast, each rank's parameter shapes and dtypes) in the step's one small all-gather; anything new
+autocast, each rank's parameter shapes and dtypes) in the step's one small all-gather (of a digest; the
+descriptions themselves only when a digest is new); anything new
 (autocast turned on, stages cast to bf16, a width changed, on every rank alike) re-learns the shapes
 before any transfer, and what must match across ranks and does not fails on every rank, naming it.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 from dataclasses import InitVar, dataclass, field
@@ -39,7 +41,7 @@ from .schedules import SCHEDULES, SPLIT_SCHEDULES, check_costs, check_schedule, 
 from .shapes import StageSignature, infer_shapes
 from .timetable import timetable
 from .pair import PairRunner
-from .wgrad import linear_weights
+from .wgrad import LinearRouter
 
 
 @dataclass(frozen=True)
@@ -73,8 +75,9 @@ class PipelineConfig:
     """gpipe, 1f1b, interleaved-1f1b: run each backward as its input gradient, sent on at once, then
     its weight gradients (the linears' GEMMs, held from the backward: wgrad.py). The previous rank gets
     its gradient a weight-gradient's time sooner, which shortens every backward hop of the pipeline;
-    the order, the micro-batches in flight and the peak memory stay the schedule's. Costs a
-    TorchFunctionMode over the chunk's forward (the linears are routed to split their backward)."""
+    the order, the micro-batches in flight and the peak memory stay the schedule's. The forward runs
+    each nn.Linear through an autograd Function that keeps its weight-gradient GEMM for W (a Python
+    call per linear; nothing per other op)."""
     overlap_p2p: InitVar[bool | None] = None
     """The earlier spelling of `overlap`: True is "bulk", False "none" (a DeprecationWarning once).
     Read back, `config.overlap_p2p` is whether overlap is on."""
@@ -184,10 +187,11 @@ class PipelineEngine(SlotActions):
                         self._split_b.add((a.chunk, a.mb))
         if self._split_b:
             self._refuse_unsplittable()
-        self._linear_weights = {c: linear_weights([self._local(c)]) for c in mine}
+        self._linear_router = {c: LinearRouter([self._local(c)]) for c in mine}
         self._pairs = PairRunner()
         self._shapes: dict[tuple, list] = {}
         self._signature = StageSignature()
+        self._checked: dict[tuple, tuple] = {}  # every rank's description digest -> the step's key, once checked
         self.timings: list[StepTiming] = []
         """One entry per step run while a CPU timeline recorder was active."""
         self.last_kept_w_peak_bytes = 0
@@ -264,6 +268,15 @@ class PipelineEngine(SlotActions):
         if isinstance(mine["inputs"], str) or isinstance(mine["targets"], str):
             mine = {"problem": mine["inputs"] if isinstance(mine["inputs"], str) else mine["targets"]}
         mine["stage"] = self._signature.of(self.chunks, self.device)
+        # Every step, one all-gather of an int64 digest of each rank's description; the descriptions
+        # themselves (all_gather_object: two collectives and pickling, what set this step apart from
+        # torch's schedules) travel only when the digests are new: the first step, a change, a mismatch.
+        digests = [torch.empty(1, dtype=torch.int64, device=self.device) for _ in range(self.pp)]
+        dist.all_gather(digests, torch.tensor([_digest(mine)], device=self.device), group=self.group)
+        digests = tuple(int(d) for d in torch.cat(digests).tolist())
+        known = self._checked.get(digests)
+        if known is not None:
+            return known
         seen = [None] * self.pp
         dist.all_gather_object(seen, mine, group=self.group)
         bad = [f"pipeline rank {r}: {s['problem']}" for r, s in enumerate(seen) if "problem" in s]
@@ -289,7 +302,11 @@ class PipelineEngine(SlotActions):
             raise RankMismatchError(f"pipeline step (pp ranks {dist.get_process_group_ranks(self.group)}): "
                                     + "; ".join(problems))
         stages = tuple(json.dumps(s["stage"], sort_keys=True) for s in seen)
-        return ((tuple(ins[0][0]), ins[0][1]), stages)
+        key = ((tuple(ins[0][0]), ins[0][1]), stages)
+        if len(self._checked) >= 16:  # descriptions that change every step: keep the memory bounded
+            self._checked.clear()
+        self._checked[digests] = key
+        return key
 
     def _split_bubble(self, tc: TickComm, timing: StepTiming) -> None:
         """Split every receive wait into bubble (before the neighbour sent) and transfer (after), and
@@ -316,6 +333,12 @@ def _stage_mismatches(stages: list[dict]) -> list[str]:
             out.append(f"{what} differ between pipeline ranks: " +
                        ", ".join(f"rank {r}: {s[key]}" for r, s in enumerate(stages)))
     return out
+
+
+def _digest(description: dict) -> int:
+    """A signed 64-bit digest of a rank's step description, the same in every process."""
+    text = json.dumps(description, sort_keys=True).encode()
+    return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little", signed=True)
 
 
 def _ms(pair: tuple[float, float]) -> tuple[float, float]:

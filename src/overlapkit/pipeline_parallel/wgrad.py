@@ -4,7 +4,7 @@ W action — run where the pipeline would otherwise idle, and under whose GEMMs 
 reduction of the gradients they complete can run.
 
 Which GEMMs are deferred: those of every `nn.Linear` of the chunk (a forward run under
-`split_linears` routes their F.linear through `_SplitLinear`, whose backward keeps dy and x), and
+`split_linears` runs their GEMM on the weight detached, and a hook on the output's node keeps dy and x), and
 those of overlapkit's tensor-parallel linears (tensor_parallel.ops.defer_weight_grads; the GEMM of
 a symm_mem column layer fused with its re-gather stays in B). Every other gradient (biases, norms,
 embeddings, experts) is computed in B as usual. A weight used elsewhere too (tied) still gets that
@@ -17,13 +17,13 @@ bucket reductions happen exactly as in an ordinary backward.
 
 from __future__ import annotations
 
-import contextlib
+import contextvars
+import functools
 from typing import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.overrides import TorchFunctionMode
 
 from ..tensor_parallel.ops import defer_weight_grads
 from ..runtime.recorder import compute_span
@@ -37,6 +37,8 @@ class WeightGradStore:
         self._items: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, Callable | None]] = []
         self.extra: dict[torch.Tensor, torch.Tensor] = {}
         """Other gradients B computed but did not accumulate (the last micro-batch of a data-parallel chunk)."""
+        self.kept_bytes = 0
+        """`nbytes` as its B left it (what the step's accounting added, and its W takes away)."""
 
     def add(self, param: torch.Tensor, dy: torch.Tensor, x: torch.Tensor, as_grad: Callable | None = None) -> None:
         """Keep dW = dy^T x for `param` (dy [rows, out], x [rows, in]); `as_grad` turns it into the
@@ -108,77 +110,79 @@ def emit(store: WeightGradStore) -> None:
         torch.autograd.backward(roots, [torch.empty(0, device=r.device) for r in roots])
 
 
-class _SplitLinear(torch.autograd.Function):
-    """y = x W^T + b whose backward computes dx and db and leaves dW = dy^T x to `store`.
+_linear_sink = contextvars.ContextVar("overlapkit_pp_linear_sink", default=None)
+"""The store of the split forward running in this thread (a pair's other side runs in another)."""
 
-    Under autocast the GEMM runs in the autocast dtype, as nn.Linear's would; the cast operands are
-    what backward uses, so it needs no autocast of its own (a pair's backward runs on another thread)."""
 
-    @staticmethod
-    def forward(ctx, x, w, b, store):
+def _hold(store: WeightGradStore, w: torch.Tensor, x: torch.Tensor, grad_outputs: tuple) -> None:
+    """The pre-hook on a split linear's output node: its gradient dy and the input x go to the store, for
+    dW = dy^T x."""
+    dy = grad_outputs[0]
+    store.add(w, dy.reshape(-1, dy.shape[-1]), x.detach().reshape(-1, x.shape[-1]))
+
+
+def _routed_forward(m: nn.Linear) -> Callable:
+    """m's forward during a split F. The GEMM is nn.Linear's own, on the weight detached: autograd's native
+    backward then computes dx and db and no dW; a pre-hook on the output's node hands dy (with x) to the store.
+    Under autocast x is cast first, so that the store keeps the operands the GEMM used (autocast casts the
+    weight and bias inside F.linear as for any linear); W needs no autocast of its own."""
+    def forward(x):
+        store = _linear_sink.get()
+        w, b = m.weight, m.bias
+        if store is None or not torch.is_grad_enabled() or not (x.requires_grad or (b is not None and b.requires_grad)):
+            return F.linear(x, w, b)  # no graph to hook the output of: dW, if wanted, stays in B
         dt = x.device.type
-        ctx.param = w
-        if dt in ("cpu", "cuda") and torch.is_autocast_enabled(dt):
-            cdt = torch.get_autocast_dtype(dt)
-            x, w, b = (t.to(cdt) if t is not None and t.dtype != cdt else t for t in (x, w, b))
-        ctx.save_for_backward(x, w)
-        ctx.store, ctx.has_bias = store, b is not None
-        with torch.autocast(dt, enabled=False) if dt in ("cpu", "cuda") else contextlib.nullcontext():
-            return F.linear(x, w, b)
-
-    @staticmethod
-    def backward(ctx, dy):
-        x, w = ctx.saved_tensors
-        dx = dy @ w if ctx.needs_input_grad[0] else None
-        dy2 = dy.reshape(-1, dy.shape[-1])
-        db = dy2.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        if ctx.needs_input_grad[1]:
-            ctx.store.add(ctx.param, dy2, x.reshape(-1, x.shape[-1]))
-        return dx, None, db, None
+        if dt in ("cpu", "cuda") and torch.is_autocast_enabled(dt) and x.dtype != torch.get_autocast_dtype(dt):
+            x = x.to(torch.get_autocast_dtype(dt))
+        y = F.linear(x, w.detach(), b)
+        # On the output's node, not the tensor: half the host cost of Tensor.register_hook, the same gradient
+        # (what reaches the linear's output, whatever an in-place op does to the tensor afterwards).
+        y.grad_fn.register_prehook(functools.partial(_hold, store, w, x))
+        return y
+    return forward
 
 
-class _RouteLinears(TorchFunctionMode):
-    """Routes F.linear calls on the given weights through _SplitLinear (when grad is enabled)."""
+class LinearRouter:
+    """The plain nn.Linear modules of a chunk whose weight-gradient GEMMs a split backward defers, and the
+    forward each takes while a split F runs.
 
-    def __init__(self, weights: set, store: WeightGradStore) -> None:
-        super().__init__()
-        self.weights, self.store = weights, store
+    The forwards are set on the modules' instances only for the F's duration (`split_linears`), so a split
+    F costs a detach and a node pre-hook per linear over nn.Linear's own (its backward stays autograd's
+    native one), where a TorchFunctionMode over the forward paid a Python call per torch function of the
+    whole chunk and an autograd Function per linear; at any other time (an unsplit F, the shape
+    sweep, a copy of the module) the modules are untouched. Weights held as DTensors (tensor-parallel
+    linears defer through their own path), subclasses with a forward of their own and modules whose instance
+    already carries a forward (a wrapper someone set: what else they compute is theirs) are left to B."""
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is F.linear and torch.is_grad_enabled():
-            x, w = args[0], args[1] if len(args) > 1 else kwargs["weight"]
-            if w in self.weights:
-                b = args[2] if len(args) > 2 else kwargs.get("bias")
-                return _SplitLinear.apply(x, w, b, self.store)
-        return func(*args, **kwargs)
-
-
-def linear_weights(modules: Iterable[nn.Module]) -> set:
-    """The weights whose GEMMs a split backward defers: of every plain nn.Linear (not DTensor ones)."""
-    out = set()
-    for module in modules:
-        for m in module.modules():
-            if isinstance(m, nn.Linear) and m.weight.requires_grad and not hasattr(m.weight, "device_mesh"):
-                out.add(m.weight)
-    return out
+    def __init__(self, modules: Iterable[nn.Module]) -> None:
+        self.forwards: dict[nn.Module, Callable] = {}
+        for module in modules:
+            for m in module.modules():
+                if (isinstance(m, nn.Linear) and type(m).forward is nn.Linear.forward and m.weight.requires_grad
+                        and not hasattr(m.weight, "device_mesh")):
+                    self.forwards[m] = _routed_forward(m)
 
 
 class split_linears:
-    """Context for a chunk's forward whose backward will be split: nn.Linear weights in `weights` and
+    """Context for a chunk's forward whose backward will be split: the router's nn.Linear modules and
     overlapkit's tensor-parallel linears leave their weight-gradient GEMMs to `store`."""
 
-    def __init__(self, weights: set, store: WeightGradStore) -> None:
-        self._mode = _RouteLinears(weights, store) if weights else None
+    def __init__(self, router: LinearRouter, store: WeightGradStore) -> None:
+        self._router, self._store = router, store
         self._tp = defer_weight_grads(store)
 
     def __enter__(self):
         self._tp.__enter__()
-        if self._mode is not None:
-            self._mode.__enter__()
+        self._token = _linear_sink.set(self._store)
+        self._set = []
+        for m, fn in self._router.forwards.items():
+            if "forward" not in m.__dict__:  # a forward set on the instance by someone else (a hook) is theirs
+                m.__dict__["forward"] = fn  # past nn.Module.__setattr__: an instance attribute, removed at exit
+                self._set.append(m)
         return self
 
     def __exit__(self, *exc):
-        if self._mode is not None:
-            self._mode.__exit__(*exc)
+        for m in self._set:
+            m.__dict__.pop("forward", None)
+        _linear_sink.reset(self._token)
         return self._tp.__exit__(*exc)
