@@ -80,6 +80,8 @@ def build(arch: str, sizes: dict):
 def run_rank(sizes: dict, layout: tuple, steps: int, trace_dir: str, overlap: str, device: str,
              arch: str = "gpt") -> dict:
     """One rank of one layout: train `steps` steps under the profiler (one warm-up step first)."""
+    import faulthandler
+
     import torch
     from torch.profiler import ProfilerActivity, profile, schedule
 
@@ -89,6 +91,8 @@ def run_rank(sizes: dict, layout: tuple, steps: int, trace_dir: str, overlap: st
 
     tp, pp, dp, mb, m = layout
     world = tp * pp * dp
+    # A rank still running near its process-group timeout says where every thread is, before it is killed.
+    faulthandler.dump_traceback_later(float(os.environ.get("CALIBRATE_STACKS_S", 200)), exit=False)
     if device == "cpu":
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     groups = ParallelGroups.build(tp=tp, dp=dp, pp=pp)

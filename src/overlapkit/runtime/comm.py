@@ -324,7 +324,9 @@ def send_recv(sends: Sequence[tuple[torch.Tensor, int, int]], recvs: Sequence[tu
         split = [works] * len(parts)
     handles = []
     for p, (k, _), ws in zip(pend, parts, split):
-        if p is not None:
+        # On CPU a p2p work tells its completion only when waited (the wait stamps the end), and a
+        # watcher polling gloo's send works while a profiler runs left a send that never completed.
+        if p is not None and rec.cuda:
             _stamp_done(rec, p, ws)
         handles.append(Handle(ws, p, rec if p is not None else None, group=group, label=f"{k} {name}".strip()))
     if not sends:

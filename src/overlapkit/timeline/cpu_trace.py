@@ -3,7 +3,8 @@
 Communication is gloo's `gloo:<collective>` ranges, which run on gloo's worker threads from
 the start to the end of a transfer (send/recv on the issuing thread). Computation is:
 
-- in a trace of an overlapkit job, its `overlapkit.compute.<name>` ranges;
+- in a trace of an overlapkit job, its `overlapkit.compute.<name>` ranges, and the CPU ops the same
+  threads ran outside them (named `cpu ops`: a TP layer names only its GEMMs);
 - in any other job's trace (plain DDP, HTA's gloo traces), the CPU ops (`cpu_op` events) of
   the threads that run no gloo transfer — the main and autograd threads, where the model runs.
 
@@ -52,6 +53,25 @@ def _issued_by_overlapkit(ranges: Ranges, tid, ts: float) -> bool:
     return owner is not None and range_label(owner["name"])[0] == "comm"
 
 
+OPS_OUTSIDE = "cpu ops"
+"""The name of the computation a compute thread ran outside overlapkit's compute ranges."""
+
+
+def _ops_outside(compute_ranges, ops, blocked) -> list:
+    """(thread, start, end, OPS_OUTSIDE) of the CPU ops that threads running overlapkit's compute ranges ran
+    outside them and outside their waits: a TP layer names only its GEMMs, and the attention, norms, loss and
+    optimizer step between them computed all the same (they are not host idle time)."""
+    ranged: dict[object, list] = {}
+    for tid, s, e, _ in compute_ranges:
+        ranged.setdefault(tid, []).append((s, e))
+    by_tid: dict[object, list] = {}
+    for tid, start, end, name in ops:
+        if tid in ranged and _is_compute_op(name):
+            by_tid.setdefault(tid, []).append((start, end))
+    return [(tid, a, b, OPS_OUTSIDE) for tid, pairs in by_tid.items()
+            for a, b in iv.subtract(iv.subtract(iv.union(pairs), iv.union(ranged[tid])), blocked.get(tid, []))]
+
+
 def cpu_spans(ranges: Ranges, gloo, ops, markers: Ranges, info: dict, fsdp: Ranges | None = None):
     """([(issue time, span in raw µs, True, (thread, issue time) or None)], compute known, notes, blocked) of a
     CPU trace (`fsdp`: FSDP2's ranges); blocked: (thread, start, end) of the compute threads' waits."""
@@ -89,6 +109,7 @@ def cpu_spans(ranges: Ranges, gloo, ops, markers: Ranges, info: dict, fsdp: Rang
     if compute_ranges:
         pieces = [(tid, a, b, lab) for tid, s, e, lab in compute_ranges
                   for a, b in iv.subtract([(s, e)], blocked.get(tid, []))]
+        pieces += _ops_outside(compute_ranges, ops, blocked)
     else:
         by_tid: dict[object, list] = {}
         for tid, start, end, name in ops:
