@@ -9,7 +9,7 @@ import pytest
 
 from overlapkit.costmodel import ConfigError, ModelConfig, ParallelConfig, predict, preset
 from overlapkit.costmodel.calibrate import (CalibratedCollectives, Measured, fit, predict_calibrated, rescaled,
-                                            terms, traced_layout)
+                                            ops_per_step, terms, traced_layout)
 from overlapkit.plan_tools import read_measured
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "timeline"
@@ -205,3 +205,27 @@ def test_terms_split_a_step_into_compute_exposed_pipeline_and_host():
     pp_sent = r.exposed_by_kind.get("pp_send", 0.0)
     assert t["pipeline"] == (pytest.approx(pp_sent + 2.0), pytest.approx(r.bubble_ms + pp_sent))
     assert t["host"] == (pytest.approx(1.75), r.host_ms)
+
+
+def test_kinds_the_model_lacks_go_with_their_engine_and_other_codes_collectives_stay_apart():
+    """A TP all-reduce the model does not price (the vocabulary-parallel loss, the norms) runs where TP runs, per
+    layer and micro-batch, not as host time in a layout without TP; an `all_gather` the trace alone names (a
+    pipeline's shape check) is not merged into overlapkit's TP all-gathers."""
+    traced = ParallelConfig(tp=2, global_batch=1)
+    r = predict(MODEL, traced, preset("h200-sxm"))
+    comm = {k: (c, r.exposed_by_kind[k], 1.0, 0) for k, c in r.comm_by_kind.items()}
+    comm["tp_all_reduce"] = (4.0, 3.0, 10.0, 0)
+    comm["all_gather"] = (0.5, 0.5, 1.0, 0)
+    cal = fit(Measured(step_ms=r.step_ms + 3.5, compute_ms=r.compute_ms, idle_ms=0.0, comm=comm), MODEL, traced,
+              preset("h200-sxm"))
+    assert cal.engine_exposed == {"tp_all_reduce": 3.0}
+    assert cal.comm_factors["all_gather"] == pytest.approx(1.0, rel=1e-6)  # the TP all-gathers alone
+    host_per_op = cal.host_us_per_op  # the unnamed all_gather's 0.5 ms, over the traced ops
+    assert host_per_op * 1e-3 * ops_per_step(MODEL, traced) == pytest.approx(0.5)
+    two = predict_calibrated(cal, MODEL, ParallelConfig(tp=2, global_batch=2))  # twice the micro-batches
+    assert two.exposed_by_kind["tp_all_reduce"] == pytest.approx(6.0)
+    dp = predict_calibrated(cal, MODEL, ParallelConfig(dp=2, global_batch=2))
+    assert "tp_all_reduce" not in dp.exposed_by_kind
+    t = terms(Measured(step_ms=r.step_ms + 3.5, compute_ms=r.compute_ms, idle_ms=0.0, comm=comm),
+              predict_calibrated(cal, MODEL, traced))
+    assert t["exposed"][0] == pytest.approx(t["exposed"][1]) and t["host"] == (pytest.approx(0.5), pytest.approx(0.5))

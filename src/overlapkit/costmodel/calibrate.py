@@ -113,6 +113,8 @@ class Calibration:
     device: str = "cpu"
     """Measured.device: 'cpu' adds host_us_per_op per op to the step; 'gpu' puts it in the hardware's
     dispatch time per op, which the GPU waits for only where a layer's dispatch outlasts its work."""
+    engine_exposed: dict = field(default_factory=dict)
+    """Engine kind the model has no counterpart for -> exposed ms per step at the traced layout."""
 
     @property
     def collectives(self) -> Collectives:
@@ -125,6 +127,7 @@ class Calibration:
 
     def to_dict(self) -> dict:
         return {"compute_scale": self.compute_scale, "matmul_scale": self.matmul_scale, "device": self.device,
+                "engine_exposed": dict(self.engine_exposed),
                 "comm_factors": dict(self.comm_factors),
                 "exposed_fraction": dict(self.exposed_fraction), "host_us_per_op": self.host_us_per_op,
                 "gemm_points": [list(p) for p in self.gemm_points], "notes": list(self.notes)}
@@ -207,10 +210,22 @@ def gemm_points(measured: Measured, model: ModelConfig, traced: ParallelConfig) 
     return tuple((*shape, t / c) for shape, (t, c) in sorted(merged.items()))
 
 
-def _model_kind(kind: str, predicted: dict) -> str | None:
-    """The prediction's kind for a measured one: the same name, or the one kind ending in _<collective>."""
+ENGINE_OF = {"tp_": "tp", "dp_": "dp", "zero_": "dp", "pp_": "pp", "ep_": "ep", "cp_": "cp"}
+"""An overlapkit kind's prefix -> the layout's degree its collectives need (> 1) to run at all."""
+
+
+def _engine(kind: str) -> str | None:
+    return next((e for prefix, e in ENGINE_OF.items() if kind.startswith(prefix)), None)
+
+
+def _model_kind(kind: str, predicted: dict, measured_kinds=()) -> str | None:
+    """The prediction's kind for a measured one: the same name, or the one kind ending in _<collective>. A
+    collective named only by the trace (`all_gather`) in a trace where overlapkit named its own is other code's
+    (a pipeline's per-step shape check, a metric's reduction): none."""
     if kind in KIND_COLLECTIVE:
         return kind
+    if _engine(kind) is None and any(_engine(k) is not None for k in measured_kinds):
+        return None
     matches = [k for k in predicted if k.endswith("_" + kind)]
     return matches[0] if len(matches) == 1 else None
 
@@ -237,13 +252,22 @@ def _memory_rate(target_ms: float, model: ModelConfig, traced: ParallelConfig, b
     return math.exp((lo + hi) / 2)
 
 
-def _traced_comm(measured: Measured, predicted: dict, notes: list) -> tuple[dict, float]:
-    """({the model's kind: [comm ms, exposed ms]} measured per step, exposed ms of kinds the model lacks)."""
+def _traced_comm(measured: Measured, predicted: dict, notes: list) -> tuple[dict, float, dict]:
+    """({the model's kind: [comm ms, exposed ms]} measured per step, exposed ms of kinds the model lacks that no
+    engine names, {engine kind the model lacks: exposed ms per step})."""
     by_kind: dict[str, list[float]] = {}
-    unmatched = 0.0
+    unmatched, engine_exposed = 0.0, {}
     for kind, (comm_ms, exposed_ms, _calls, _nbytes) in measured.comm.items():
-        ours = _model_kind(kind, predicted)
+        ours = _model_kind(kind, predicted, measured.comm)
         if ours is None or predicted.get(ours, 0.0) <= 0 or comm_ms <= 0:
+            if _engine(kind) is not None:
+                # e.g. the vocabulary-parallel loss's and the sequence-parallel norms' TP all-reduces: they run
+                # where that engine runs, as often as its layers and micro-batches, not once per host op
+                notes.append(f"traced {kind} ({comm_ms:.3g} ms per step, {exposed_ms:.3g} exposed) has no counterpart "
+                             f"in the model: its exposed time is priced wherever {_engine(kind)} > 1, per layer and "
+                             f"micro-batch")
+                engine_exposed[kind] = engine_exposed.get(kind, 0.0) + exposed_ms
+                continue
             notes.append(f"traced {kind} ({comm_ms:.3g} ms per step, {exposed_ms:.3g} exposed) has no counterpart "
                          f"in the model of this layout: its exposed time counts as host time")
             unmatched += exposed_ms
@@ -255,7 +279,7 @@ def _traced_comm(measured: Measured, predicted: dict, notes: list) -> tuple[dict
         if kind not in by_kind and ms > 0:
             notes.append(f"the traced layout's model has {kind} ({ms:.3g} ms per step) that the trace does not show: "
                          f"priced as the model does (does --traced describe the traces?)")
-    return by_kind, unmatched
+    return by_kind, unmatched, engine_exposed
 
 
 def fit(measured: Measured, model: ModelConfig, traced: ParallelConfig, base: Hardware) -> Calibration:
@@ -272,7 +296,7 @@ def fit(measured: Measured, model: ModelConfig, traced: ParallelConfig, base: Ha
     points = gemm_points(measured, model, traced)
     matmul = _matmul_rate(points, base)
     base_report = predict(model, traced, rescaled(base, matmul or 1.0, matmul or 1.0, points))
-    by_kind, unmatched = _traced_comm(measured, base_report.comm_by_kind, notes)
+    by_kind, unmatched, engine_exposed = _traced_comm(measured, base_report.comm_by_kind, notes)
     hidden = {k: max(0.0, c - e) for k, (c, e) in by_kind.items()}
     waiting = 0.0
     if matmul is not None:
@@ -302,7 +326,7 @@ def fit(measured: Measured, model: ModelConfig, traced: ParallelConfig, base: Ha
     else:
         host_us = 1e3 * (measured.idle_ms + unmatched) / ops_per_step(model, traced)
     return Calibration(hw, comm_factors, exposed, host_us, scale, traced, points, notes, matmul_scale=matmul or scale,
-                       device=measured.device)
+                       device=measured.device, engine_exposed=engine_exposed)
 
 
 def _dispatch_us(idle_ms: float, model: ModelConfig, traced: ParallelConfig, hw: Hardware, preset_us: float,
@@ -334,11 +358,16 @@ def ops_per_step(model: ModelConfig, par: ParallelConfig) -> int:
 
 def predict_calibrated(cal: Calibration, model: ModelConfig, par: ParallelConfig) -> StepReport:
     """One step of `par` priced with what `cal` measured: the calibrated hardware and collectives, the
-    measured exposed fraction of every traced kind (the model's own overlap for the others) and the
-    measured host time per op."""
+    measured exposed fraction of every traced kind (the model's own overlap for the others), the exposed time
+    of traced engine kinds the model lacks (where that engine runs, per layer and micro-batch) and the host
+    time per op."""
     r = predict(model, par, cal.hardware, cal.collectives)
     exposed = {k: (c * cal.exposed_fraction[k] if k in cal.exposed_fraction else r.exposed_by_kind.get(k, 0.0))
                for k, c in r.comm_by_kind.items()}
+    per_op = ops_per_step(model, par) / ops_per_step(model, cal.traced)
+    for kind, ms in cal.engine_exposed.items():
+        if getattr(par, _engine(kind)) > 1:
+            exposed[kind] = exposed.get(kind, 0.0) + ms * (1.0 if _engine(kind) == "dp" else per_op)
     r.exposed_by_kind, r.exposed_ms = exposed, sum(exposed.values())
     if cal.device == "cpu":  # on a GPU the model's own host wait stands, at the fitted dispatch time
         r.host_ms = cal.host_us_per_op * 1e-3 * ops_per_step(model, par)
@@ -350,14 +379,14 @@ def predict_calibrated(cal: Calibration, model: ModelConfig, par: ParallelConfig
 
 
 def terms(measured: Measured, report: StepReport) -> dict:
-    """{term: (measured ms, predicted ms)} of one step: compute; exposed communication of the kinds the model
-    prices (the pipeline's aside); the pipeline (bubble and exposed pipeline transfers); host (idle time, and
-    the exposed time of traced kinds the model has no counterpart for). Where a miss comes from."""
+    """{term: (measured ms, predicted ms)} of one step: compute; exposed communication of the engines' kinds
+    (the pipeline's aside); the pipeline (bubble and exposed pipeline transfers); host (idle time, and the
+    exposed time of collectives no engine names). Where a miss comes from."""
     exposed = pipeline = other = 0.0
     for kind, (_comm, exp, _calls, _nbytes) in measured.comm.items():
         if kind in PIPELINE_KINDS:
             pipeline += exp
-        elif _model_kind(kind, report.comm_by_kind) is not None:
+        elif _engine(kind) is not None or _model_kind(kind, report.comm_by_kind, measured.comm) is not None:
             exposed += exp
         else:
             other += exp
