@@ -151,3 +151,24 @@ def test_every_recorded_span_has_its_profiler_range_and_back(agreements, engine)
         assert a.matched == r["recorded"], (rank, a)
         assert a.compute_diff_ms <= TOL_MS, (rank, a.worst_compute)
         assert a.ok(TOL_MS, COMM_END_TOL_MS), (rank, a)
+
+
+@distributed(world_size=2)
+def _pipeline_batch_under_both():
+    from overlapkit.runtime import comm
+
+    peer = 1 - dist.get_rank()
+    x, buf = torch.ones(64), torch.empty(64)
+    with profile(activities=[ProfilerActivity.CPU]), record() as rec:
+        send, (recv,) = comm.send_recv([(x, peer, 7)], [(buf, peer, 7)], dist.group.WORLD)
+        polled = rec._watcher is not None  # noqa: SLF001 - whether anything polls the p2p works
+        recv.wait()
+        send.wait()
+    return polled, sorted(s.kind for s in rec.spans), buf.sum().item()
+
+
+def test_pipeline_transfers_are_stamped_by_their_wait_not_polled():
+    # gloo's send/recv works tell their completion only when waited; a watcher polling them while a
+    # profiler ran left a send that never completed (the 1F1B engine hung under both, one step in ~40)
+    for polled, kinds, got in _pipeline_batch_under_both():
+        assert not polled and kinds == ["pp_recv", "pp_send"] and got == 64.0
