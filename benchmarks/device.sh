@@ -16,7 +16,10 @@
 #           fsdp/ep/cp_overlap over every GPU, a TP x DP demo trace read by `overlapkit analyze`
 #   gemm    this GPU's GEMM-efficiency curve for the cost model (`overlapkit bench gemm`)
 #   probes  the probes' device runs (benchmarks/probes/): host cost per call, kernel and chunk profiles, the
-#           LM-head and HBM probes, the cost model calibrated on a trace, agreement cost, a straggler's path
+#           LM-head and HBM probes, agreement cost, a straggler's path
+#   calibrate16  the cost model calibrated on one traced layout of the 16 cores' gloo job and predicting four
+#           others, each measured in the same call: overlapkit's GPT, then HF Llama through parallelize
+#   calibrate1   the same on one GPU at world size 1, across micro-batch sizes
 #   ab SCRIPT ARGS...   the source in OLD_SRC and this checkout's, alternated twice (old, new, old, new) in one
 #           call, so a no-regression check compares like with like: e.g.
 #           OLD_SRC=/tmp/old/src bash benchmarks/device.sh ab benchmarks/tp_overlap.py --device cuda --shape-tp 8 --layers-only
@@ -25,7 +28,7 @@
 # both are packed into OUTDIR/PART.tgz. Results of the 16 cores are named *_cpu16_* as committed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-part=${1:?"part: checks | h200 | cpu16 | users | record | multi | gemm | probes | ab SCRIPT ARGS..."}; shift
+part=${1:?"part: checks | h200 | cpu16 | users | record | multi | gemm | probes | calibrate16 | calibrate1 | ab SCRIPT ARGS..."}; shift
 if [ "$part" = ab ]; then out=${OUT:-/tmp/overlapkit_device}; else out=${1:-${OUT:-/tmp/overlapkit_device}}; fi
 
 # NVLink multicast off (it can take a shared host's GPUs down); overlapkit from this checkout; the wheels of
@@ -148,12 +151,25 @@ probes() {
   step lm_head_probe 60 python3 benchmarks/probes/lm_head_probe.py --device cuda --out "$g"
   step hbm_add_probe 60 python3 benchmarks/probes/hbm_add_probe.py --out "$g"
   step profile_step 90 python3 benchmarks/probes/profile_step.py --device cuda --out "$g"
-  step calibrate_cuda 45 python3 benchmarks/probes/calibrate_validation.py --device cuda --out "$g"
-  step calibrate_cpu 70 python3 benchmarks/probes/calibrate_validation.py --device cpu --out "$c"
   step pp_zero_bubble 60 python3 benchmarks/probes/pp_zero_bubble.py --world 4 --threads 4 --steps 20 --out "$c"
   step straggler 50 python3 benchmarks/probes/straggler_path.py --world 16 --straggler 5 --sleep-ms 30 --out "$c"
   step agreement_ws8 30 python3 benchmarks/probes/agreement_cost.py --world 8 --out "$c"
   step tp_agreement_ws4 40 python3 benchmarks/probes/tp_agreement_cost.py --world 4 --threads 2 --out "$c"
+}
+
+# Each layout in its own session under --layout-limit (a stalled one is killed and recorded as failed); the
+# results are rewritten after every layout, so a step cut short keeps the rows it measured.
+calibrate16() {
+  mkdir -p "$c"
+  step calibrate_cpu_gpt 280 python3 benchmarks/probes/calibrate_validation.py --device cpu --model gpt \
+      --layout-limit 50 --out "$c"
+  step calibrate_cpu_llama 280 python3 benchmarks/probes/calibrate_validation.py --device cpu --model llama \
+      --layout-limit 50 --out "$c"
+}
+
+calibrate1() {
+  mkdir -p "$g"
+  step calibrate_cuda 300 python3 benchmarks/probes/calibrate_validation.py --device cuda --layout-limit 70 --out "$g"
 }
 
 ab() {
@@ -167,7 +183,7 @@ ab() {
 }
 
 case "$part" in
-checks | h200 | cpu16 | users | multi | probes) "$part" ;;
+checks | h200 | cpu16 | users | multi | probes | calibrate16 | calibrate1) "$part" ;;
 gemm) mkdir -p "$g"; step bench_gemm 240 python3 -m overlapkit bench gemm --out "$g/h200_measured.json" ;;
 record)
   A=(env) B=(env)
@@ -178,7 +194,7 @@ record)
   wait "$lane"; cat "$out/logs/lane_gpu.txt"
   ;;
 ab) ab "$@" ;;
-*) echo "unknown part $part (checks | h200 | cpu16 | record | multi | gemm | probes | ab SCRIPT ARGS...)"; exit 2 ;;
+*) echo "unknown part $part (checks | h200 | cpu16 | record | multi | gemm | probes | calibrate16 | calibrate1 | ab SCRIPT ARGS...)"; exit 2 ;;
 esac
 if [ -d "$c" ]; then  # the scripts name a CPU result *_cpu_*; the committed 16-core tables are *_cpu16_*
   for f in "$c"/*_cpu_*; do [ -e "$f" ] && mv "$f" "$c/$(basename "$f" | sed 's/_cpu_/_cpu16_/')"; done

@@ -1,17 +1,21 @@
 """`overlapkit plan --calibrate` validated on runs made here: trace one layout, predict others, measure them.
 
-CPU mode (gloo ranks): overlapkit's GPT is traced at dp 2 x tp 2; the cost model is calibrated on that
-trace alone (plan_tools.read_measured + costmodel.calibrate.fit, what `plan --calibrate` runs) and predicts
-tp 4, dp 4, pp 2 x tp 2 and dp 2 x tp 2 at twice the micro-batch; each of those is then run and traced the
-same way in the same invocation and its measured step set beside the prediction. Every layout processes the
-same sequences per step except the micro-batch row (twice as many). CUDA mode (one GPU, world size 1): the
-GPT traced at one micro-batch size predicts the others (no collective runs at world size 1, so the TP
-overlap modes are the same program there; the rows say so).
+CPU mode (gloo ranks): overlapkit's GPT (or a Hugging Face Llama through `parallelize`) is traced at one
+layout (world 4: dp 2 x tp 2; world 2: tp 2); the cost model is calibrated on that trace alone
+(plan_tools.read_measured + costmodel.calibrate.fit, what `plan --calibrate` runs) and predicts four other
+layouts (`layouts`), each then run and traced the same way in the same invocation, its measured step set
+beside the prediction, term by term (compute, exposed communication, the pipeline, host: calibrate.terms).
+CUDA mode (one GPU, world size 1): the GPT traced at one micro-batch size predicts the others (no collective
+runs at world size 1, so the TP overlap modes are the same program there; the rows say so).
 
     python benchmarks/probes/calibrate_validation.py --device cpu                  # the 16-core host, overlapkit's GPT
     python benchmarks/probes/calibrate_validation.py --device cpu --model llama    # HF Llama through parallelize (no pp)
     python benchmarks/probes/calibrate_validation.py --device cuda                 # the H200, world size 1
-    python benchmarks/probes/calibrate_validation.py --device cpu --smoke          # tiny sizes, two steps, two layouts
+    python benchmarks/probes/calibrate_validation.py --device cpu --smoke          # 2 ranks, tiny sizes, two steps
+
+Each layout runs in its own process session under a wall-clock limit (`--layout-limit`): one that does not
+finish (a rank stalled outside any collective's timeout) is killed whole and recorded as failed, and the
+results are written after every layout, so a run cut short still leaves the rows it measured.
 
 Writes benchmarks/results/calibrate_validation_<device>_<model>[_smoke].{json,md}. Targets: every predicted
 layout within 10 % (16 cores) and 5 % (H200, world size 1) of its measured step.
@@ -22,7 +26,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -37,14 +43,23 @@ SIZES = {"smoke": dict(hidden=64, num_heads=8, ffn_hidden=256, num_layers=2, seq
 """GPT sizes and sequences per step of each run kind."""
 
 
-def layouts(batch: int, arch: str = "gpt") -> dict:
-    """name -> (tp, pp, dp, micro_batch, micro-batches): the traced layout first, then the predicted ones
+def layouts(batch: int, arch: str = "gpt", world: int = 4) -> dict:
+    """name -> (tp, pp, dp, micro_batch, micro-batches): the traced layout first, then the four predicted ones
     (no pipeline for the HF Llama: overlapkit's stage cutter knows its own GPT only)."""
+    if world == 2:
+        out = {"tp2 (traced)": (2, 1, 1, batch, 1), "dp2": (1, 1, 2, batch // 2, 1),
+               "pp2": (1, 2, 1, batch // 2, 2), "tp2, micro-batch x2": (2, 1, 1, 2 * batch, 1),
+               "dp2, micro-batch x2": (1, 1, 2, batch, 1)}
+        if arch == "llama":
+            del out["pp2"]
+            out["tp2, micro-batch /2"] = (2, 1, 1, batch // 2, 1)
+        return out
     out = {"dp2 x tp2 (traced)": (2, 1, 2, batch // 2, 1), "tp4": (4, 1, 1, batch, 1),
            "dp4": (1, 1, 4, batch // 4, 1), "pp2 x tp2": (2, 2, 1, batch // 2, 2),
            "dp2 x tp2, micro-batch x2": (2, 1, 2, batch, 1)}
     if arch == "llama":
         del out["pp2 x tp2"]
+        out["dp4, micro-batch x2"] = (1, 1, 4, batch // 2, 1)
     return out
 
 
@@ -65,16 +80,19 @@ def build(arch: str, sizes: dict):
 def run_rank(sizes: dict, layout: tuple, steps: int, trace_dir: str, overlap: str, device: str,
              arch: str = "gpt") -> dict:
     """One rank of one layout: train `steps` steps under the profiler (one warm-up step first)."""
+    import faulthandler
+
     import torch
     from torch.profiler import ProfilerActivity, profile, schedule
 
     from overlapkit import ParallelGroups, optim_param_groups
     from overlapkit.data_parallel import DataParallel
     from overlapkit.models import lm_loss, parallelize
-    from overlapkit.timeline import record
 
     tp, pp, dp, mb, m = layout
     world = tp * pp * dp
+    # A rank still running near its process-group timeout says where every thread is, before it is killed.
+    faulthandler.dump_traceback_later(float(os.environ.get("CALIBRATE_STACKS_S", 200)), exit=False)
     if device == "cpu":
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     groups = ParallelGroups.build(tp=tp, dp=dp, pp=pp)
@@ -101,7 +119,9 @@ def run_rank(sizes: dict, layout: tuple, steps: int, trace_dir: str, overlap: st
     prof = profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else []),
                    schedule=schedule(wait=0, warmup=1, active=steps + 1, repeat=1),
                    on_trace_ready=lambda p: p.export_chrome_trace(path))
-    with record(device=dev), prof:
+    # The profiler alone: overlapkit names its ranges whenever one runs. A recorder would add its own
+    # work to what is measured (a completion watcher per rank; the pipeline's per-step bubble exchange).
+    with prof:
         for _ in range(steps + 2):  # warm-up, the measured steps, one the reader drops
             idx = torch.randint(0, vocab, (mb * m, seq), generator=gen).to(dev)
             tgt = torch.randint(0, vocab, (mb * m, seq), generator=gen).to(dev)
@@ -139,6 +159,26 @@ def measure(sizes: dict, layout: tuple, steps: int, overlap: str, device: str, t
     return folder
 
 
+def measure_limited(name: str, folder: str, argv: list[str], limit_s: float) -> str | None:
+    """Trace layout `name` into `folder` in a process session of its own (this script, `--only`); None when it
+    finished, else why not. A session that outlives `limit_s` is killed whole: its ranks and their server."""
+    if any(Path(folder).glob("rank*.json")):
+        return None  # traced before (--traces)
+    os.makedirs(folder, exist_ok=True)
+    cmd = [sys.executable, os.path.abspath(__file__), *argv, "--only", name, "--into", folder]
+    proc = subprocess.Popen(cmd, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        out, _ = proc.communicate(timeout=limit_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        return f"did not finish in {limit_s:.0f} s (killed; a rank stalled outside any collective's timeout)"
+    if proc.returncode != 0:
+        lines = [x for x in out.splitlines() if x.strip() and "USDT" not in x]
+        return f"exit {proc.returncode}: " + " | ".join(lines[-3:])
+    return None
+
+
 def model_json(sizes: dict, arch: str = "gpt") -> dict:
     """The run's model in the cost model's keys."""
     llama = arch == "llama"
@@ -156,103 +196,146 @@ def par_of(layout: tuple, overlap: str):
                           overlap=Overlap(tp=overlap, dp="bulk", pp="bulk"))
 
 
+def plan_of(device: str, kind: str, arch: str, world: int) -> dict:
+    """The layouts of a run, the traced one first."""
+    b = SIZES[kind]["batch"]
+    if device == "cuda":
+        return {f"micro-batch {b} (traced)": (1, 1, 1, b, 1), **{f"micro-batch {x}": (1, 1, 1, x, 1)
+                                                                 for x in (b // 4, b // 2, 2 * b) if x >= 1}}
+    return layouts(b, arch, world)
+
+
 def run(device: str, kind: str, steps: int, overlap: str, timeout_s: float, traces: str | None = None,
-        arch: str = "gpt") -> dict:
-    from _lib.unexported import RankFailed, fit, predict_calibrated, read_measured
+        arch: str = "gpt", world: int = 4, argv: list[str] | None = None, limit_s: float = 0.0,
+        on_row=lambda res: None) -> dict:
+    """Trace the first layout, calibrate on it, predict and trace the others; `on_row(results so far)` after each."""
+    from _lib.unexported import fit, predict_calibrated, read_measured, terms
     from overlapkit.costmodel import ModelConfig, predict, preset
 
     sizes = SIZES[kind]
     model = ModelConfig(**model_json(sizes, arch))
-    if device == "cuda":
-        b = sizes["batch"]
-        plan = {f"micro-batch {b} (traced)": (1, 1, 1, b, 1), **{f"micro-batch {x}": (1, 1, 1, x, 1)
-                                                                 for x in (b // 4, b // 2, 2 * b) if x >= 1}}
-    else:
-        plan = layouts(sizes["batch"], arch)
-    if kind == "smoke":  # the traced layout and one predicted at another split
-        first, other = next(iter(plan)), "tp4"
-        plan = {first: plan[first], other: plan[other]}
-
-    rows, cal, failed = [], None, []
+    plan = plan_of(device, kind, arch, world)
+    traces = traces or tempfile.mkdtemp(prefix="calibrate_validation_")
+    res = {"failed": [], "device": device, "kind": kind, "arch": arch, "model": model_json(sizes, arch),
+           "steps": steps, "overlap": overlap, "world": world, "cores": os.cpu_count(), "calibration": None,
+           "rows": []}
+    cal = None
     for i, (name, layout) in enumerate(plan.items()):
-        keep = os.path.join(traces, "".join(c if c.isalnum() else "_" for c in name)) if traces else None
-        try:
-            measured = read_measured(measure(sizes, layout, steps, overlap, device, timeout_s, keep, arch))
-        except RankFailed as e:  # one layout that cannot run does not void the others: say so in the results
+        folder = os.path.join(traces, "".join(c if c.isalnum() else "_" for c in name))
+        why = measure_limited(name, folder, argv or [], limit_s) if limit_s > 0 else None
+        measured = None
+        if why is None:
+            try:
+                measured = read_measured(measure(sizes, layout, steps, overlap, device, timeout_s, folder, arch))
+            except Exception as e:  # noqa: BLE001 - a rank failed, or its traces cannot be used: say which
+                why = f"{type(e).__name__}: {getattr(e, 'summary', None) or str(e).splitlines()[0]}"
+        if measured is None:
             if i == 0:
-                raise
-            failed.append({"layout": name, "error": e.summary})
-            print(f"{name}: FAILED to run: {e.summary}", flush=True)
+                raise SystemExit(f"the traced layout {name} gave nothing to calibrate on: {why}")
+            res["failed"].append({"layout": name, "error": why})
+            print(f"{name}: FAILED: {why}", flush=True)
+            on_row(res)
             continue
         par = par_of(layout, overlap)
         if i == 0:
             cal = fit(measured, model, par, preset("h200-sxm"))
+            res["calibration"] = cal.to_dict()
         r = predict_calibrated(cal, model, par)
         err = 100 * (r.step_ms - measured.step_ms) / measured.step_ms
         # the H200 preset as shipped, uncalibrated: how far its short-run curves (sustained clock 1.0) are
         # from a real step on our H200 (CUDA rows only; a CPU run has no preset)
         preset_ms = predict(model, par, preset("h200-sxm")).step_ms if device == "cuda" else None
-        rows.append({"preset_ms": preset_ms, "layout": name, "tp": layout[0], "pp": layout[1], "dp": layout[2], "micro_batch": layout[3],
-                     "micro_batches": layout[4], "measured_ms": measured.step_ms, "predicted_ms": r.step_ms,
-                     "error_pct": err, "measured_compute_ms": measured.compute_ms, "predicted_compute_ms": r.compute_ms,
-                     "predicted_exposed_ms": r.exposed_ms, "predicted_bubble_ms": r.bubble_ms,
-                     "predicted_host_ms": r.host_ms, "traced": i == 0, "measured_idle_ms": measured.idle_ms,
-                     # kind -> [comm ms, exposed ms, calls] per step: where a miss comes from
-                     "measured_comm": {k: list(v[:3]) for k, v in measured.comm.items()},
-                     "predicted_comm": {k: [c, r.exposed_by_kind.get(k, 0.0)] for k, c in r.comm_by_kind.items()}})
+        res["rows"].append({
+            "preset_ms": preset_ms, "layout": name, "tp": layout[0], "pp": layout[1], "dp": layout[2],
+            "micro_batch": layout[3], "micro_batches": layout[4], "measured_ms": measured.step_ms,
+            "predicted_ms": r.step_ms, "error_pct": err, "traced": i == 0,
+            # term -> [measured ms, predicted ms]: where a miss comes from
+            "terms": {k: list(v) for k, v in terms(measured, r).items()},
+            # kind -> [comm ms, exposed ms, calls] per step
+            "measured_comm": {k: list(v[:3]) for k, v in measured.comm.items()},
+            "predicted_comm": {k: [c, r.exposed_by_kind.get(k, 0.0)] for k, c in r.comm_by_kind.items()}})
         print(f"{name}: measured {measured.step_ms:.1f} ms, predicted {r.step_ms:.1f} ms ({err:+.1f}%)", flush=True)
-    others = [abs(r["error_pct"]) for r in rows[1:]] or [float("nan")]
-    return {"failed": failed, "device": device, "kind": kind, "arch": arch, "model": model_json(sizes, arch), "steps": steps, "overlap": overlap,
-            "cores": os.cpu_count(), "calibration": cal.to_dict(), "rows": rows,
-            "summary": {"mean_abs_pct": statistics.mean(others), "max_abs_pct": max(others),
-                        "target_pct": 5.0 if device == "cuda" else 10.0}}
+        res["summary"] = summary(res)
+        on_row(res)
+    res["summary"] = summary(res)
+    return res
+
+
+def summary(res: dict) -> dict:
+    others = [abs(r["error_pct"]) for r in res["rows"][1:]] or [float("nan")]
+    return {"mean_abs_pct": statistics.mean(others), "max_abs_pct": max(others),
+            "target_pct": 5.0 if res["device"] == "cuda" else 10.0}
 
 
 def markdown(res: dict) -> str:
-    s = res["summary"]
-    out = [f"Calibrated on one traced layout ({res['rows'][0]['layout']}), {res['device']}, {res['cores']} cores, "
+    s = res.get("summary") or summary(res)
+    rows = res["rows"]
+    traced = rows[0]["layout"] if rows else "none"
+    out = [f"Calibrated on one traced layout ({traced}), {res['device']}, {res['cores']} cores, world {res['world']}, "
            f"{res['model']['name']} {res['model']['hidden']} wide x {res['model']['num_layers']} layers, seq {res['model']['seq_len']}, "
            f"TP overlap {res['overlap']}, {res['steps']} measured steps per layout: the other layouts' |error| "
            f"mean {s['mean_abs_pct']:.1f}%, max {s['max_abs_pct']:.1f}% (target: each within {s['target_pct']:.0f}%).", "",
-           "| layout | tp | pp | dp | micro-batch x count | measured ms | predicted ms | error % | compute ms measured / predicted |",
-           "|---|---:|---:|---:|---|---:|---:|---:|---|"]
-    out += [f"| {r['layout']} | {r['tp']} | {r['pp']} | {r['dp']} | {r['micro_batch']} x {r['micro_batches']} | "
-            f"{r['measured_ms']:.1f} | {r['predicted_ms']:.1f} | {r['error_pct']:+.1f} | "
-            f"{r['measured_compute_ms']:.1f} / {r['predicted_compute_ms']:.1f} |" for r in res["rows"]]
-    out += [f"| {f['layout']} | | | | | failed to run: {f['error']} | | | |" for f in res["failed"]]
-    if res["device"] == "cuda":
+           "Per term, measured / predicted ms: compute; exposed communication (the pipeline's aside); the pipeline "
+           "(bubble and exposed pipeline transfers); host (idle, and exposed kinds the model has no counterpart for).", "",
+           "| layout | tp | pp | dp | micro-batch x count | measured ms | predicted ms | error % | compute | exposed | "
+           "pipeline | host |", "|---|---:|---:|---:|---|---:|---:|---:|---|---|---|---|"]
+    for r in rows:
+        t = r["terms"]
+        out.append(f"| {r['layout']} | {r['tp']} | {r['pp']} | {r['dp']} | {r['micro_batch']} x {r['micro_batches']} | "
+                   f"{r['measured_ms']:.1f} | {r['predicted_ms']:.1f} | {r['error_pct']:+.1f} | "
+                   + " | ".join(f"{t[k][0]:.1f} / {t[k][1]:.1f}" for k in ("compute", "exposed", "pipeline", "host"))
+                   + " |")
+    out += [f"| {f['layout']} | | | | | failed: {f['error']} | | | | | | |" for f in res["failed"]]
+    if res["device"] == "cuda" and rows:
         out += ["", "World size 1: no collective runs, so the TP overlap modes are one program here. The h200-sxm "
                 "preset as shipped (uncalibrated, sustained clock 1.0) against the same steps: "
                 + ", ".join(f"{r['layout']} {100 * (r['preset_ms'] - r['measured_ms']) / r['measured_ms']:+.1f}%"
-                            for r in res["rows"]) + "."]
+                            for r in rows) + "."]
     return "\n".join(out) + "\n"
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    ap.add_argument("--world", type=int, default=4, help="ranks of the CPU layouts (4: the layouts above)")
+    ap.add_argument("--world", type=int, default=None, help="ranks of the CPU layouts: 4 (default) or 2 (--smoke)")
     ap.add_argument("--model", choices=("gpt", "llama"), default="gpt",
                     help="overlapkit's GPT, or a Hugging Face Llama through overlapkit.parallelize")
-    ap.add_argument("--smoke", action="store_true", help=SMOKE_HELP)
+    ap.add_argument("--smoke", action="store_true", help=SMOKE_HELP + " (2 ranks)")
     ap.add_argument("--steps", type=int, default=None, help="measured steps per layout (default 5; smoke 2)")
     ap.add_argument("--overlap", default="bulk", choices=("none", "bulk", "pipelined"))
-    ap.add_argument("--timeout", type=float, default=300.0, help="process-group timeout per layout, s")
+    ap.add_argument("--timeout", type=float, default=120.0, help="process-group timeout per layout, s")
+    ap.add_argument("--layout-limit", type=float, default=240.0,
+                    help="wall-clock limit per layout, s (0: none); a layout past it is killed and recorded as failed")
     ap.add_argument("--traces", metavar="DIR", help="keep each layout's traces in DIR/<layout>; a layout whose "
                     "folder already holds traces is not run again (re-analysis)")
+    ap.add_argument("--only", help=argparse.SUPPRESS)  # one layout's traces into --into (measure_limited)
+    ap.add_argument("--into", help=argparse.SUPPRESS)
     add_out_arg(ap)
     args = ap.parse_args(argv)
-    if args.device == "cpu" and args.world != 4:
-        print("--world: the CPU layouts (dp2 x tp2, tp4, dp4, pp2 x tp2) need 4 ranks", file=sys.stderr)
+    world = args.world or (2 if args.smoke else 4)
+    if args.device == "cpu" and world not in (2, 4):
+        print("--world: the CPU layouts are made for 4 ranks (dp2 x tp2 traced) or 2 (tp2 traced)", file=sys.stderr)
         return 2
     kind = "smoke" if args.smoke else args.device
-    res = run(args.device, kind, args.steps or (2 if args.smoke else 5), args.overlap, args.timeout, args.traces,
-              args.model)
+    steps = args.steps or (2 if args.smoke else 5)
+    if args.only:
+        layout = plan_of(args.device, kind, args.model, world)[args.only]
+        measure(SIZES[kind], layout, steps, args.overlap, args.device, args.timeout, args.into, args.model)
+        return 0
     out = Path(out_dir(args))
     out.mkdir(parents=True, exist_ok=True)
     stem = f"calibrate_validation_{args.device}_{args.model}" + ("_smoke" if args.smoke else "")
-    (out / f"{stem}.json").write_text(json.dumps(res, indent=1))
-    (out / f"{stem}.md").write_text(markdown(res))
+    child = ["--device", args.device, "--model", args.model, "--world", str(world), "--steps", str(steps),
+             "--overlap", args.overlap, "--timeout", str(args.timeout)] + (["--smoke"] if args.smoke else [])
+
+    def write(res: dict) -> None:
+        (out / f"{stem}.json").write_text(json.dumps(res, indent=1))
+        (out / f"{stem}.md").write_text(markdown(res))
+
+    res = run(args.device, kind, steps, args.overlap, args.timeout, args.traces, args.model, world,
+              argv=child, limit_s=args.layout_limit, on_row=write)
+    write(res)
     print(markdown(res))
     return 0
 

@@ -123,6 +123,7 @@ def analyze(per_rank: list[dict], device_type: str, out_stem: str) -> dict:
             agreements.append(dict(variant=variant, rank=t.rank, matched=a.matched, missing=a.missing[:5],
                                    unmatched=a.unmatched[:5], early_ms=a.early_ms,
                                    late_compute_ms=a.late_compute_ms, late_comm_ms=a.late_comm_ms,
+                                   compute_diff_ms=a.compute_diff_ms,
                                    ok=a.ok(TOLERANCE_MS[device_type], COMM_END_TOLERANCE_MS[device_type])))
         for source, report in (("recorder", report_spans(recorded)), ("trace", report_traces(traces))):
             n = len(report.ranks)
@@ -163,11 +164,12 @@ def markdown(result: dict) -> str:
                      f"{r['comm_ms']:.3f} | {r['exposed_comm_ms']:.3f} | {fmt(r['overlap_pct'], '.1f')} | "
                      f"{', '.join(r['kinds'])} |")
     lines += ["", "| variant | rank | spans matched | missing in trace | unmatched in trace | early ms | "
-                  "late compute ms | late comm ms | agree |", "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+                  "late compute ms | late comm ms | compute time diff ms | agree |",
+              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for a in result["agreement"]:
         lines.append(f"| {a['variant']} | {a['rank']} | {a['matched']} | {len(a['missing'])} | "
                      f"{len(a['unmatched'])} | {a['early_ms']:.3f} | {a['late_compute_ms']:.3f} | "
-                     f"{a['late_comm_ms']:.3f} | {'yes' if a['ok'] else 'NO'} |")
+                     f"{a['late_comm_ms']:.3f} | {a['compute_diff_ms']:.3f} | {'yes' if a['ok'] else 'NO'} |")
     return "\n".join(lines) + "\n"
 
 

@@ -51,4 +51,4 @@ def read_measured(trace_dir: str):
     return Measured(step_ms=step_ms, compute_ms=sum(t.compute_ms for t in times) / n,
                     idle_ms=sum(t.idle_ms for t in times) / n,
                     gemm={k: (ms, calls / n) for k, (ms, calls) in gemm.items()}, comm=comm, steps=n,
-                    ranks=len(report.ranks))
+                    ranks=len(report.ranks), device=next(t.device for t in traces if t.rank == rank.rank))

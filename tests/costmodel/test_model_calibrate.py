@@ -9,7 +9,7 @@ import pytest
 
 from overlapkit.costmodel import ConfigError, ModelConfig, ParallelConfig, predict, preset
 from overlapkit.costmodel.calibrate import (CalibratedCollectives, Measured, fit, predict_calibrated, rescaled,
-                                            traced_layout)
+                                            ops_per_step, terms, traced_layout)
 from overlapkit.plan_tools import read_measured
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "timeline"
@@ -140,3 +140,92 @@ def test_a_traced_layout_whose_collectives_the_trace_lacks_is_named():
     cal = fit(Measured(step_ms=r.step_ms, compute_ms=r.compute_ms, idle_ms=0.0), model, traced, preset("h200-sxm"))
     assert any("tp_all_gather" in n and "does not show" in n for n in cal.notes)
     assert cal.comm_factors == {} and cal.exposed_fraction == {}
+
+
+MODEL = ModelConfig(hidden=1024, ffn_hidden=4096, num_layers=4, num_heads=16, seq_len=1024, vocab_size=8192,
+                    gated_mlp=False)
+
+
+def test_a_trace_without_compute_is_one_clear_error():
+    with pytest.raises(ConfigError, match=r"Measured.compute_ms=0.0: the traced steps show no computation"):
+        Measured(step_ms=10.0, compute_ms=0.0, idle_ms=0.0)
+    with pytest.raises(ConfigError, match="Measured.device='tpu'"):
+        Measured(step_ms=10.0, compute_ms=1.0, idle_ms=0.0, device="tpu")
+
+
+def _gpu_trace(hw, par):
+    """What a GPU trace of `par` on `hw` shows (the model as the machine): its step, compute, exposed and idle."""
+    r = predict(MODEL, par, hw)
+    comm = {k: (c, r.exposed_by_kind[k], 1.0, 0) for k, c in r.comm_by_kind.items()}
+    return Measured(step_ms=r.step_ms, compute_ms=r.compute_ms, idle_ms=r.host_ms, comm=comm, device="gpu"), r
+
+
+def test_a_gpu_hosts_dispatch_time_is_fitted_where_the_gpu_waited_and_prices_other_micro_batches():
+    """The GPU waits for its host only where a layer's dispatch outlasts its work: fitted from a host-bound
+    trace, the wait shrinks (not grows) as micro-batches grow, as on the machine."""
+    truth = replace(preset("h200-sxm"), host_us_per_op=60.0)
+    small, large = ParallelConfig(micro_batch=1, global_batch=1), ParallelConfig(micro_batch=8, global_batch=8)
+    measured, r = _gpu_trace(truth, small)
+    assert r.host_ms > 0  # host-bound: the trace shows the GPU idle
+    cal = fit(measured, MODEL, small, preset("h200-sxm"))
+    # (the calibrated rates split compute between GEMMs and memory-bound ops a little differently)
+    assert cal.device == "gpu" and cal.host_us_per_op == pytest.approx(60.0, rel=1e-2)
+    for par in (small, large):
+        want, got = predict(MODEL, par, truth), predict_calibrated(cal, MODEL, par)
+        assert got.step_ms == pytest.approx(want.step_ms, rel=1e-2), par
+        assert got.host_ms == pytest.approx(want.host_ms, abs=0.02 * want.step_ms), par
+    # the additive host term of a CPU trace would have kept the small batch's wait at every size
+    cpu = fit(replace(measured, device="cpu"), MODEL, small, preset("h200-sxm"))
+    assert predict_calibrated(cpu, MODEL, large).host_ms == pytest.approx(r.host_ms, rel=1e-6)
+    assert predict(MODEL, large, truth).host_ms < r.host_ms
+
+
+def test_a_gpu_that_never_waited_bounds_the_dispatch_time_from_above():
+    par = ParallelConfig(micro_batch=8, global_batch=8)
+    measured, r = _gpu_trace(replace(preset("h200-sxm"), host_us_per_op=1.0), par)
+    assert r.host_ms == 0
+    cal = fit(measured, MODEL, par, preset("h200-sxm"))
+    assert 0 < cal.host_us_per_op <= preset("h200-sxm").host_us_per_op
+    assert predict_calibrated(cal, MODEL, par).host_ms == pytest.approx(0.0, abs=1e-6)  # the traced step stands
+    assert any("never waited" in n for n in cal.notes)
+
+
+def test_terms_split_a_step_into_compute_exposed_pipeline_and_host():
+    par = ParallelConfig(tp=2, pp=2, global_batch=4)
+    r = predict(MODEL, par, preset("h200-sxm"))
+    comm = {k: (c, r.exposed_by_kind[k], 1.0, 0) for k, c in r.comm_by_kind.items()}
+    comm["pp_recv"] = (3.0, 2.0, 1.0, 0)
+    comm["broadcast"] = (1.5, 1.5, 1.0, 0)  # no counterpart in the model
+    m = Measured(step_ms=r.step_ms, compute_ms=r.compute_ms, idle_ms=0.25, comm=comm)
+    t = terms(m, r)
+    assert list(t) == ["compute", "exposed", "pipeline", "host"]
+    assert t["compute"] == (r.compute_ms, r.compute_ms)
+    tp_exposed = sum(e for k, e in r.exposed_by_kind.items() if k.startswith("tp_"))
+    assert t["exposed"][0] == pytest.approx(tp_exposed) and t["exposed"][1] == pytest.approx(tp_exposed)
+    pp_sent = r.exposed_by_kind.get("pp_send", 0.0)
+    assert t["pipeline"] == (pytest.approx(pp_sent + 2.0), pytest.approx(r.bubble_ms + pp_sent))
+    assert t["host"] == (pytest.approx(1.75), r.host_ms)
+
+
+def test_kinds_the_model_lacks_go_with_their_engine_and_other_codes_collectives_stay_apart():
+    """A TP all-reduce the model does not price (the vocabulary-parallel loss, the norms) runs where TP runs, per
+    layer and micro-batch, not as host time in a layout without TP; an `all_gather` the trace alone names (a
+    pipeline's shape check) is not merged into overlapkit's TP all-gathers."""
+    traced = ParallelConfig(tp=2, global_batch=1)
+    r = predict(MODEL, traced, preset("h200-sxm"))
+    comm = {k: (c, r.exposed_by_kind[k], 1.0, 0) for k, c in r.comm_by_kind.items()}
+    comm["tp_all_reduce"] = (4.0, 3.0, 10.0, 0)
+    comm["all_gather"] = (0.5, 0.5, 1.0, 0)
+    cal = fit(Measured(step_ms=r.step_ms + 3.5, compute_ms=r.compute_ms, idle_ms=0.0, comm=comm), MODEL, traced,
+              preset("h200-sxm"))
+    assert cal.engine_exposed == {"tp_all_reduce": 3.0}
+    assert cal.comm_factors["all_gather"] == pytest.approx(1.0, rel=1e-6)  # the TP all-gathers alone
+    host_per_op = cal.host_us_per_op  # the unnamed all_gather's 0.5 ms, over the traced ops
+    assert host_per_op * 1e-3 * ops_per_step(MODEL, traced) == pytest.approx(0.5)
+    two = predict_calibrated(cal, MODEL, ParallelConfig(tp=2, global_batch=2))  # twice the micro-batches
+    assert two.exposed_by_kind["tp_all_reduce"] == pytest.approx(6.0)
+    dp = predict_calibrated(cal, MODEL, ParallelConfig(dp=2, global_batch=2))
+    assert "tp_all_reduce" not in dp.exposed_by_kind
+    t = terms(Measured(step_ms=r.step_ms + 3.5, compute_ms=r.compute_ms, idle_ms=0.0, comm=comm),
+              predict_calibrated(cal, MODEL, traced))
+    assert t["exposed"][0] == pytest.approx(t["exposed"][1]) and t["host"] == (pytest.approx(0.5), pytest.approx(0.5))

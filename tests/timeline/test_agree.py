@@ -24,9 +24,29 @@ def test_overlapping_transfers_of_one_kind_pair_in_issue_order():
 def test_an_exchange_and_a_gemm_may_hold_several_traced_spans():
     recorded = [rec("tp_all_gather", 0, 10), rec("compute", 1, 9, "fc1"), rec("compute", 9.2, 12, "fc1")]
     traced = [rec("tp_all_gather", 0.5, 9, "send"), rec("tp_all_gather", 0.6, 9.5, "recv"),
-              rec("compute", 2, 4, "fc1"), rec("compute", 4, 8.9, "fc1"), rec("compute", 9.3, 11, "fc1")]
+              rec("compute", 1.01, 4, "fc1"), rec("compute", 4, 8.99, "fc1"), rec("compute", 9.22, 11.98, "fc1")]
     a = compare_spans(recorded, traced, offset_ms=0.0, tol_ms=0.05)
     assert a.ok(0.05) and a.matched == 3
+
+
+def test_a_computation_traced_shorter_than_its_record_disagrees():
+    # the profiler range inside its record, but 1 ms of the recorded time is not in it
+    a = compare_spans([rec("compute", 0, 5, "fc1")], [rec("compute", 0.01, 3.99, "fc1")], offset_ms=0.0)
+    assert a.matched == 1 and a.early_ms == 0 and a.late_compute_ms == 0
+    assert a.compute_diff_ms == pytest.approx(1.02) and not a.ok(0.5) and a.ok(1.1)
+    assert a.worst_compute == "fc1@0.000: recorded 5.000 ms, traced 3.980 ms"
+
+
+def test_a_pipeline_receive_pairs_by_its_end_and_a_bubble_with_no_compute():
+    # receives posted at 0 and 1; the recorder starts each at its peer's send (3 and 6), the
+    # wait before that is bubble; the profiler's receive ranges open at the post
+    recorded = [rec("pp_bubble", 2, 3, "wait"), rec("pp_recv", 3, 4), rec("compute", 4, 5, "F"),
+                rec("pp_bubble", 5, 6, "wait"), rec("pp_recv", 6, 7)]
+    traced = [rec("pp_recv", 0, 4), rec("pp_recv", 1, 7), rec("compute", 4, 5, "F")]
+    a = compare_spans(recorded, traced, offset_ms=0.0, tol_ms=0.05)
+    assert a.ok(0.05) and a.matched == 5 and not a.missing
+    busy = compare_spans(recorded, [*traced, rec("compute", 5.2, 5.6, "F")], offset_ms=0.0, tol_ms=0.05)
+    assert busy.missing == ["pp_bubble:wait@5.000 (computing 0.400 ms of it)"]
 
 
 def test_missing_unmatched_and_sticking_out_are_reported():

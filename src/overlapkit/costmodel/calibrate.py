@@ -30,8 +30,15 @@ KIND_COLLECTIVE = {"tp_all_gather": "all_gather", "tp_reduce_scatter": "reduce_s
                    "zero_all_gather": "all_gather", "pp_send": "send_recv", "ep_all_to_all": "all_to_all",
                    "cp_kv": "send_recv"}
 """The collective each communication kind of a prediction runs."""
+PIPELINE_KINDS = ("pp_send", "pp_recv")
+"""Kinds whose exposed time a per-term comparison counts with the pipeline bubble: a trace cannot tell a stage
+waiting for its neighbour's compute from one waiting for the wire."""
+TERMS = ("compute", "exposed", "pipeline", "host")
+"""The terms a step splits into (`terms`)."""
 GEMM_PHASES = ("fwd", "dgrad", "wgrad")
 """Phases of a layer GEMM a trace may name (forward, input gradient, weight gradient)."""
+DEVICES = ("cpu", "gpu")
+"""Where a traced job computed (Measured.device)."""
 FIT_STEPS = 60
 """Bisection steps (in log scale, over 1e-12..1e6 times the preset's rate) for the compute rate at which the
 traced layout's predicted compute is the measured one: 60 halvings leave a relative error below 1e-7."""
@@ -56,11 +63,18 @@ class Measured:
     """Steps averaged."""
     ranks: int = 1
     """Ranks read."""
+    device: str = "cpu"
+    """Where the job computed: 'cpu' (the host that dispatches also computes, so its time per op adds to the
+    step) or 'gpu' (the host dispatches ahead; the GPU waits only where a layer's dispatch outlasts its work)."""
 
     def __post_init__(self) -> None:
-        for f in ("step_ms", "compute_ms"):
-            v.positive("Measured", f, getattr(self, f))
+        v.positive("Measured", "step_ms", self.step_ms)
+        if not (isinstance(self.compute_ms, (int, float)) and self.compute_ms > 0):
+            raise v.ConfigError(f"Measured.compute_ms={self.compute_ms!r}: the traced steps show no computation on the "
+                                f"slowest rank ({self.step_ms:.3g} ms per step, {self.ranks} rank(s), {self.steps} step(s)); "
+                                f"calibration needs the compute ranges or kernels of a training step")
         v.positive("Measured", "idle_ms", self.idle_ms, allow_zero=True)
+        v.one_of("Measured", "device", self.device, DEVICES)
 
 
 class CalibratedCollectives(Collectives):
@@ -96,6 +110,11 @@ class Calibration:
     """Measured kinds the model has no counterpart for, and other things assumed."""
     matmul_scale: float = 1.0
     """The job's matrix rate relative to the base hardware's (from the named GEMMs; compute_scale without)."""
+    device: str = "cpu"
+    """Measured.device: 'cpu' adds host_us_per_op per op to the step; 'gpu' puts it in the hardware's
+    dispatch time per op, which the GPU waits for only where a layer's dispatch outlasts its work."""
+    engine_exposed: dict = field(default_factory=dict)
+    """Engine kind the model has no counterpart for -> exposed ms per step at the traced layout."""
 
     @property
     def collectives(self) -> Collectives:
@@ -107,7 +126,9 @@ class Calibration:
                 f"global_batch={p.global_batch}")
 
     def to_dict(self) -> dict:
-        return {"compute_scale": self.compute_scale, "matmul_scale": self.matmul_scale, "comm_factors": dict(self.comm_factors),
+        return {"compute_scale": self.compute_scale, "matmul_scale": self.matmul_scale, "device": self.device,
+                "engine_exposed": dict(self.engine_exposed),
+                "comm_factors": dict(self.comm_factors),
                 "exposed_fraction": dict(self.exposed_fraction), "host_us_per_op": self.host_us_per_op,
                 "gemm_points": [list(p) for p in self.gemm_points], "notes": list(self.notes)}
 
@@ -189,10 +210,22 @@ def gemm_points(measured: Measured, model: ModelConfig, traced: ParallelConfig) 
     return tuple((*shape, t / c) for shape, (t, c) in sorted(merged.items()))
 
 
-def _model_kind(kind: str, predicted: dict) -> str | None:
-    """The prediction's kind for a measured one: the same name, or the one kind ending in _<collective>."""
+ENGINE_OF = {"tp_": "tp", "dp_": "dp", "zero_": "dp", "pp_": "pp", "ep_": "ep", "cp_": "cp"}
+"""An overlapkit kind's prefix -> the layout's degree its collectives need (> 1) to run at all."""
+
+
+def _engine(kind: str) -> str | None:
+    return next((e for prefix, e in ENGINE_OF.items() if kind.startswith(prefix)), None)
+
+
+def _model_kind(kind: str, predicted: dict, measured_kinds=()) -> str | None:
+    """The prediction's kind for a measured one: the same name, or the one kind ending in _<collective>. A
+    collective named only by the trace (`all_gather`) in a trace where overlapkit named its own is other code's
+    (a pipeline's per-step shape check, a metric's reduction): none."""
     if kind in KIND_COLLECTIVE:
         return kind
+    if _engine(kind) is None and any(_engine(k) is not None for k in measured_kinds):
+        return None
     matches = [k for k in predicted if k.endswith("_" + kind)]
     return matches[0] if len(matches) == 1 else None
 
@@ -219,13 +252,22 @@ def _memory_rate(target_ms: float, model: ModelConfig, traced: ParallelConfig, b
     return math.exp((lo + hi) / 2)
 
 
-def _traced_comm(measured: Measured, predicted: dict, notes: list) -> tuple[dict, float]:
-    """({the model's kind: [comm ms, exposed ms]} measured per step, exposed ms of kinds the model lacks)."""
+def _traced_comm(measured: Measured, predicted: dict, notes: list) -> tuple[dict, float, dict]:
+    """({the model's kind: [comm ms, exposed ms]} measured per step, exposed ms of kinds the model lacks that no
+    engine names, {engine kind the model lacks: exposed ms per step})."""
     by_kind: dict[str, list[float]] = {}
-    unmatched = 0.0
+    unmatched, engine_exposed = 0.0, {}
     for kind, (comm_ms, exposed_ms, _calls, _nbytes) in measured.comm.items():
-        ours = _model_kind(kind, predicted)
+        ours = _model_kind(kind, predicted, measured.comm)
         if ours is None or predicted.get(ours, 0.0) <= 0 or comm_ms <= 0:
+            if _engine(kind) is not None:
+                # e.g. the vocabulary-parallel loss's and the sequence-parallel norms' TP all-reduces: they run
+                # where that engine runs, as often as its layers and micro-batches, not once per host op
+                notes.append(f"traced {kind} ({comm_ms:.3g} ms per step, {exposed_ms:.3g} exposed) has no counterpart "
+                             f"in the model: its exposed time is priced wherever {_engine(kind)} > 1, per layer and "
+                             f"micro-batch")
+                engine_exposed[kind] = engine_exposed.get(kind, 0.0) + exposed_ms
+                continue
             notes.append(f"traced {kind} ({comm_ms:.3g} ms per step, {exposed_ms:.3g} exposed) has no counterpart "
                          f"in the model of this layout: its exposed time counts as host time")
             unmatched += exposed_ms
@@ -237,7 +279,7 @@ def _traced_comm(measured: Measured, predicted: dict, notes: list) -> tuple[dict
         if kind not in by_kind and ms > 0:
             notes.append(f"the traced layout's model has {kind} ({ms:.3g} ms per step) that the trace does not show: "
                          f"priced as the model does (does --traced describe the traces?)")
-    return by_kind, unmatched
+    return by_kind, unmatched, engine_exposed
 
 
 def fit(measured: Measured, model: ModelConfig, traced: ParallelConfig, base: Hardware) -> Calibration:
@@ -254,7 +296,7 @@ def fit(measured: Measured, model: ModelConfig, traced: ParallelConfig, base: Ha
     points = gemm_points(measured, model, traced)
     matmul = _matmul_rate(points, base)
     base_report = predict(model, traced, rescaled(base, matmul or 1.0, matmul or 1.0, points))
-    by_kind, unmatched = _traced_comm(measured, base_report.comm_by_kind, notes)
+    by_kind, unmatched, engine_exposed = _traced_comm(measured, base_report.comm_by_kind, notes)
     hidden = {k: max(0.0, c - e) for k, (c, e) in by_kind.items()}
     waiting = 0.0
     if matmul is not None:
@@ -278,9 +320,34 @@ def fit(measured: Measured, model: ModelConfig, traced: ParallelConfig, base: Ha
         factors.setdefault(KIND_COLLECTIVE[kind], []).append((comm_ms, r.comm_by_kind[kind]))
     comm_factors = {c: sum(m for m, _ in xs) / sum(p for _, p in xs) for c, xs in factors.items()}
     exposed = {k: min(1.0, e / c) for k, (c, e) in by_kind.items()}
-    ops = ops_per_step(model, traced)
-    return Calibration(hw, comm_factors, exposed, 1e3 * (measured.idle_ms + unmatched) / ops, scale, traced, points,
-                       notes, matmul_scale=matmul or scale)
+    if measured.device == "gpu":
+        host_us = _dispatch_us(measured.idle_ms + unmatched, model, traced, hw, base.host_us_per_op, notes)
+        hw = replace(hw, host_us_per_op=host_us)
+    else:
+        host_us = 1e3 * (measured.idle_ms + unmatched) / ops_per_step(model, traced)
+    return Calibration(hw, comm_factors, exposed, host_us, scale, traced, points, notes, matmul_scale=matmul or scale,
+                       device=measured.device, engine_exposed=engine_exposed)
+
+
+def _dispatch_us(idle_ms: float, model: ModelConfig, traced: ParallelConfig, hw: Hardware, preset_us: float,
+                 notes: list) -> float:
+    """The host's dispatch time per op on a GPU: where the trace shows the GPU waiting (`idle_ms`), the time
+    at which the model's host wait of the traced layout is that idle time; where it shows none, the
+    dispatch was no slower than the GPU's work, which bounds it from above only: the preset's time, or
+    that bound where it is lower."""
+    def wait_ms(us: float) -> float:
+        return predict(model, traced, replace(hw, host_us_per_op=us)).host_ms
+
+    lo, hi = 0.0, 1e5  # µs per op; the wait grows with it
+    for _ in range(FIT_STEPS):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if wait_ms(mid) <= idle_ms else (lo, mid)
+    if idle_ms > 0 and wait_ms(lo) > 0:
+        notes.append(f"the GPU waited {idle_ms:.3g} ms per step for its host: {lo:.3g} us per dispatched op")
+        return lo
+    notes.append(f"the GPU never waited for its host: dispatch at most {lo:.3g} us per op; priced at "
+                 f"{min(lo, preset_us):.3g} us (the preset's {preset_us:.3g} us or that bound)")
+    return min(lo, preset_us)
 
 
 def ops_per_step(model: ModelConfig, par: ParallelConfig) -> int:
@@ -291,15 +358,39 @@ def ops_per_step(model: ModelConfig, par: ParallelConfig) -> int:
 
 def predict_calibrated(cal: Calibration, model: ModelConfig, par: ParallelConfig) -> StepReport:
     """One step of `par` priced with what `cal` measured: the calibrated hardware and collectives, the
-    measured exposed fraction of every traced kind (the model's own overlap for the others) and the
-    measured host time per op."""
+    measured exposed fraction of every traced kind (the model's own overlap for the others), the exposed time
+    of traced engine kinds the model lacks (where that engine runs, per layer and micro-batch) and the host
+    time per op."""
     r = predict(model, par, cal.hardware, cal.collectives)
     exposed = {k: (c * cal.exposed_fraction[k] if k in cal.exposed_fraction else r.exposed_by_kind.get(k, 0.0))
                for k, c in r.comm_by_kind.items()}
+    per_op = ops_per_step(model, par) / ops_per_step(model, cal.traced)
+    for kind, ms in cal.engine_exposed.items():
+        if getattr(par, _engine(kind)) > 1:
+            exposed[kind] = exposed.get(kind, 0.0) + ms * (1.0 if _engine(kind) == "dp" else per_op)
     r.exposed_by_kind, r.exposed_ms = exposed, sum(exposed.values())
-    r.host_ms = cal.host_us_per_op * 1e-3 * ops_per_step(model, par)
+    if cal.device == "cpu":  # on a GPU the model's own host wait stands, at the fitted dispatch time
+        r.host_ms = cal.host_us_per_op * 1e-3 * ops_per_step(model, par)
     r.step_ms = r.compute_ms + r.exposed_ms + r.bubble_ms + r.host_ms
     if not math.isfinite(r.step_ms):
         raise v.ConfigError(f"the calibrated step is {r.step_ms}: the trace's numbers are out of range")
     r.notes.append(f"calibrated: {cal.summary().splitlines()[0]}")
     return r
+
+
+def terms(measured: Measured, report: StepReport) -> dict:
+    """{term: (measured ms, predicted ms)} of one step: compute; exposed communication of the engines' kinds
+    (the pipeline's aside); the pipeline (bubble and exposed pipeline transfers); host (idle time, and the
+    exposed time of collectives no engine names). Where a miss comes from."""
+    exposed = pipeline = other = 0.0
+    for kind, (_comm, exp, _calls, _nbytes) in measured.comm.items():
+        if kind in PIPELINE_KINDS:
+            pipeline += exp
+        elif _engine(kind) is not None or _model_kind(kind, report.comm_by_kind, measured.comm) is not None:
+            exposed += exp
+        else:
+            other += exp
+    pred_pipe = report.bubble_ms + sum(report.exposed_by_kind.get(k, 0.0) for k in PIPELINE_KINDS)
+    pred_exposed = sum(e for k, e in report.exposed_by_kind.items() if k not in PIPELINE_KINDS)
+    return {"compute": (measured.compute_ms, report.compute_ms), "exposed": (exposed, pred_exposed),
+            "pipeline": (pipeline, pred_pipe), "host": (measured.idle_ms + other, report.host_ms)}

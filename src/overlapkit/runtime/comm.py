@@ -99,9 +99,12 @@ class Handle:
             hook()
         rec = self._rec
         # The stretch the caller spends waiting (the host on CPU, the current stream on
-        # CUDA) is not compute, even inside a compute span that encloses it.
-        t0 = rec.now() if rec is not None else None
-        with _rec.wait_range():  # the same stretch, marked for a profiler trace's reader
+        # CUDA) is not compute, even inside a compute span that encloses it. Its stamps sit
+        # inside the profiler range that marks the same stretch for a trace's reader, as a
+        # compute span's stamps sit outside its range: the record of a computation then holds
+        # the traced one, never less.
+        with _rec.wait_range():
+            t0 = rec.now() if rec is not None else None
             try:
                 for w in self._works:
                     w.wait()
@@ -109,10 +112,10 @@ class Handle:
                 from .agreement import raise_explained
                 raise_explained(self._group, _ENGINES.get(self._label.split("_", 1)[0], "overlapkit"), e,
                                 f"the {self._label}")
-        if rec is not None:
-            if not rec.cuda:
-                rec.comm_done(self._pending)
-            rec.blocked(t0, rec.now())
+            if rec is not None:
+                if not rec.cuda:
+                    rec.comm_done(self._pending)
+                rec.blocked(t0, rec.now())
         self._done = True
 
     def is_completed(self) -> bool:
@@ -321,7 +324,9 @@ def send_recv(sends: Sequence[tuple[torch.Tensor, int, int]], recvs: Sequence[tu
         split = [works] * len(parts)
     handles = []
     for p, (k, _), ws in zip(pend, parts, split):
-        if p is not None:
+        # On CPU a p2p work tells its completion only when waited (the wait stamps the end), and a
+        # watcher polling gloo's send works while a profiler runs left a send that never completed.
+        if p is not None and rec.cuda:
             _stamp_done(rec, p, ws)
         handles.append(Handle(ws, p, rec if p is not None else None, group=group, label=f"{k} {name}".strip()))
     if not sends:

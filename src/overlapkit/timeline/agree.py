@@ -5,6 +5,14 @@ kernels (GPU) or ranges (CPU) that ran inside them. Each traced span must lie in
 recorded span of the same kind (and, for compute, the same name), up to a tolerance: a
 recorded span is issue-to-completion, the traced work runs somewhere inside it.
 
+A computation's traced time (its range, less the waits inside it) must equal its recorded time
+(its stamps, less the waits the recorder saw) within the tolerance: both sources carve out the
+same marked waits. A pipeline bubble (`pp_bubble`: the recorder derives it from a receive wait
+and its peer's send time, or from the drain after this rank's last action) has no range of its
+own: it is idle time, so no traced computation may run inside it. A pipeline receive is recorded
+from its peer's send on (what it waited before that is bubble), while its profiler range opens at
+the post: the two are paired by their ends, and the traced one may start earlier.
+
 One exception is not a disagreement: on CPU the recorder stamps a transfer's end when its
 future completes, and gloo closes its profiler range just after that, on its own thread, so a
 traced transfer may end a little (a preemption, under load) after its record.
@@ -36,12 +44,22 @@ class SpanAgreement:
     """The most a traced transfer ends after its recorded span."""
     offset_ms: float
     """Trace time minus recorder time, as used."""
+    compute_diff_ms: float = 0.0
+    """The most a recorded computation's time differs from the traced time of its name inside it."""
+    worst_compute: str = ""
+    """The computation (name@start ms, recorded vs traced ms) that differs by `compute_diff_ms`."""
 
     def ok(self, tol_ms: float, comm_end_tol_ms: float | None = None) -> bool:
-        """Everything paired, and inside its record within `tol_ms` (transfer ends: `comm_end_tol_ms`)."""
+        """Everything paired, inside its record and as long as it within `tol_ms` (transfer ends:
+        `comm_end_tol_ms`)."""
         late_comm = tol_ms if comm_end_tol_ms is None else comm_end_tol_ms
         return (not self.missing and not self.unmatched and self.early_ms <= tol_ms
-                and self.late_compute_ms <= tol_ms and self.late_comm_ms <= late_comm)
+                and self.late_compute_ms <= tol_ms and self.late_comm_ms <= late_comm
+                and self.compute_diff_ms <= tol_ms)
+
+
+POSTED_EARLY = ("pp_recv",)
+"""Kinds whose record starts after their profiler range opens: a receive posted before its peer sent."""
 
 
 def _key(s: Span) -> tuple[str, str]:
@@ -83,7 +101,11 @@ def compare_spans(recorded: list[Span], traced: list[Span], offset_ms: float | N
     work runs in issue order; when every such span already holds one, to the latest of them
     that it starts inside (the second copy of an exchange, the next kernel of a GEMM).
     `offset_ms` is trace time minus recorder time (estimated from computations when None).
+    A pipeline receive goes by its end instead (see the module doc); a bubble pairs with the
+    absence of traced computation inside it.
     """
+    bubbles = [s for s in recorded if s.kind == "pp_bubble"]
+    recorded = [s for s in recorded if s.is_compute or s.is_comm]
     traced = ours(traced, recorded)
     if offset_ms is None:
         offset_ms = estimate_offset(recorded, traced)
@@ -92,8 +114,10 @@ def compare_spans(recorded: list[Span], traced: list[Span], offset_ms: float | N
         records.setdefault(_key(r), []).append(r)
     held: dict[int, list[Span]] = {}
     unmatched = []
-    for t in sorted((s.shifted(offset_ms) for s in traced), key=lambda s: s.start_ms):
-        began = [r for r in records.get(_key(t), []) if r.start_ms - tol_ms <= t.start_ms]
+    traced = sorted((s.shifted(offset_ms) for s in traced), key=lambda s: s.start_ms)
+    for t in traced:
+        at = t.end_ms if t.kind in POSTED_EARLY else t.start_ms
+        began = [r for r in records.get(_key(t), []) if r.start_ms - tol_ms <= at]
         owner = next((r for r in began if id(r) not in held), None)
         if owner is None:
             owner = next((r for r in reversed(began) if t.start_ms <= r.end_ms + tol_ms), None)
@@ -103,14 +127,30 @@ def compare_spans(recorded: list[Span], traced: list[Span], offset_ms: float | N
             held.setdefault(id(owner), []).append(t)
     early = late_compute = late_comm = 0.0
     missing = []
+    diff, worst = 0.0, ""
     for r in sorted(recorded, key=lambda s: s.start_ms):
         if id(r) not in held:
             missing.append(f"{r.kind}:{r.name}@{r.start_ms:.3f}")
         for t in held.get(id(r), []):
-            early = max(early, r.start_ms - t.start_ms)
+            if r.kind not in POSTED_EARLY:
+                early = max(early, r.start_ms - t.start_ms)
             if r.is_compute:
                 late_compute = max(late_compute, t.end_ms - r.end_ms)
             else:
                 late_comm = max(late_comm, t.end_ms - r.end_ms)
-    return SpanAgreement(matched=len(held), missing=missing, unmatched=unmatched, early_ms=early,
-                     late_compute_ms=late_compute, late_comm_ms=late_comm, offset_ms=offset_ms)
+        if r.is_compute and id(r) in held:
+            inside = sum(t.duration_ms for t in held[id(r)])
+            if abs(r.duration_ms - inside) > diff:
+                diff = abs(r.duration_ms - inside)
+                worst = f"{r.name}@{r.start_ms:.3f}: recorded {r.duration_ms:.3f} ms, traced {inside:.3f} ms"
+    matched = len(held)
+    computed = [t for t in traced if t.is_compute]
+    for b in bubbles:
+        busy = sum(max(0.0, min(b.end_ms, t.end_ms) - max(b.start_ms, t.start_ms)) for t in computed)
+        if busy <= tol_ms:
+            matched += 1
+        else:
+            missing.append(f"{b.kind}:{b.name}@{b.start_ms:.3f} (computing {busy:.3f} ms of it)")
+    return SpanAgreement(matched=matched, missing=missing, unmatched=unmatched, early_ms=early,
+                         late_compute_ms=late_compute, late_comm_ms=late_comm, offset_ms=offset_ms,
+                         compute_diff_ms=diff, worst_compute=worst)
