@@ -66,6 +66,6 @@ def test_two_ranks_equal_all_reduce_then_add_then_norm():
 def test_config_refuses_bad_values_by_name():
     with pytest.raises(ValueError, match="one_shot_max_bytes"):
         InferenceConfig(one_shot_max_bytes=-1)
-    with pytest.raises(ValueError, match="cuda_graphs"):
-        InferenceConfig(cuda_graphs="yes")
+    with pytest.raises(ValueError, match="symm_mem"):
+        InferenceConfig(symm_mem="yes")
     assert InferenceConfig(one_shot_max_bytes=0).one_shot_max_bytes == 0

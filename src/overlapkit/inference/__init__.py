@@ -7,7 +7,8 @@ docs/inference.md has the layouts and how to measure them.
 """
 
 from .fused import InferenceConfig, all_reduce_add_norm, one_shot_unavailable, reduce_partial
+from .graphs import StepGraphs
 from .steps import STEP_KINDS, begin_step, end_step, exposed_per_step
 
-__all__ = ["InferenceConfig", "STEP_KINDS", "all_reduce_add_norm", "begin_step", "end_step", "exposed_per_step",
+__all__ = ["InferenceConfig", "STEP_KINDS", "StepGraphs", "all_reduce_add_norm", "begin_step", "end_step", "exposed_per_step",
            "one_shot_unavailable", "reduce_partial"]

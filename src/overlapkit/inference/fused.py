@@ -38,13 +38,10 @@ class InferenceConfig:
     symm_mem: bool = True
     """Use symmetric memory for the small all-reduces where the group allows it (CUDA, NCCL, one node);
     where it does not, the reason is kept (`one_shot_unavailable`) and NCCL runs instead."""
-    cuda_graphs: bool = True
-    """Capture decode steps in CUDA graphs on CUDA with a static KV cache (inference/graphs.py)."""
 
     def __post_init__(self) -> None:
         positive_int(self.one_shot_max_bytes, "InferenceConfig.one_shot_max_bytes", minimum=0)
         check_bool(self.symm_mem, "InferenceConfig.symm_mem")
-        check_bool(self.cuda_graphs, "InferenceConfig.cuda_graphs")
 
 
 _one_shot_verdicts: dict[str, str] = state.capability_dict("inference.one_shot_per_group")

@@ -106,6 +106,35 @@ class _LayerState:
                          if p.default is not inspect.Parameter.empty}
 
 
+_HOOK_DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks", "_forward_hooks_with_kwargs",
+               "_forward_hooks_always_called", "_backward_hooks", "_backward_pre_hooks")
+
+
+def _norm_now(norm: nn.Module) -> nn.Module:
+    """The norm to call in the decode layout: a twin computing on its parameters' local tensors without
+    hooks, when the only hooks on it are overlapkit's own (the replicated parameters' local views, which
+    the twin has already); else the norm itself (a user's hook on it still runs). Rebuilt whenever a
+    parameter object or the hooks change."""
+    params = norm._parameters
+    held = norm.__dict__.get("_overlapkit_decode_twin")
+    hooks = (len(norm._forward_pre_hooks), len(norm._forward_hooks))  # every forward hook is in one of these
+    if held is not None and held[1] == hooks and all(held[0].get(k) is v for k, v in params.items()):
+        return held[2]
+    ours = all(getattr(fn, "__module__", "").startswith("overlapkit.") or
+               getattr(getattr(fn, "func", None), "__module__", "").startswith("overlapkit.")
+               for d in ("_forward_pre_hooks", "_forward_hooks") for fn in getattr(norm, d).values())
+    twin = norm
+    if ours:
+        twin = object.__new__(type(norm))
+        twin.__dict__.update({k: v for k, v in norm.__dict__.items() if k != "_overlapkit_decode_twin"})
+        twin.__dict__["_parameters"] = {k: v.to_local() if hasattr(v, "to_local") else v for k, v in params.items()}
+        for d in _HOOK_DICTS:
+            if d in twin.__dict__:
+                twin.__dict__[d] = type(twin.__dict__[d])()
+    norm.__dict__["_overlapkit_decode_twin"] = (dict(params), hooks, twin)
+    return twin
+
+
 def _row_layer(block: nn.Module) -> RowParallelLinear | None:
     rows = [m for m in block.modules() if isinstance(m, RowParallelLinear)]
     return rows[0] if len(rows) == 1 and rows[0].input_is_parallel else None
@@ -121,15 +150,17 @@ def _fused_forward(layer: nn.Module, state: _LayerState, hidden_states: torch.Te
         return _checked_forward(layer, state, hidden_states, kwargs)
     handed, state.handed = state.handed, None
     residual = hidden_states
-    h = handed[1] if handed is not None and handed[0] is hidden_states else layer.input_layernorm(hidden_states)
+    h = handed[1] if handed is not None and handed[0] is hidden_states else \
+        _norm_now(layer.input_layernorm)(hidden_states)
     partial, _ = layer.self_attn(hidden_states=h, **kwargs)
     row = state.attn_row
-    h, residual = all_reduce_add_norm(partial, residual, layer.post_attention_layernorm, row.group,
+    h, residual = all_reduce_add_norm(partial, residual, _norm_now(layer.post_attention_layernorm), row.group,
                                       bias=row.local_data("bias") if row.bias is not None else None,
                                       name=row.name + ".fwd", config=state.config)
     partial = layer.mlp(h)
     row = state.mlp_row
-    normed, out = all_reduce_add_norm(partial, residual, state.next_norm, row.group,
+    normed, out = all_reduce_add_norm(partial, residual, _norm_now(state.next_norm) if state.next_norm else None,
+                                      row.group,
                                       bias=row.local_data("bias") if row.bias is not None else None,
                                       name=row.name + ".fwd", config=state.config)
     if state.next is not None and normed is not None:

@@ -213,8 +213,13 @@ class ParallelLinear(LocalShardParams, nn.Module):
         A column layer communicates nothing (ColumnParallelLinear.forward gathers after it where asked);
         a row layer all-reduces its partial sum, or, with `fused_reduce`, returns it for the caller's
         fused all-reduce."""
-        w = self.local_data("weight")
-        b = self.local_data("bias") if self.bias is not None else None
+        params = self._parameters
+        held = self.__dict__.get("_decode_locals")
+        if held is None or held[0] is not params["weight"] or held[1] is not params.get("bias"):
+            # the local tensors, looked up once per parameter object (a replaced parameter is seen here)
+            held = self.__dict__["_decode_locals"] = (params["weight"], params.get("bias"), self.local_data("weight"),
+                                                      self.local_data("bias") if self.bias is not None else None)
+        w, b = held[2], held[3]
         if self._kind == "column":
             return F.linear(x, w, b)
         if not self.input_is_parallel:
