@@ -166,3 +166,40 @@ def test_the_pre_norm_rule_reads_the_layer_source():
     why = pre_norm_rule(T.Gemma2ForCausalLM(cfg).model.layers[0])
     assert "not the pre-norm block" in why, why
     assert "has no" in pre_norm_rule(torch.nn.Linear(2, 2))
+
+
+def _stale_flag_and_one_rank():
+    import overlapkit
+    from torch.distributed.device_mesh import init_device_mesh
+
+    tp = torch.distributed.get_world_size()
+    mesh = init_device_mesh("cpu", (tp,), mesh_dim_names=("tp",))
+    ref = _model("llama", tp)
+    fresh = overlapkit.parallelize(copy.deepcopy(ref), mesh)
+    used = overlapkit.parallelize(copy.deepcopy(ref), mesh)
+    ids, mask = _prompts(tp, 2 * tp + 1, 2, True)
+    tokens, _ = _generate(ref, ids, mask)
+    got, _ = _generate(used, ids, mask)  # leaves the decode flag set after its last step
+    grads = []
+    for model in (fresh, used):  # the base model called directly: the top-level hook that resets the flag is skipped
+        model.model(input_ids=ids[:, :2 * tp]).last_hidden_state.square().sum().backward()
+        grads.append({n: p.grad.to_local().clone() for n, p in model.named_parameters() if p.grad is not None})
+    same = grads[0].keys() == grads[1].keys() and all(torch.equal(grads[0][k], grads[1][k]) for k in grads[0])
+    return dict(tokens=torch.equal(tokens, got), grads_equal=same, n=len(grads[0]))
+
+
+@distributed(world_size=1)
+def _one_rank():
+    return _stale_flag_and_one_rank()
+
+
+@distributed(world_size=2)
+def _two_ranks():
+    return _stale_flag_and_one_rank()
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_one_rank_decodes_exactly_and_a_later_forward_with_gradients_ignores_the_decode_flag(tp):
+    for r in (_one_rank if tp == 1 else _two_ranks)():
+        assert r["tokens"], r
+        assert r["grads_equal"] and r["n"] > 0, r

@@ -101,6 +101,7 @@ class _LayerState:
         """(h, norm(h)) computed by the previous layer's fused op for this layer's input norm."""
         self.verified: bool | None = None
         self.config, self.index = config, index
+        self.attn_name, self.mlp_name = attn_row.name + ".fwd", mlp_row.name + ".fwd"
         sig = inspect.signature(inspect.unwrap(type(layer).forward))
         self.defaults = {k: p.default for k, p in list(sig.parameters.items())[2:]
                          if p.default is not inspect.Parameter.empty}
@@ -155,14 +156,11 @@ def _fused_forward(layer: nn.Module, state: _LayerState, hidden_states: torch.Te
     partial, _ = layer.self_attn(hidden_states=h, **kwargs)
     row = state.attn_row
     h, residual = all_reduce_add_norm(partial, residual, _norm_now(layer.post_attention_layernorm), row.group,
-                                      bias=row.local_data("bias") if row.bias is not None else None,
-                                      name=row.name + ".fwd", config=state.config)
+                                      bias=row.decode_locals()[1], name=state.attn_name, config=state.config)
     partial = layer.mlp(h)
     row = state.mlp_row
     normed, out = all_reduce_add_norm(partial, residual, _norm_now(state.next_norm) if state.next_norm else None,
-                                      row.group,
-                                      bias=row.local_data("bias") if row.bias is not None else None,
-                                      name=row.name + ".fwd", config=state.config)
+                                      row.group, bias=row.decode_locals()[1], name=state.mlp_name, config=state.config)
     if state.next is not None and normed is not None:
         state.next.handed = (out, normed)
     return out

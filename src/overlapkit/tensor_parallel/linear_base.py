@@ -180,7 +180,8 @@ class ParallelLinear(LocalShardParams, nn.Module):
         """The layer on x. A new input signature runs every check and the cross-rank comparison
         (`_new_call`); a seen one is one dict lookup, then the linear on the parameters themselves."""
         region = self.sequence_region
-        if region is not None and region.decode and not torch.compiler.is_compiling():
+        # The flag outlives its forward: a later call of this layer alone, with gradients, must not take it.
+        if region is not None and region.decode and not torch.is_grad_enabled() and not torch.compiler.is_compiling():
             return self.decode_forward(x)
         cdt = autocast_dtype(x)
         w, b = self.weight, self.bias
@@ -213,13 +214,7 @@ class ParallelLinear(LocalShardParams, nn.Module):
         A column layer communicates nothing (ColumnParallelLinear.forward gathers after it where asked);
         a row layer all-reduces its partial sum, or, with `fused_reduce`, returns it for the caller's
         fused all-reduce."""
-        params = self._parameters
-        held = self.__dict__.get("_decode_locals")
-        if held is None or held[0] is not params["weight"] or held[1] is not params.get("bias"):
-            # the local tensors, looked up once per parameter object (a replaced parameter is seen here)
-            held = self.__dict__["_decode_locals"] = (params["weight"], params.get("bias"), self.local_data("weight"),
-                                                      self.local_data("bias") if self.bias is not None else None)
-        w, b = held[2], held[3]
+        w, b = self.decode_locals()
         if self._kind == "column":
             return F.linear(x, w, b)
         if not self.input_is_parallel:
@@ -229,6 +224,16 @@ class ParallelLinear(LocalShardParams, nn.Module):
             return y
         y = all_reduce_copy(y, self.group, self.name + ".fwd")
         return y if b is None else y + b
+
+    def decode_locals(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(weight, bias) as this rank's local tensors, without autograd: looked up once per parameter
+        object (a parameter replaced since, by FSDP or by hand, is seen and looked up again)."""
+        params = self._parameters
+        held = self.__dict__.get("_decode_locals")
+        if held is None or held[0] is not params["weight"] or held[1] is not params.get("bias"):
+            held = self.__dict__["_decode_locals"] = (params["weight"], params.get("bias"), self.local_data("weight"),
+                                                      self.local_data("bias") if self.bias is not None else None)
+        return held[2], held[3]
 
     def _run(self, x, order, args: tuple, cdt, w, b, compiled) -> torch.Tensor:
         """The linear on x read in `order` (layout.gemm_order), returned in x's order as a view of that layout.

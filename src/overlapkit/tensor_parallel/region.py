@@ -53,7 +53,7 @@ def split_here(module) -> bool:
 def decoding(module) -> bool:
     """Whether the module runs the inference layout in this forward (SequenceRegion.decode)."""
     region = region_of(module)
-    return region is not None and region.decode
+    return region is not None and region.decode and not torch.is_grad_enabled()
 
 
 def _whole_logits_when_inferring(region: SequenceRegion, _module, args, kwargs):

@@ -299,7 +299,7 @@ class ScatterSequence(_InputHookStyle):
         dim = self.sequence_dim % x.dim()
         ws = comm.group_size(group)
         region = region_of(module)
-        if region is not None and region.decode:  # the inference layout: the sequence stays whole
+        if decoding(module):  # the inference layout: the sequence stays whole
             region.active = False
             return x
         if region is not None:
