@@ -29,12 +29,13 @@ def _key(value):
 
 
 class StepGraphs:
-    """`fn(**kwargs)` captured once per signature (tensor shapes and dtypes, the other values as they are)
-    in a CUDA graph and replayed after copying the tensors in; the output's tensors are cloned out of
-    the graph's memory before they are returned, so the next replay cannot overwrite what a caller holds."""
+    """`fn(**kwargs)` captured once per signature (tensor shapes and dtypes, the other values as they are,
+    objects by identity) in a CUDA graph and replayed after copying the tensors in; the output's tensors
+    are cloned out of the graph's memory before they are returned, so the next replay cannot overwrite
+    what a caller holds. At most `keep` signatures are held (a new KV cache object is a new signature)."""
 
-    def __init__(self, fn, *, warmup: int = 2) -> None:
-        self.fn, self.warmup = fn, warmup
+    def __init__(self, fn, *, warmup: int = 2, keep: int = 8) -> None:
+        self.fn, self.warmup, self.keep = fn, warmup, keep
         self.graphs: dict[tuple, tuple] = {}
         """signature -> (graph, static inputs, static output)."""
         self.refused: dict[tuple, str] = {}
@@ -49,6 +50,10 @@ class StepGraphs:
             return self.fn(**kwargs)
         entry = self.graphs.get(key)
         if entry is None:
+            if len(self.graphs) >= self.keep:
+                # the oldest signature goes (its graph's memory with it); the static inputs an entry holds keep
+                # the objects it was keyed on alive, so an id in a key is never another object's
+                self.graphs.pop(next(iter(self.graphs)))
             try:
                 entry = self.graphs[key] = self._capture(kwargs)
             except RuntimeError as e:
@@ -85,6 +90,8 @@ def _cloned(out):
         return out.clone()
     if isinstance(out, tuple):
         return type(out)(_cloned(x) for x in out)
+    if dataclasses.is_dataclass(out) and hasattr(out, "items"):  # transformers' ModelOutput: its set fields
+        return type(out)(**{k: _cloned(v) for k, v in out.items()})
     if dataclasses.is_dataclass(out):
         return dataclasses.replace(out, **{f.name: _cloned(getattr(out, f.name)) for f in dataclasses.fields(out)
                                            if isinstance(getattr(out, f.name), torch.Tensor)})
