@@ -94,7 +94,7 @@ def _generate(model, ids, new: int, device, static: bool):
     from transformers import StoppingCriteriaList
 
     stamps = _Stamps(device)
-    kw = dict(cache_implementation="static") if static else {}
+    kw = dict(cache_implementation="static", disable_compile=True) if static else {}
     t0 = time.perf_counter()
     with torch.no_grad():
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,

@@ -46,8 +46,8 @@ class InferenceConfig:
 
 _one_shot_verdicts: dict[str, str] = state.capability_dict("inference.one_shot_per_group")
 """Group name -> '' (one-shot usable) or why not, decided on the first small all-reduce."""
-_one_shot_buffers: dict[tuple, torch.Tensor] = state.cache_dict("inference.one_shot_buffers")
-"""(group name, dtype, numel, device) -> the symmetric buffer the partial sums are staged in."""
+_one_shot_buffers: dict[tuple, list] = state.cache_dict("inference.one_shot_buffers")
+"""(group name, dtype, numel, device) -> [the two symmetric buffers the partial sums are staged in, the last used]."""
 
 
 def one_shot_unavailable(group, device: torch.device) -> str:
@@ -65,18 +65,24 @@ def one_shot_unavailable(group, device: torch.device) -> str:
 
 
 def _symmetric_buffer(x: torch.Tensor, group) -> torch.Tensor:
+    """One of this shape's two symmetric buffers, in turn. Two, because the one-shot kernel waits for every
+    peer at its start, not at its end: a rank may write its next partial sums while a slower peer still
+    reads the previous ones. With two buffers in turn, a buffer is written again only after its rank
+    passed the next all-reduce's start, which every peer reaches only after its previous read is done."""
     import torch.distributed._symmetric_memory as sm
 
     key = (group.group_name, x.dtype, x.numel(), x.device)
-    buf = _one_shot_buffers.get(key)
-    if buf is None:
+    held = _one_shot_buffers.get(key)
+    if held is None:
         enable = getattr(sm, "enable_symm_mem_for_group", None)
         if enable is not None:  # torch releases that want a group registered first
             enable(group.group_name)
-        buf = sm.empty(x.numel(), dtype=x.dtype, device=x.device)
-        sm.rendezvous(buf, group.group_name)
-        _one_shot_buffers[key] = buf
-    return buf
+        bufs = [sm.empty(x.numel(), dtype=x.dtype, device=x.device) for _ in range(2)]
+        for buf in bufs:
+            sm.rendezvous(buf, group.group_name)
+        held = _one_shot_buffers[key] = [bufs, 0]
+    held[1] ^= 1
+    return held[0][held[1]]
 
 
 def _one_shot(x: torch.Tensor, group, name: str) -> torch.Tensor:

@@ -24,9 +24,15 @@ from ..runtime import recorder
 def capture_decode_graphs(model: nn.Module) -> StepGraphs:
     """Replay `model`'s decode steps from CUDA graphs (see the module doc); returns the StepGraphs (its
     `replays` counts served steps, `refused` says why a signature runs eagerly). Works on a model from
-    overlapkit.parallelize or a plain one."""
+    overlapkit.parallelize or a plain one. Sets `model.generation_config.disable_compile`: generate()
+    compiles a static-cache forward on CUDA by itself otherwise."""
     original = model.forward
     graphs = StepGraphs(original)
+    config = getattr(model, "generation_config", None)
+    if config is not None:
+        # generate() would otherwise torch.compile the forward by itself on CUDA with a static cache:
+        # the graphs take that role, and a compiled call around them would trace the replay
+        config.disable_compile = True
     model.forward = functools.partial(_maybe_replay, original, graphs)
     return graphs
 
