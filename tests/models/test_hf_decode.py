@@ -203,3 +203,29 @@ def test_one_rank_decodes_exactly_and_a_later_forward_with_gradients_ignores_the
     for r in (_one_rank if tp == 1 else _two_ranks)():
         assert r["tokens"], r
         assert r["grads_equal"] and r["n"] > 0, r
+
+
+@distributed(world_size=2)
+def _positional():
+    import overlapkit
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    ref = _model("llama", 2)
+    model = overlapkit.parallelize(copy.deepcopy(ref), mesh)
+    ids, mask = _prompts(2, 5, 2, True)
+    _generate(model, ids, mask)  # every layer verified and fused
+    out = {}
+    for name, m in (("ref", ref), ("ok", model)):
+        layer = m.model.layers[0]
+        h = torch.randn(2, 1, 32, generator=torch.Generator().manual_seed(5))
+        cos_sin = m.model.rotary_emb(h, torch.zeros(2, 1, dtype=torch.long))
+        with torch.no_grad():
+            m(input_ids=ids[:, :1])  # sets the layout for a one-token forward (decode on the parallel model)
+            out[name] = layer(h, None, None, None, False, cos_sin)  # attention_mask, ids, cache, use_cache, cos/sin
+    return (out["ok"] - out["ref"]).abs().max().item()
+
+
+def test_a_layer_called_with_positional_arguments_is_still_exact():
+    for err in _positional():
+        assert err < 1e-5, err

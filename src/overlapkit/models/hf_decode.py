@@ -103,8 +103,9 @@ class _LayerState:
         self.config, self.index = config, index
         self.attn_name, self.mlp_name = attn_row.name + ".fwd", mlp_row.name + ".fwd"
         sig = inspect.signature(inspect.unwrap(type(layer).forward))
-        self.defaults = {k: p.default for k, p in list(sig.parameters.items())[2:]
-                         if p.default is not inspect.Parameter.empty}
+        params = list(sig.parameters.values())[2:]  # after self and the activation
+        self.defaults = {p.name: p.default for p in params if p.default is not inspect.Parameter.empty}
+        self.names = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
 
 
 _HOOK_DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks", "_forward_hooks_with_kwargs",
@@ -143,13 +144,18 @@ def _row_layer(block: nn.Module) -> RowParallelLinear | None:
 
 def _fused_forward(layer: nn.Module, state: _LayerState, hidden_states: torch.Tensor, *args, **kwargs):
     region = region_of(layer)
-    if args or torch.is_grad_enabled() or region is None or not region.decode:
-        state.handed = None
+    if torch.is_grad_enabled() or region is None or not region.decode:
+        state.handed = None  # the row layers take their training path: they reduce by themselves
         return state.original(hidden_states, *args, **kwargs)
+    if args:  # positional arguments after the activation: by their names in the layer's signature
+        if len(args) > len(state.names) or any(n in kwargs for n in state.names[:len(args)]):
+            raise TypeError(f"{type(layer).__name__}.forward: cannot bind {len(args)} positional arguments to "
+                            f"{state.names}")
+        kwargs = {**dict(zip(state.names, args)), **kwargs}
     kwargs = {**state.defaults, **kwargs}
+    handed, state.handed = state.handed, None
     if not state.verified:
         return _checked_forward(layer, state, hidden_states, kwargs)
-    handed, state.handed = state.handed, None
     residual = hidden_states
     h = handed[1] if handed is not None and handed[0] is hidden_states else \
         _norm_now(layer.input_layernorm)(hidden_states)

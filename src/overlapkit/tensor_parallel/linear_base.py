@@ -214,7 +214,11 @@ class ParallelLinear(LocalShardParams, nn.Module):
         A column layer communicates nothing (ColumnParallelLinear.forward gathers after it where asked);
         a row layer all-reduces its partial sum, or, with `fused_reduce`, returns it for the caller's
         fused all-reduce."""
-        w, b = self.decode_locals()
+        params, held = self._parameters, self.__dict__.get("_decode_locals")
+        if held is None or held[0] is not params["weight"] or held[1] is not params.get("bias"):
+            self.decode_locals()
+            held = self.__dict__["_decode_locals"]
+        w, b = held[2], held[3]
         if self._kind == "column":
             return F.linear(x, w, b)
         if not self.input_is_parallel:
