@@ -185,7 +185,10 @@ def _stale_flag_and_one_rank():
         model.model(input_ids=ids[:, :2 * tp]).last_hidden_state.square().sum().backward()
         grads.append({n: p.grad.to_local().clone() for n, p in model.named_parameters() if p.grad is not None})
     same = grads[0].keys() == grads[1].keys() and all(torch.equal(grads[0][k], grads[1][k]) for k in grads[0])
-    return dict(tokens=torch.equal(tokens, got), grads_equal=same, n=len(grads[0]))
+    # converted after its first decode steps: the decode layout reads the parameters' new tensors
+    ref64, used64 = ref.to(torch.float64), used.to(torch.float64)
+    converted = torch.equal(_generate(ref64, ids, mask)[0], _generate(used64, ids, mask)[0])
+    return dict(tokens=torch.equal(tokens, got), grads_equal=same, n=len(grads[0]), converted=converted)
 
 
 @distributed(world_size=1)
@@ -199,10 +202,10 @@ def _two_ranks():
 
 
 @pytest.mark.parametrize("tp", [1, 2])
-def test_one_rank_decodes_exactly_and_a_later_forward_with_gradients_ignores_the_decode_flag(tp):
+def test_one_rank_decodes_exactly_a_later_forward_with_gradients_ignores_the_decode_flag_and_to_is_seen(tp):
     for r in (_one_rank if tp == 1 else _two_ranks)():
         assert r["tokens"], r
-        assert r["grads_equal"] and r["n"] > 0, r
+        assert r["grads_equal"] and r["n"] > 0 and r["converted"], r
 
 
 @distributed(world_size=2)

@@ -35,6 +35,7 @@ from ..inference.steps import begin_step, end_step
 from ..runtime import recorder
 from ..runtime.agreement import agree
 from ..tensor_parallel.layers import RowParallelLinear
+from ..tensor_parallel.linear_base import local_of
 from ..tensor_parallel.region import region_of
 
 PRE_NORM = """
@@ -120,7 +121,7 @@ def _norm_now(norm: nn.Module) -> nn.Module:
     params = norm._parameters
     held = norm.__dict__.get("_overlapkit_decode_twin")
     hooks = (len(norm._forward_pre_hooks), len(norm._forward_hooks))  # every forward hook is in one of these
-    if held is not None and held[1] == hooks and all(held[0].get(k) is v for k, v in params.items()):
+    if held is not None and held[1] == hooks and all(held[0].get(k) is local_of(v) for k, v in params.items()):
         return held[2]
     ours = all(getattr(fn, "__module__", "").startswith("overlapkit.") or
                getattr(getattr(fn, "func", None), "__module__", "").startswith("overlapkit.")
@@ -129,11 +130,11 @@ def _norm_now(norm: nn.Module) -> nn.Module:
     if ours:
         twin = object.__new__(type(norm))
         twin.__dict__.update({k: v for k, v in norm.__dict__.items() if k != "_overlapkit_decode_twin"})
-        twin.__dict__["_parameters"] = {k: v.to_local() if hasattr(v, "to_local") else v for k, v in params.items()}
+        twin.__dict__["_parameters"] = {k: local_of(v) for k, v in params.items()}
         for d in _HOOK_DICTS:
             if d in twin.__dict__:
                 twin.__dict__[d] = type(twin.__dict__[d])()
-    norm.__dict__["_overlapkit_decode_twin"] = (dict(params), hooks, twin)
+    norm.__dict__["_overlapkit_decode_twin"] = ({k: local_of(v) for k, v in params.items()}, hooks, twin)
     return twin
 
 

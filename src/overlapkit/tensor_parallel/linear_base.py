@@ -34,6 +34,11 @@ def check_overlap(overlap: str, allowed=OVERLAP_MODES) -> str:
     return overlap
 
 
+def local_of(p: torch.Tensor | None) -> torch.Tensor | None:
+    """The tensor a forward without gradients computes with: a DTensor's local tensor, else `p` itself."""
+    return getattr(p, "_local_tensor", p)
+
+
 def _check_input(layer: nn.Module, shape, x_dtype, x_device, w_dtype, w_device, in_features: int,
                  sp_split: bool) -> None:
     """Shape (sequence dim first), dtype and device checks, before any collective so every rank fails alike."""
@@ -214,11 +219,7 @@ class ParallelLinear(LocalShardParams, nn.Module):
         A column layer communicates nothing (ColumnParallelLinear.forward gathers after it where asked);
         a row layer all-reduces its partial sum, or, with `fused_reduce`, returns it for the caller's
         fused all-reduce."""
-        params, held = self._parameters, self.__dict__.get("_decode_locals")
-        if held is None or held[0] is not params["weight"] or held[1] is not params.get("bias"):
-            self.decode_locals()
-            held = self.__dict__["_decode_locals"]
-        w, b = held[2], held[3]
+        w, b = self.decode_locals()
         if self._kind == "column":
             return F.linear(x, w, b)
         if not self.input_is_parallel:
@@ -230,14 +231,12 @@ class ParallelLinear(LocalShardParams, nn.Module):
         return y if b is None else y + b
 
     def decode_locals(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(weight, bias) as this rank's local tensors, without autograd: looked up once per parameter
-        object (a parameter replaced since, by FSDP or by hand, is seen and looked up again)."""
+        """(weight, bias) as this rank's local tensors, for forwards without gradients: a DTensor
+        parameter's local tensor, a plain parameter itself. Each is the object the parameter holds now
+        (read in one attribute look-up), so a parameter replaced or converted since (FSDP, `.to()`,
+        which swaps a DTensor parameter's contents) is always seen."""
         params = self._parameters
-        held = self.__dict__.get("_decode_locals")
-        if held is None or held[0] is not params["weight"] or held[1] is not params.get("bias"):
-            held = self.__dict__["_decode_locals"] = (params["weight"], params.get("bias"), self.local_data("weight"),
-                                                      self.local_data("bias") if self.bias is not None else None)
-        return held[2], held[3]
+        return local_of(params["weight"]), local_of(params.get("bias"))
 
     def _run(self, x, order, args: tuple, cdt, w, b, compiled) -> torch.Tensor:
         """The linear on x read in `order` (layout.gemm_order), returned in x's order as a view of that layout.
