@@ -58,6 +58,7 @@ def torch_tp_plan_from_hf(model) -> dict:
 
 
 def _build(name: str, base, groups, device):
+    """(the variant's model, its StepGraphs or None)."""
     import copy
 
     import overlapkit
@@ -70,11 +71,12 @@ def _build(name: str, base, groups, device):
         overlapkit.parallelize(model, groups.mesh)
     elif name == "ok_nosp":
         overlapkit.parallelize(model, groups.mesh, sequence_parallel=False)
+    graphs = None
     if name == "ok_graphs":
         from overlapkit.models import capture_decode_graphs
 
-        capture_decode_graphs(model)
-    return model.eval()
+        graphs = capture_decode_graphs(model)
+    return model.eval(), graphs
 
 
 class _Stamps:
@@ -142,7 +144,8 @@ def _rank_body(cfg_kw: dict, names: list[str], batches: list[int], prompt: int, 
     torch.manual_seed(0)
     with torch.device(device):
         base = LlamaForCausalLM(cfg).to(dtype).eval()
-    models = {n: _build(n, base, groups, device) for n in names}
+    built = {n: _build(n, base, groups, device) for n in names}
+    models = {n: m for n, (m, _) in built.items()}
     del base
     from _lib.unexported import progress
 
@@ -168,6 +171,8 @@ def _rank_body(cfg_kw: dict, names: list[str], batches: list[int], prompt: int, 
         out["agree"][batch] = {n: torch.equal(seqs[n], first) for n in names}
     small = torch.randint(3, cfg.vocab_size, (batches[0], 8), generator=torch.Generator().manual_seed(7)).to(device)
     out["collectives"] = {n: _decode_collectives(models[n], small) for n in names if n != "ok_graphs"}
+    out["graphs"] = {n: dict(replays=g.replays, refused=sorted(set(g.refused.values())))
+                     for n, (_, g) in built.items() if g is not None}
     return out
 
 
@@ -201,7 +206,9 @@ def _markdown(result: dict) -> str:
         lines.append(f"| {r['batch']} | {r['variant']} | {r['prefill_ms']:.1f} | {r['prefill_tokens_per_s']:.0f} | "
                      f"{r['prefill_ratio']:.3f} | {r['decode_ms_per_token']:.2f} | {r['decode_ratio']:.3f} | "
                      f"{r['decode_collectives'] if r['decode_collectives'] is not None else '—'} | {r['tokens_agree']} |")
-    return head + "\n".join(lines) + "\n"
+    notes = [f"\n{n}: {g['replays']} decode steps replayed from CUDA graphs" +
+             (f"; captures refused: {g['refused']}" if g["refused"] else "") for n, g in result["graphs"].items()]
+    return head + "\n".join(lines) + "\n" + "\n".join(notes) + ("\n" if notes else "")
 
 
 def _variants(world: int, device: str) -> list[str]:
@@ -255,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     ref = next(n for n in ("plain", "torch_tp", *names) if n in names)
     result = dict(device=device_label(args.device), torch=torch.__version__, transformers=hf_version,
                   args=dict(vars(args), batches=batches), config=cfg, reference=ref,
-                  rows=_summary(per_rank, names, batches, ref, args.prompt))
+                  rows=_summary(per_rank, names, batches, ref, args.prompt), graphs=per_rank[0]["graphs"])
     stem = os.path.join(out_dir(args), f"infer_step_{args.device}_{args.preset}_ws{args.world}")
     write_results(result, stem, _markdown)
     return 0 if all(r["tokens_agree"] for r in result["rows"].values()) or gpu else 1
