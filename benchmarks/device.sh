@@ -12,6 +12,9 @@
 #   users   the 16 cores: the user's path in its other shapes -- a transformers MoE at ep 4 and ep 2 x tp 2 beside
 #           torchtitan-style EP, HF Llama in pipeline stages at pp 4 beside torch's schedules, the Trainer beside the
 #           hand loop -- and the entry checks' share of a tp 4 step
+#   infer   serving: infer_step (generate()'s prefill tokens/s and decode ms/token, plain / DTensor TP / overlapkit)
+#           on one GPU at world size 1 (batch 1, 8, 32; prompt 2048; 128 new tokens; CUDA graphs too) and on the
+#           16 cores at tp 2, 4, 8, batch 8
 #   multi   2, 4 or 8 GPUs of one host: the GPU tests over NCCL, tp_overlap at tp 2/4/8, dp_overlap (1 B GPT),
 #           fsdp/ep/cp_overlap over every GPU, a TP x DP demo trace read by `overlapkit analyze`
 #   gemm    this GPU's GEMM-efficiency curve for the cost model (`overlapkit bench gemm`)
@@ -28,7 +31,7 @@
 # both are packed into OUTDIR/PART.tgz. Results of the 16 cores are named *_cpu16_* as committed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-part=${1:?"part: checks | h200 | cpu16 | users | record | multi | gemm | probes | calibrate16 | calibrate1 | ab SCRIPT ARGS..."}; shift
+part=${1:?"part: checks | h200 | cpu16 | users | infer | record | multi | gemm | probes | calibrate16 | calibrate1 | ab SCRIPT ARGS..."}; shift
 if [ "$part" = ab ]; then out=${OUT:-/tmp/overlapkit_device}; else out=${1:-${OUT:-/tmp/overlapkit_device}}; fi
 
 # NVLink multicast off (it can take a shared host's GPUs down); overlapkit from this checkout; the wheels of
@@ -110,6 +113,20 @@ users() {
       --heads 16 --out "$c"
 }
 
+# Serving: generate()'s prefill and decode, plain / PyTorch's DTensor TP / overlapkit, on the GPU at world size 1
+# (the fixed cost, CUDA graphs too) and on the 16 cores at tp 2, 4, 8 and batch 8; under 9 minutes in all.
+infer() {
+  mkdir -p "$g" "$c"
+  step infer_gpu_ws1 240 python3 benchmarks/infer_step.py --device cuda --world 1 --preset 1b --batch 1,8,32 \
+      --prompt 2048 --new 128 --rounds 4 --out "$g"
+  step infer_tp2 90 python3 benchmarks/infer_step.py --world 2 --preset cpu16 --threads 8 --batch 8 --prompt 512 \
+      --new 32 --rounds 2 --out "$c"
+  step infer_tp4 90 python3 benchmarks/infer_step.py --world 4 --preset cpu16 --threads 4 --batch 8 --prompt 512 \
+      --new 32 --rounds 2 --out "$c"
+  step infer_tp8 100 python3 benchmarks/infer_step.py --world 8 --preset cpu16 --threads 2 --batch 8 --prompt 512 \
+      --new 32 --rounds 2 --out "$c"
+}
+
 multi() {
   local n tp m="$r/multi"
   mkdir -p "$m"
@@ -183,7 +200,7 @@ ab() {
 }
 
 case "$part" in
-checks | h200 | cpu16 | users | multi | probes | calibrate16 | calibrate1) "$part" ;;
+checks | h200 | cpu16 | users | infer | multi | probes | calibrate16 | calibrate1) "$part" ;;
 gemm) mkdir -p "$g"; step bench_gemm 240 python3 -m overlapkit bench gemm --out "$g/h200_measured.json" ;;
 record)
   A=(env) B=(env)

@@ -43,6 +43,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         "overlapkit.expert_parallel",
         "overlapkit.context_parallel",
         "overlapkit.pipeline_parallel",
+        "overlapkit.inference",  # serving: the fused decode all-reduce on the TP layers, decode steps on the timeline
         "overlapkit.optim",
     )),
     ("models", ("overlapkit.models",)),

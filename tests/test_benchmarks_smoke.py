@@ -31,17 +31,18 @@ SMOKE = {
     "ep_grouped_probe": [], "ep_host_cost": [], "ep_overlap": [], "fsdp_overlap": [], "lm_head_probe": [], "model_vs_measured": [], "moe_vs_grouped_moe": [],
     "model_vs_published": [], "pp_overlap": [], "pp_step_cost": [], "pp_zero_bubble": [], "profile_step": [],
     "reliability_cost": [], "replicated_params_probe": [], "straggler_path": [], "teardown_repeat": [], "tp_agreement_cost": [],
-    "tp_chunk_profile": [], "tp_host_cost": [], "tp_overlap": [], "user_step": [],
+    "tp_chunk_profile": [], "tp_host_cost": [], "tp_overlap": [], "user_step": [], "infer_step": [],
     # CUDA only
     "cp_kernel_probe": [], "ep_profile": [], "hbm_add_probe": [], "tp_step_gaps": ["--device", "cuda"],
 }
 EXTRA = {"tp_host_cost --host-only": ("tp_host_cost", ["--host-only", "--world", "2"]),
          "user_step --trainer": ("user_step", ["--trainer"]), "reliability_cost --entry": ("reliability_cost", ["--entry"]), "user_step --pp": ("user_step", ["--pp"]),
-         "user_step --moe": ("user_step", ["--moe", "--world", "2", "--ep", "2"])}
+         "user_step --moe": ("user_step", ["--moe", "--world", "2", "--ep", "2"]),
+         "infer_step --world 2": ("infer_step", ["--world", "2"])}
 """Second smoke runs of a script with another mode."""
 CUDA = {"cp_kernel_probe", "ep_profile", "hbm_add_probe", "tp_step_gaps"}
 SLOW = {"calibrate_validation", "pp_zero_bubble", "pp_overlap", "teardown_repeat", "agreement_cost", "tp_agreement_cost",
-        "compiled_step_profile", "tp_host_cost --host-only", "user_step --trainer"}
+        "compiled_step_profile", "tp_host_cost --host-only", "user_step --trainer", "infer_step --world 2"}
 """Run with OVERLAPKIT_SMOKE_SLOW=1 (about 250 s of CPU more): the heaviest (calibrate_validation spawns 4 ranks
 twice, pp_zero_bubble 2 then 4, teardown_repeat forks six runs, pp_overlap times nine schedules), and the
 probes whose paths another script in the default set covers (the agreement checks run in every layer;
@@ -53,7 +54,9 @@ PROBES = {"agreement_cost", "calibrate_validation", "compiled_step_profile", "cp
           "tp_agreement_cost", "tp_chunk_profile", "tp_host_cost", "tp_step_gaps"}
 """The scripts in benchmarks/probes/: experiments that answered a question (the docs that cite them keep the
 answer); the rest, at the top level, are the benchmarks of record."""
-MAX_TOP_LEVEL = 12
+MAX_TOP_LEVEL = 13
+"""One benchmark of record per engine, the user's training step, serving (infer_step: generate() is a user's path
+of record as much as the training step), and the analysis and cost-model checks."""
 PUBLIC_PACKAGES = ("tensor_parallel", "data_parallel", "pipeline_parallel", "expert_parallel", "context_parallel",
                    "models", "timeline", "costmodel", "integrations")
 TIMEOUT_S = 300

@@ -16,10 +16,10 @@ LAYERS = [
     ("tools", [("cli · demos/ · doctor · analyze_tool · plan_tools · probe · launch",
                 "compose, print, draw; where the timeline and the cost model meet")]),
     ("models", [("models/", "GPT, parallelize(), plans (GPT, Llama, HF tp_plan), pipeline_chunks,\n"
-                            "ring_attention, moe_gpt: the only place engines meet a model")]),
+                            "ring_attention, moe_gpt, hf_decode: the only place engines meet a model")]),
     ("engines", [("tensor_parallel", "chunks < ops < layers"), ("data_parallel", "DDP, ZeRO, FSDP2"),
                  ("expert_parallel", "MoE all-to-all"), ("context_parallel", "ring attention"),
-                 ("pipeline_parallel", "1F1B … DualPipeV")]),
+                 ("pipeline_parallel", "1F1B … DualPipeV"), ("inference", "fused decode\nall-reduce · graphs")]),
     ("analysis", [("timeline/", "record() → rec.report(), rec.plot(); trace reading,\ndiagnosis, critical path, plots"),
                   ("costmodel/", "predict T_compute, T_comm, T_exposed;\nchoose overlap (ParallelConfig is a ParallelSizes)")]),
     ("runtime", [("runtime/", "comm (collectives → Handle) · recorder, spans, intervals · groups · agreement ·\n"

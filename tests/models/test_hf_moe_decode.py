@@ -115,30 +115,6 @@ def _overlap(steps: int = 3) -> list[float]:
     return out
 
 
-def _mark_steps(model):
-    """Each forward as a serving step, as overlapkit's inference forwards mark them: a new recorder step and a
-    compute span `prefill` / `decode` around the forward (also the profiler range overlapkit.compute.<kind>)."""
-    import contextlib
-
-    from overlapkit.runtime.recorder import active, compute_span
-
-    open_ = []
-
-    def pre(_m, _args, kwargs):
-        cache = kwargs.get("cache", kwargs.get("past_key_values"))  # transformers 5 names it cache
-        decode = cache is not None and cache.get_seq_length() > 0
-        if active() is not None:
-            active().next_step()
-        stack = contextlib.ExitStack()
-        stack.enter_context(compute_span("decode" if decode else "prefill"))
-        open_.append(stack)
-
-    def post(_m, _args, _out):
-        open_.pop().close()
-    model.register_forward_pre_hook(pre, with_kwargs=True)
-    model.register_forward_hook(post)
-
-
 def _recorder_and_profiler(directory: str) -> dict:
     """Exposed communication per decode step of MoE decode (two micro-batches, ep 2), from the recorder and from
     the torch.profiler trace of the same run (CPU, gloo), read by `overlapkit analyze`'s serving rule."""
@@ -154,7 +130,6 @@ def _recorder_and_profiler(directory: str) -> dict:
     groups = overlapkit.init(ep=2)
     model = overlapkit.parallelize(hf_moe_cases.build("mixtral", hidden_size=128, intermediate_size=256, head_dim=32,
                                                       output_router_logits=False), groups.mesh).eval()
-    _mark_steps(model)
     ids = torch.randint(3, 64, (4, 8), generator=torch.Generator().manual_seed(groups.dp_rank))
     gen = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=1, synced_gpus=True)
     model.generate(ids, **gen)  # warm-up: first-call agreements

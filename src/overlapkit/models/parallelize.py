@@ -32,10 +32,12 @@ from ..runtime.groups import ParallelGroups, resolve_group
 from ..tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from ..tensor_parallel.params import tp_mesh
 from ..tensor_parallel.region import attach_region
+from ..tensor_parallel.styles import ScatterSequence
 from ..tensor_parallel.replicated import replicate_parameters
 from ..tensor_parallel.vocab import VocabParallelEmbedding
 from . import plans
 from .gpt import GPT
+from .hf_decode import prepare_decode
 from .hf_experts import shard_experts
 from .hf_plans import translate_hf_plan
 from .plan_edges import watch_edges
@@ -127,6 +129,8 @@ def parallelize(model: nn.Module, mesh, *, overlap: str | None = None, sequence_
     if plans.is_hf(model):
         plans.after_hf(model, group)
     attach_region(model)  # sequence parallelism steps aside where a forward's sequence does not split
+    if plans.is_hf(model):  # generate(): decode steps in the inference layout, prompts split as in training
+        prepare_decode(model, tp, sequence_parallel=any(isinstance(s, ScatterSequence) for s in plan.values()))
     if tp > 1 and not isinstance(model, GPT):  # the GPT's plan leaves no parameter between its layers
         # parameters between column and row layers (plan_edges.py): decided here for an HF model
         # (a forward of a few tokens), at the first forward for a module whose inputs are unknown

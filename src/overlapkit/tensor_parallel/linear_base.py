@@ -16,6 +16,7 @@ from ..runtime import comm
 from ..runtime.agreement import Agreement, agree, report_problem
 from ..vocabulary import OVERLAP_MODES, check_bool, positive_int
 from . import layout, ops
+from .collectives import all_reduce_copy
 from .mappings import check_divisible
 from .params import LocalShardParams, make_param, mesh_and_group
 from .pipelined import _check_transport, _chunks_per_rank, check_layer_options
@@ -31,6 +32,11 @@ def check_overlap(overlap: str, allowed=OVERLAP_MODES) -> str:
     if overlap not in allowed:
         raise ValueError(f"overlap={overlap!r} is not one of {allowed}")
     return overlap
+
+
+def local_of(p: torch.Tensor | None) -> torch.Tensor | None:
+    """The tensor a forward without gradients computes with: a DTensor's local tensor, else `p` itself."""
+    return getattr(p, "_local_tensor", p)
 
 
 def _check_input(layer: nn.Module, shape, x_dtype, x_device, w_dtype, w_device, in_features: int,
@@ -92,6 +98,10 @@ class ParallelLinear(LocalShardParams, nn.Module):
         self._validate_options()
         self.sequence_region: SequenceRegion | None = None
         """Set by overlapkit.parallelize: whether this forward's sequence is split (layout.py, region.py)."""
+        self.fused_reduce = False
+        """Row layer in the inference layout (region.decode): return the partial sum unreduced and without
+        the bias, because the caller all-reduces it fused with its residual add and norm (set by
+        overlapkit.models.prepare_decode for the row layers whose decoder layer does that)."""
         self.auto_choices: dict[tuple, tuple[str, int | None]] = {}
         """overlap='auto': input shape -> (mode, chunks) the cost model chose for it."""
         self._agreement = Agreement(f"{type(self).__name__}({name})")
@@ -174,6 +184,10 @@ class ParallelLinear(LocalShardParams, nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """The layer on x. A new input signature runs every check and the cross-rank comparison
         (`_new_call`); a seen one is one dict lookup, then the linear on the parameters themselves."""
+        region = self.sequence_region
+        # The flag outlives its forward: a later call of this layer alone, with gradients, must not take it.
+        if region is not None and region.decode and not torch.is_grad_enabled() and not torch.compiler.is_compiling():
+            return self.decode_forward(x)
         cdt = autocast_dtype(x)
         w, b = self.weight, self.bias
         if torch.compiler.is_compiling():
@@ -197,6 +211,32 @@ class ParallelLinear(LocalShardParams, nn.Module):
         if order is not None or copies or cdt is not None or not self._direct:
             return self._run(x, order, args, cdt, w, b, None)
         return ops.eager(x, w, b, None, args)  # the common case, without _run's steps
+
+    def decode_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The inference layout (no gradient, the sequence whole on every rank): one GEMM on this rank's
+        shard, read from the local tensors with no DTensor or autograd step on the way.
+
+        A column layer communicates nothing (ColumnParallelLinear.forward gathers after it where asked);
+        a row layer all-reduces its partial sum, or, with `fused_reduce`, returns it for the caller's
+        fused all-reduce."""
+        w, b = self.decode_locals()
+        if self._kind == "column":
+            return F.linear(x, w, b)
+        if not self.input_is_parallel:
+            x = x.chunk(self.tp_size, dim=-1)[self.tp_rank]
+        y = F.linear(x, w)
+        if self.fused_reduce:
+            return y
+        y = all_reduce_copy(y, self.group, self.name + ".fwd")
+        return y if b is None else y + b
+
+    def decode_locals(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(weight, bias) as this rank's local tensors, for forwards without gradients: a DTensor
+        parameter's local tensor, a plain parameter itself. Each is the object the parameter holds now
+        (read in one attribute look-up), so a parameter replaced or converted since (FSDP, `.to()`,
+        which swaps a DTensor parameter's contents) is always seen."""
+        params = self._parameters
+        return local_of(params["weight"]), local_of(params.get("bias"))
 
     def _run(self, x, order, args: tuple, cdt, w, b, compiled) -> torch.Tensor:
         """The linear on x read in `order` (layout.gemm_order), returned in x's order as a view of that layout.

@@ -30,6 +30,10 @@ class SequenceRegion:
     """Whether this forward's sequence is split over the TP ranks."""
     gather_logits: bool = False
     """Whether the output head hands out whole-vocabulary plain logits (set while `generate()` runs)."""
+    decode: bool = False
+    """Whether this forward runs the inference layout (set by overlapkit.models.prepare_decode's hook):
+    no sequence split, each layer one plain GEMM on its shard, the row layers marked `fused_reduce`
+    leaving their all-reduce to the decoder layer's fused all-reduce + residual add + norm."""
 
 
 ATTR = "sequence_region"
@@ -44,6 +48,12 @@ def split_here(module) -> bool:
     """Whether the module's sequence is split in this forward."""
     region = region_of(module)
     return region is None or region.active
+
+
+def decoding(module) -> bool:
+    """Whether the module runs the inference layout in this forward (SequenceRegion.decode)."""
+    region = region_of(module)
+    return region is not None and region.decode and not torch.is_grad_enabled()
 
 
 def _whole_logits_when_inferring(region: SequenceRegion, _module, args, kwargs):

@@ -27,7 +27,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from ..runtime import comm
 from ..runtime.groups import resolve_group
 from . import layout, mappings
-from .region import region_of, split_here
+from .region import decoding, region_of, split_here
 from .layers import ColumnParallelLinear, RowParallelLinear, check_overlap
 from .sequence_parallel import mark_sequence_parallel
 from .vocab import VocabParallelEmbedding
@@ -199,6 +199,8 @@ class GatheredInputColumnLinear(ColumnParallelLinear):
     """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if decoding(self):
+            return ColumnParallelLinear.forward(self, x)  # one GEMM on the shard, gathered if asked
         # The gathered input is sequence-major (layout.py): read in that order, nothing is copied.
         order = layout.gemm_order(x)
         y = layout.restore(F.linear(layout.as_rows(x, order), self.local(self.weight), self.local(self.bias)), order)
@@ -297,6 +299,9 @@ class ScatterSequence(_InputHookStyle):
         dim = self.sequence_dim % x.dim()
         ws = comm.group_size(group)
         region = region_of(module)
+        if decoding(module):  # the inference layout: the sequence stays whole
+            region.active = False
+            return x
         if region is not None:
             region.active = x.shape[dim] % ws == 0 or torch.is_grad_enabled()
             if not region.active:
