@@ -103,13 +103,13 @@ cpu16() {
 
 users() {
   mkdir -p "$c"
-  step moe_ep4 90 python3 benchmarks/user_step.py --moe --world 4 --ep 4 --preset cpu16 --threads 4 --out "$c"
-  step moe_ep2tp2 90 python3 benchmarks/user_step.py --moe --world 4 --ep 2 --tp 2 --preset cpu16 --threads 4 --out "$c"
-  step pp4 110 python3 benchmarks/user_step.py --pp --world 4 --threads 4 --preset cpu16 \
+  step moe_ep4 150 python3 benchmarks/user_step.py --moe --world 4 --ep 4 --preset cpu16 --threads 4 --out "$c"
+  step moe_ep2tp2 150 python3 benchmarks/user_step.py --moe --world 4 --ep 2 --tp 2 --preset cpu16 --threads 4 --out "$c"
+  step pp4 150 python3 benchmarks/user_step.py --pp --world 4 --threads 4 --preset cpu16 \
       --schedules 1f1b,interleaved-1f1b,zbv --out "$c"
-  step trainer 100 python3 benchmarks/user_step.py --trainer --world 4 --tp 2 --dp 2 --preset cpu16 --threads 4 \
-      --rounds 4 --warmup 5 --steps 10 --out "$c"
-  step entry_tp4 50 env OVERLAPKIT_RANK_THREADS=4 python3 benchmarks/reliability_cost.py --entry --world 4 --hidden 1024 \
+  step trainer 150 python3 benchmarks/user_step.py --trainer --world 4 --tp 2 --dp 2 --preset cpu16 --threads 4 \
+      --rounds 3 --warmup 2 --steps 6 --out "$c"
+  step entry_tp4 100 env OVERLAPKIT_RANK_THREADS=4 python3 benchmarks/reliability_cost.py --entry --world 4 --hidden 1024 \
       --heads 16 --out "$c"
 }
 

@@ -22,6 +22,9 @@ WHERE = {
     # profile_step, cp_overlap (the hop alone, the sends-joined ring), teardown_repeat.
     "comm": "overlapkit.runtime",
     # A transformers MoE model's experts over ep, driven by the MoE rows of user_step (_lib/hf_moe.py).
+    # MoE decode as one or two micro-batches, and the serving steps read from the recorder (probes/moe_decode).
+    "inference_micro_batches": "overlapkit.models.hf_experts", "by_kind": "overlapkit.timeline.serving",
+    "recorded_steps": "overlapkit.timeline.serving",
     "expert_modules": "overlapkit.models.hf_experts", "run_local_experts": "overlapkit.models.hf_experts",
     # Cross-rank agreement timed by itself: agreement_cost, tp_agreement_cost.
     "Agreement": "overlapkit.runtime.agreement", "agree": "overlapkit.runtime.agreement",

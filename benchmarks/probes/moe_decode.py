@@ -16,7 +16,6 @@ more recorded generate, the mean exposed communication of a prefill and of a dec
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import statistics
 import sys
@@ -41,43 +40,18 @@ def _config(args):
         output_router_logits=False)
 
 
-def _mark_steps(model) -> None:
-    """Each forward a recorder step holding a compute span named prefill or decode (timeline/serving.py)."""
-    from overlapkit.runtime.recorder import active, compute_span
-
-    open_ = []
-
-    def pre(_m, _args, kwargs):
-        cache = kwargs.get("cache", kwargs.get("past_key_values"))
-        rec = active()
-        if rec is None:
-            return
-        rec.next_step()
-        stack = contextlib.ExitStack()
-        stack.enter_context(compute_span("decode" if cache is not None and cache.get_seq_length() > 0 else "prefill"))
-        open_.append(stack)
-
-    def post(_m, _args, _out):
-        if open_:
-            open_.pop().close()
-    model.register_forward_pre_hook(pre, with_kwargs=True)
-    model.register_forward_hook(post)
-
-
 def _rank(args) -> dict:
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
 
     import overlapkit
-    from overlapkit.models.hf_experts import inference_micro_batches
+    from _lib.unexported import by_kind, inference_micro_batches, recorded_steps
     from overlapkit.timeline import record
-    from overlapkit.timeline.serving import by_kind, recorded_steps
 
     torch.set_num_threads(args.threads)
     groups = overlapkit.init(ep=args.ep, tp=args.tp)
     torch.manual_seed(0)
     model = overlapkit.parallelize(AutoModelForCausalLM.from_config(_config(args)).float().eval(), groups.mesh)
-    _mark_steps(model)
     ids = torch.randint(3, 1024, (args.batch, args.prompt), generator=torch.Generator().manual_seed(groups.dp_rank))
     gen = dict(max_new_tokens=args.new, min_new_tokens=args.new, do_sample=False, pad_token_id=1, synced_gpus=True)
     dev = torch.device("cpu")
