@@ -248,6 +248,13 @@ class LocalShardParams:
         raise NotImplementedError
 
 
+def is_parallelized(module: nn.Module) -> bool:
+    """Whether `module` holds tensor-parallel layers or DTensor parameters: what `parallelize` leaves at
+    any TP size (at TP size 1 its parameters are plain, its layers still overlapkit's)."""
+    return any(isinstance(m, LocalShardParams) for m in module.modules()) or \
+        any(is_dtensor(p) for p in module.parameters())
+
+
 def localize_parameters(module: nn.Module) -> nn.Module:
     """Plain local tensors for every DTensor parameter: `localize_parameters()` on the submodules
     that compute on local shards, plain Parameters of the local tensor for replicated DTensor
