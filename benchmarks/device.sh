@@ -186,25 +186,21 @@ ab() {
   done
 }
 
+# lanes GPU_PART CPU_PART: both at once, on cores that never overlap (the GPU lane on 0-2, gloo on 3-15).
+lanes() {
+  local A=(env) B=(env) lane
+  if command -v taskset > /dev/null; then A=(taskset -c 0-2) B=(taskset -c 3-15); fi
+  ( PIN=("${A[@]}"); "$1" ) > "$out/logs/lane_gpu.txt" 2>&1 &
+  lane=$!
+  PIN=("${B[@]}"); "$2"
+  wait "$lane"; cat "$out/logs/lane_gpu.txt"
+}
+
 case "$part" in
 checks | h200 | cpu16 | users | multi | probes) "$part" ;;
 gemm) mkdir -p "$g"; step bench_gemm 240 python3 -m overlapkit bench gemm --out "$g/h200_measured.json" ;;
-record)
-  A=(env) B=(env)
-  if command -v taskset > /dev/null; then A=(taskset -c 0-2) B=(taskset -c 3-15); fi
-  ( PIN=("${A[@]}"); h200 ) > "$out/logs/lane_gpu.txt" 2>&1 &
-  lane=$!
-  PIN=("${B[@]}"); cpu16
-  wait "$lane"; cat "$out/logs/lane_gpu.txt"
-  ;;
-compiled)
-  A=(env) B=(env)
-  if command -v taskset > /dev/null; then A=(taskset -c 0-2) B=(taskset -c 3-15); fi
-  ( PIN=("${A[@]}"); compiled_gpu ) > "$out/logs/lane_gpu.txt" 2>&1 &
-  lane=$!
-  PIN=("${B[@]}"); compiled_cpu16
-  wait "$lane"; cat "$out/logs/lane_gpu.txt"
-  ;;
+record) lanes h200 cpu16 ;;
+compiled) lanes compiled_gpu compiled_cpu16 ;;
 ab) ab "$@" ;;
 *) echo "unknown part $part (checks | h200 | cpu16 | users | record | compiled | multi | gemm | probes | ab SCRIPT ARGS...)"; exit 2 ;;
 esac
