@@ -16,7 +16,8 @@ At a TP size above 1 every parameter comes out a DTensor on the TP mesh: the TP 
 every other one (norms, biases outside the TP layers) `Replicate()` (tensor_parallel/replicated.py),
 so `clip_grad_norm_`, foreach/fused optimizers and EMA loops work on `model.parameters()` as they
 are. At TP size 1 every parameter is a plain tensor, as in the model before (the TP layers' state
-dict still gives DTensors on the 1-rank mesh). Parameters in the sequence-parallel region (norms) see only their rank's tokens; their
+dict still gives DTensors on the 1-rank mesh), unless experts are split over ep: they are DTensors
+on the ep mesh, so every other parameter stays a DTensor too (one kind for foreach optimizers). Parameters in the sequence-parallel region (norms) see only their rank's tokens; their
 gradients are summed over TP inside autograd, complete when backward returns.
 """
 
@@ -31,7 +32,7 @@ from ..runtime.agreement import agree
 from ..runtime.entry import guard_entry
 from ..runtime.groups import ParallelGroups, resolve_group
 from ..tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-from ..tensor_parallel.params import localize_parameters, tp_mesh
+from ..tensor_parallel.params import LocalShardParams, is_dtensor, tp_mesh
 from ..tensor_parallel.region import attach_region
 from ..tensor_parallel.replicated import replicate_parameters
 from ..tensor_parallel.vocab import VocabParallelEmbedding
@@ -122,11 +123,16 @@ def parallelize(model: nn.Module, mesh, *, overlap: str | None = None, sequence_
             module.__dict__.pop("_overlapkit_name", None)
     retie(model, tied)
     plans.set_local_heads(model, tp)  # attention that reshapes by its head count sees this rank's heads
-    if tp == 1:
+    if tp == 1 and not any(getattr(p, "expert_parallel", False) and is_dtensor(p) for p in model.parameters()):
         # One rank: nothing is split or summed, and a DTensor parameter would only cost host time
         # (a compiled graph unwraps and re-wraps each one at its edges every step, and every
         # optimizer and clipping op dispatches through DTensor): plain parameters, the plain model's.
-        localize_parameters(model)
+        # Not with experts split over ep (DTensors on the ep mesh, hf_experts.py): foreach/fused
+        # optimizers refuse a list mixing them with plain tensors, so there every parameter stays one.
+        done: dict = {}
+        for module in model.modules():
+            if isinstance(module, LocalShardParams):
+                module.localize_parameters(done)
     else:
         # Every other parameter a DTensor Replicate() on the same mesh, so whole-model loops
         # (clip_grad_norm_, foreach optimizers) see one kind; the modules compute on local views.

@@ -37,6 +37,9 @@ def _dtensor():
 
 
 def is_dtensor(t) -> bool:
+    if torch.compiler.is_compiling():  # dynamo warns at every compile when it traces a functools.cache
+        from torch.distributed.tensor import DTensor
+        return isinstance(t, DTensor)
     return isinstance(t, _dtensor()[0])
 
 
