@@ -9,6 +9,8 @@
 #   cpu16   the 16 CPU cores, gloo (transfers really run beside compute): user_step at tp 4, tp 8, dp 2 x tp 2 and
 #           one rank; dp_overlap, pp_overlap, ep_overlap, cp_overlap at 4 ranks; fsdp_overlap at 8
 #   record  h200 and cpu16 in one call, in two lanes that never share a core (GPU lane on cores 0-2, gloo on 3-15)
+#   compiled the compiled step, lanes as in record: one GPU at world size 1 (1.1 B, torch.compile's default mode and
+#           reduce-overhead) beside compiled plain; the 16 cores at tp 4 (inductor on CPU) beside compiled PyTorch TP
 #   users   the 16 cores: the user's path in its other shapes -- a transformers MoE at ep 4 and ep 2 x tp 2 beside
 #           torchtitan-style EP, HF Llama in pipeline stages at pp 4 beside torch's schedules, the Trainer beside the
 #           hand loop -- and the entry checks' share of a tp 4 step
@@ -31,7 +33,7 @@
 # both are packed into OUTDIR/PART.tgz. Results of the 16 cores are named *_cpu16_* as committed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-part=${1:?"part: checks | h200 | cpu16 | users | infer | record | multi | gemm | probes | calibrate16 | calibrate1 | ab SCRIPT ARGS..."}; shift
+part=${1:?"part: checks | h200 | cpu16 | users | infer | record | compiled | multi | gemm | probes | calibrate16 | calibrate1 | ab SCRIPT ARGS..."}; shift
 if [ "$part" = ab ]; then out=${OUT:-/tmp/overlapkit_device}; else out=${1:-${OUT:-/tmp/overlapkit_device}}; fi
 
 # NVLink multicast off (it can take a shared host's GPUs down); overlapkit from this checkout; the wheels of
@@ -189,6 +191,24 @@ calibrate1() {
   step calibrate_cuda 300 python3 benchmarks/probes/calibrate_validation.py --device cuda --layout-limit 70 --out "$g"
 }
 
+# The compiled step beside the compiled plain model (one GPU, world size 1, as torch.compile's default and in
+# CUDA graphs) and beside compiled PyTorch TP (the 16 cores at tp 4, inductor on CPU), in two lanes that never
+# share a core, as `record` runs them.
+compiled_gpu() {
+  mkdir -p "$g"
+  local v=plain_compiled,ok_none_compiled,ok_pipelined_compiled,ok_auto_compiled
+  step user_compiled 280 "${PIN[@]}" python3 benchmarks/user_step.py --device cuda --world 1 --preset 1b --set compiled \
+      --rounds 6 --variants "$v" --out "$g"
+  step user_compiled_cudagraphs 280 "${PIN[@]}" python3 benchmarks/user_step.py --device cuda --world 1 --preset 1b \
+      --set compiled --compile-mode reduce-overhead --rounds 6 --variants "$v" --out "$g"
+}
+compiled_cpu16() {
+  mkdir -p "$c"
+  step user_tp4_compiled 560 "${PIN[@]}" python3 benchmarks/user_step.py --world 4 --preset cpu16 --threads 3 \
+      --set compiled --rounds 4 --warmup 1 --budget-s 60 \
+      --variants torch_tp_compiled,ok_none_compiled,ok_pipelined_compiled,ok_auto_compiled --out "$c"
+}
+
 ab() {
   local script=${1:?"ab SCRIPT ARGS..."}; shift
   local name i; name=$(basename "$script" .py)
@@ -199,19 +219,23 @@ ab() {
   done
 }
 
+# lanes GPU_PART CPU_PART: both at once, on cores that never overlap (the GPU lane on 0-2, gloo on 3-15).
+lanes() {
+  local A=(env) B=(env) lane
+  if command -v taskset > /dev/null; then A=(taskset -c 0-2) B=(taskset -c 3-15); fi
+  ( PIN=("${A[@]}"); "$1" ) > "$out/logs/lane_gpu.txt" 2>&1 &
+  lane=$!
+  PIN=("${B[@]}"); "$2"
+  wait "$lane"; cat "$out/logs/lane_gpu.txt"
+}
+
 case "$part" in
 checks | h200 | cpu16 | users | infer | multi | probes | calibrate16 | calibrate1) "$part" ;;
 gemm) mkdir -p "$g"; step bench_gemm 240 python3 -m overlapkit bench gemm --out "$g/h200_measured.json" ;;
-record)
-  A=(env) B=(env)
-  if command -v taskset > /dev/null; then A=(taskset -c 0-2) B=(taskset -c 3-15); fi
-  ( PIN=("${A[@]}"); h200 ) > "$out/logs/lane_gpu.txt" 2>&1 &
-  lane=$!
-  PIN=("${B[@]}"); cpu16
-  wait "$lane"; cat "$out/logs/lane_gpu.txt"
-  ;;
+record) lanes h200 cpu16 ;;
+compiled) lanes compiled_gpu compiled_cpu16 ;;
 ab) ab "$@" ;;
-*) echo "unknown part $part (checks | h200 | cpu16 | record | multi | gemm | probes | calibrate16 | calibrate1 | ab SCRIPT ARGS...)"; exit 2 ;;
+*) echo "unknown part $part (checks | h200 | cpu16 | users | infer | record | compiled | multi | gemm | probes | calibrate16 | calibrate1 | ab SCRIPT ARGS...)"; exit 2 ;;
 esac
 if [ -d "$c" ]; then  # the scripts name a CPU result *_cpu_*; the committed 16-core tables are *_cpu16_*
   for f in "$c"/*_cpu_*; do [ -e "$f" ] && mv "$f" "$c/$(basename "$f" | sed 's/_cpu_/_cpu16_/')"; done

@@ -13,8 +13,11 @@ Side by side in one run, in a balanced order (every variant in every position of
   default), for mode none / bulk / pipelined, and `ok_none_nosp` without it; `ok_auto` is the
   default, `overlapkit.parallelize(model, mesh)` with nothing passed (auto, SP on); overlapkit's
   `DataParallel` on the dp dim when the mesh has one;
-- with `--set compiled`, the same variants under `torch.compile` (the first step's seconds are the
-  compile time), and on several GPUs torch's async-TP (its fused all-gather/reduce-scatter GEMMs).
+- with `--set compiled`, the same variants, each whole model under `torch.compile(fullgraph=True)`
+  (`--compile-mode reduce-overhead`: in CUDA graphs; the first step's seconds are the compile time),
+  and on several GPUs torch's async-TP (its fused all-gather/reduce-scatter GEMMs). PyTorch TP's
+  compiled model returns its loss alone (its DTensor logits, which no gradient reaches, fail a
+  compiled backward: PyTorch #172556).
 
 Reported per variant: step ms (slowest rank, median over rounds), the ratio to the reference
 (plain at one rank, torch_tp otherwise: median of per-round ratios with its middle half), tokens/s,
@@ -29,6 +32,8 @@ the first step's loss, which must agree across variants (same init, same data).
     python benchmarks/user_step.py --world 4 --tp 2 --dp 2 --preset cpu16 --threads 3
     python benchmarks/user_step.py --device cuda --world 1 --preset 1b              # one H200, bf16
     python benchmarks/user_step.py --device cuda --world 1 --preset 1b --set compiled
+    python benchmarks/user_step.py --device cuda --world 1 --preset 1b --set compiled --compile-mode reduce-overhead
+    python benchmarks/user_step.py --world 4 --tp 4 --preset cpu16 --threads 3 --set compiled  # inductor on CPU
 """
 
 from __future__ import annotations
@@ -91,7 +96,8 @@ def _step_peak_bytes(step, device: torch.device) -> int:
 
 
 def _rank_body(cfg_kw: dict, names: list[str], rounds: int, warmup: int, tp: int, dp: int, threads: int,
-               device_type: str, clip: bool, budget_s: float | None, ep: int = 0) -> dict:
+               device_type: str, clip: bool, budget_s: float | None, ep: int = 0,
+               compile_mode: str = "default") -> dict:
     """One rank's timed steps; `ep` > 0: the MoE model with its experts over ep (_lib/hf_moe.py)."""
     import overlapkit
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -128,7 +134,7 @@ def _rank_body(cfg_kw: dict, names: list[str], rounds: int, warmup: int, tp: int
 
             models[name], ctxs[name] = build_moe_variant(name, base, groups), contextlib.nullcontext
         else:
-            models[name], ctxs[name] = build_variant(name, base, groups, dp)
+            models[name], ctxs[name] = build_variant(name, base, groups, dp, compile_mode)
         # fused on a GPU (what users run there); foreach on CPU, where the single-tensor default would
         # pay DTensor dispatch per parameter and op (the parallelized variants only)
         fused = dict(fused=True) if device_type == "cuda" else dict(foreach=True)
@@ -137,6 +143,8 @@ def _rank_body(cfg_kw: dict, names: list[str], rounds: int, warmup: int, tp: int
 
     def step(name: str) -> float:
         model, opt = models[name], opts[name]
+        if compile_mode == "reduce-overhead" and name.endswith("_compiled"):
+            torch.compiler.cudagraph_mark_step_begin()  # the previous step's graph outputs are no longer read
         with ctxs[name]():
             loss = model(input_ids=ids, labels=ids).loss
             loss.backward()
@@ -302,6 +310,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=1, help="torch threads a rank")
     ap.add_argument("--set", dest="which", choices=("eager", "compiled", "all"), default="eager",
                     help="which variants: eager, torch.compile'd (compile time reported), or both")
+    ap.add_argument("--compile-mode", default="default",
+                    choices=("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"),
+                    help="torch.compile's mode for the compiled variants (reduce-overhead: CUDA graphs)")
     ap.add_argument("--no-clip", dest="clip", action="store_false", help="skip clip_grad_norm_")
     ap.add_argument("--variants", default=None, help="comma-separated subset of the variants")
     ap.add_argument("--budget-s", type=float, default=None,
@@ -333,8 +344,8 @@ def main(argv: list[str] | None = None) -> int:
         names = [n for n in names if n in wanted]
     rounds = args.rounds or (8 if args.device == "cuda" else 6)
     per_rank = run_ranks(_rank_body, args.world, cfg, names, rounds, args.warmup, tp, args.dp, args.threads,
-                         args.device, args.clip, args.budget_s, device=args.device, timeout_s=args.timeout,
-                         on_message=print_message)
+                         args.device, args.clip, args.budget_s, 0, args.compile_mode, device=args.device,
+                         timeout_s=args.timeout, on_message=print_message)
     from transformers import __version__ as hf_version
 
     from _lib.unexported import from_hf_config, step_flops
@@ -361,7 +372,8 @@ def main(argv: list[str] | None = None) -> int:
         best = min(fixed, key=fixed.get)
         result.update(best_fixed=best, auto_vs_best=rows[f"ok_auto{suffix}"]["step_ms"] / fixed[best])
     layout = f"tp{tp}" + (f"_dp{args.dp}" if args.dp > 1 else "")
-    stem = os.path.join(out_dir(args), f"user_step_{args.device}_{args.preset}_ws{args.world}_{layout}_{args.which}")
+    mode = "" if args.compile_mode == "default" else "_" + args.compile_mode.replace("-", "_")
+    stem = os.path.join(out_dir(args), f"user_step_{args.device}_{args.preset}_ws{args.world}_{layout}_{args.which}{mode}")
     write_results(result, stem, _markdown)
     return 0 if result["losses_agree"] else 1
 

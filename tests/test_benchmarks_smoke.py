@@ -27,7 +27,7 @@ BENCH = ROOT / "benchmarks"
 SMOKE = {
     # script: extra arguments after --smoke --out DIR
     "agreement_cost": [], "analyze_corpus": [], "analyze_large": [], "calibrate_validation": [],
-    "compiled_step_profile": [], "cp_overlap": [], "dp_host_cost": [], "dp_overhead_probe": [], "dp_overlap": [],
+    "compiled_host_phases": [], "compiled_step_profile": [], "cp_overlap": [], "dp_host_cost": [], "dp_overhead_probe": [], "dp_overlap": [],
     "ep_grouped_probe": [], "ep_host_cost": [], "ep_overlap": [], "fsdp_overlap": [], "lm_head_probe": [], "model_vs_measured": [], "moe_vs_grouped_moe": [], "moe_decode": [],
     "model_vs_published": [], "pp_overlap": [], "pp_step_cost": [], "pp_zero_bubble": [], "profile_step": [],
     "reliability_cost": [], "replicated_params_probe": [], "straggler_path": [], "teardown_repeat": [], "tp_agreement_cost": [],
@@ -48,7 +48,7 @@ twice, pp_zero_bubble 2 then 4, teardown_repeat forks six runs, pp_overlap times
 probes whose paths another script in the default set covers (the agreement checks run in every layer;
 compiled_step_profile builds user_step's variants). The rest, about 300 s of CPU, is the default: a few
 minutes on two cores, most of it interpreters starting (~4 s each with torch and DTensor)."""
-PROBES = {"agreement_cost", "calibrate_validation", "compiled_step_profile", "cp_kernel_probe", "dp_host_cost",
+PROBES = {"agreement_cost", "calibrate_validation", "compiled_host_phases", "compiled_step_profile", "cp_kernel_probe", "dp_host_cost",
           "dp_overhead_probe", "ep_grouped_probe", "ep_host_cost", "ep_profile", "hbm_add_probe", "lm_head_probe",
           "moe_decode", "moe_vs_grouped_moe", "pp_step_cost", "pp_zero_bubble", "profile_step", "replicated_params_probe", "straggler_path", "teardown_repeat",
           "tp_agreement_cost", "tp_chunk_profile", "tp_host_cost", "tp_step_gaps"}

@@ -66,8 +66,11 @@ def _check_default(model) -> None:
         raise RuntimeError(f"ok_auto: parallelize's defaults are no longer auto with SP on: {wrong}")
 
 
-def build_variant(name: str, base, groups, dp: int):
-    """(model, context the step runs under) of variant `name`, from a copy of `base`."""
+def build_variant(name: str, base, groups, dp: int, compile_mode: str = "default"):
+    """(model, context the step runs under) of variant `name`, from a copy of `base`.
+
+    A `*_compiled` variant is the whole model under `torch.compile(fullgraph=True, mode=compile_mode)`:
+    one graph or an error ("reduce-overhead": CUDA graphs of it)."""
     import overlapkit
     from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
 
@@ -105,5 +108,22 @@ def build_variant(name: str, base, groups, dp: int):
             from overlapkit.data_parallel import DataParallel
             model = DataParallel(model, groups.dp)
     if name.endswith("_compiled"):
-        model = torch.compile(model)
+        if kind == "torch_tp":
+            model = _LossOnly(model)
+        model = torch.compile(model, fullgraph=True, mode=compile_mode)
     return model, ctx
+
+
+class _LossOnly(torch.nn.Module):
+    """PyTorch TP's model returning its loss alone: compiled, its DTensor logits (`loss_parallel`'s input),
+    which no gradient reaches, fail the graph's backward (PyTorch #172556); overlapkit's head returns
+    plain logits when compiled. The step reads only `.loss`."""
+
+    def __init__(self, model) -> None:
+        super().__init__()
+        self.inner = model
+
+    def forward(self, **kwargs):
+        from transformers.modeling_outputs import CausalLMOutputWithPast
+
+        return CausalLMOutputWithPast(loss=self.inner(**kwargs).loss)

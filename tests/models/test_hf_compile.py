@@ -3,7 +3,8 @@
 Whole model, and per decoder block, for every overlap mode with sequence parallelism (and none/bulk
 without), tp 2: the loss and every parameter gradient of the compiled step equal the eager step's
 (fp32, rel 1e-5), and dynamo hands the backend exactly one forward graph (per block: one per block, and under sequence
-parallelism one for the region-entry hook of the first block, a frame of its own under Module.compile).
+parallelism one for the region-entry hook of the first block, a frame of its own under Module.compile), and
+nothing more at the second step (no recompile: the norms' gradient sums are hooks registered before tracing).
 The backend is "aot_eager" (dynamo + AOT autograd, where a break or a missing fake kernel shows;
 inductor's code generation on shared cores costs minutes per model). The vocabulary-parallel
 embedding, the layers' collectives and the loss's all-reduces are custom ops inside the graph.
@@ -79,8 +80,10 @@ def _cases():
                     block.compile(fullgraph=True, backend=backend)
                 compiled = model
             loss_c, grads_c = _step(compiled, ids)
+            graphs = backend.graphs
+            _step(compiled, ids)  # the second step runs what the first compiled: nothing traced changed
             err = max([abs(loss_c - loss_e) / abs(loss_e)] + [_rel(c, e) for c, e in zip(grads_c, grads_e)])
-            out[(how, mode, sp)] = dict(graphs=backend.graphs, err=err)
+            out[(how, mode, sp)] = dict(graphs=graphs, recompiled=backend.graphs - graphs, err=err)
     return out
 
 
@@ -100,4 +103,5 @@ def test_compiled_hf_llama_with_labels_is_one_graph_and_equals_eager():
                 assert r["graphs"] == 1, f"{where}: {r['graphs']} graphs"
             else:
                 assert 1 <= r["graphs"] <= 2 + bool(sp), f"{where}: {r['graphs']} graphs for 2 blocks"
+            assert r["recompiled"] == 0, f"{where}: the second step compiled {r['recompiled']} graph(s) again"
             assert r["err"] <= 1e-5, f"{where}: compiled differs from eager by {r['err']:.2e}"

@@ -22,6 +22,7 @@ from torch.distributed.tensor import DTensor
 
 from ..runtime.agreement import agree
 from ..runtime.deprecation import deprecated
+from ..tensor_parallel.replicated import SUMMED_BY_HOOK
 from ..vocabulary import OVERLAP_MEANING, check_prefetch, is_int_at_least, positive_int
 from .agree import copy_from_first_rank
 from .fsdp_check import ADVICE, StepCheck
@@ -237,6 +238,7 @@ def _rehome_dtensors(model: nn.Module, mesh_or_dim) -> None:
             new = nn.Parameter(DTensor.from_local(p.to_local(), root[dim_name], p.placements, run_check=False,
                                                   shape=p.shape, stride=p.stride()), requires_grad=p.requires_grad)
             new.__dict__.update(p.__dict__)  # markers such as `sequence_parallel`
+            new.__dict__.pop(SUMMED_BY_HOOK, None)  # the gradient hook stays on `p`: the view sums instead
             done[id(p)] = new
             setattr(module, pname, new)
 

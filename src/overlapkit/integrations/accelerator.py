@@ -19,6 +19,7 @@ from torch import nn
 
 from ..data_parallel import DataParallel
 from ..runtime.groups import ParallelGroups
+from ..tensor_parallel.params import is_parallelized
 
 
 def check_layout(groups: ParallelGroups, world_size: int) -> None:
@@ -84,7 +85,7 @@ def prepare_model(accelerator, model: nn.Module, groups: ParallelGroups, **data_
 
 def wrap_data_parallel(accelerator, model: nn.Module, groups: ParallelGroups, **data_parallel) -> DataParallel:
     """What `prepare_model` does, for a caller that steps its scheduler itself (the Trainer)."""
-    if not any(hasattr(p, "device_mesh") for p in model.parameters()):
+    if not is_parallelized(model):
         raise ValueError(f"{type(model).__name__} has no DTensor parameter: parallelize it first "
                          "(overlapkit.parallelize(model, groups.mesh))")
     use_data_mesh(accelerator, groups)

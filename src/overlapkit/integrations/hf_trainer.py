@@ -28,6 +28,7 @@ import torch.distributed as dist
 from transformers import Trainer
 
 from ..runtime.groups import ParallelGroups
+from ..tensor_parallel.params import is_parallelized
 from .accelerator import check_layout, use_data_mesh, wrap_data_parallel
 from .checkpoint import DCP_FOLDER, load_training_state, save_training_state
 from .report import OverlapReportCallback
@@ -71,7 +72,7 @@ class OverlapTrainerMixin:
         self._wrapped = None
         self.overlap_report = None if overlap_report_every == 0 else OverlapReportCallback(overlap_report_every)
         super().__init__(*args, **kwargs)
-        if not any(hasattr(p, "device_mesh") for p in self.model.parameters()):
+        if not is_parallelized(self.model):
             raise ValueError(f"{type(self).__name__}: {type(self.model).__name__} has no DTensor parameter: call "
                              "overlapkit.parallelize(model, groups.mesh) before building the trainer")
         if self.overlap_report is not None:

@@ -12,10 +12,12 @@ the mesh has a "tp" dim, every plan key names a module, the model's sizes split 
 and every rank of the TP group was given the same plan and options (store-based agreement,
 so a rank with another plan fails instead of hanging in a collective).
 
-Every parameter comes out a DTensor on the TP mesh: the TP layers' sharded, every other one
-(norms, biases outside the TP layers) `Replicate()` (tensor_parallel/replicated.py), so
-`clip_grad_norm_`, foreach/fused optimizers and EMA loops work on `model.parameters()` as they
-are. Parameters in the sequence-parallel region (norms) see only their rank's tokens; their
+At a TP size above 1 every parameter comes out a DTensor on the TP mesh: the TP layers' sharded,
+every other one (norms, biases outside the TP layers) `Replicate()` (tensor_parallel/replicated.py),
+so `clip_grad_norm_`, foreach/fused optimizers and EMA loops work on `model.parameters()` as they
+are. At TP size 1 every parameter is a plain tensor, as in the model before (the TP layers' state
+dict still gives DTensors on the 1-rank mesh), unless experts are split over ep: they are DTensors
+on the ep mesh, so every other parameter stays a DTensor too (one kind for foreach optimizers). Parameters in the sequence-parallel region (norms) see only their rank's tokens; their
 gradients are summed over TP inside autograd, complete when backward returns.
 """
 
@@ -30,7 +32,7 @@ from ..runtime.agreement import agree
 from ..runtime.entry import guard_entry
 from ..runtime.groups import ParallelGroups, resolve_group
 from ..tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-from ..tensor_parallel.params import tp_mesh
+from ..tensor_parallel.params import LocalShardParams, is_dtensor, tp_mesh
 from ..tensor_parallel.region import attach_region
 from ..tensor_parallel.styles import ScatterSequence
 from ..tensor_parallel.replicated import replicate_parameters
@@ -123,9 +125,20 @@ def parallelize(model: nn.Module, mesh, *, overlap: str | None = None, sequence_
             module.__dict__.pop("_overlapkit_name", None)
     retie(model, tied)
     plans.set_local_heads(model, tp)  # attention that reshapes by its head count sees this rank's heads
-    # Every other parameter a DTensor Replicate() on the same mesh, so whole-model loops
-    # (clip_grad_norm_, foreach optimizers) see one kind; the modules compute on local views.
-    replicate_parameters(model, mesh_1d, group)
+    if tp == 1 and not any(getattr(p, "expert_parallel", False) and is_dtensor(p) for p in model.parameters()):
+        # One rank: nothing is split or summed, and a DTensor parameter would only cost host time
+        # (a compiled graph unwraps and re-wraps each one at its edges every step, and every
+        # optimizer and clipping op dispatches through DTensor): plain parameters, the plain model's.
+        # Not with experts split over ep (DTensors on the ep mesh, hf_experts.py): foreach/fused
+        # optimizers refuse a list mixing them with plain tensors, so there every parameter stays one.
+        done: dict = {}
+        for module in model.modules():
+            if isinstance(module, LocalShardParams):
+                module.localize_parameters(done)
+    else:
+        # Every other parameter a DTensor Replicate() on the same mesh, so whole-model loops
+        # (clip_grad_norm_, foreach optimizers) see one kind; the modules compute on local views.
+        replicate_parameters(model, mesh_1d, group)
     if plans.is_hf(model):
         plans.after_hf(model, group)
     attach_region(model)  # sequence parallelism steps aside where a forward's sequence does not split
@@ -135,8 +148,8 @@ def parallelize(model: nn.Module, mesh, *, overlap: str | None = None, sequence_
         # parameters between column and row layers (plan_edges.py): decided here for an HF model
         # (a forward of a few tokens), at the first forward for a module whose inputs are unknown
         watch_edges(model, group, example=plans.example_inputs(model, tp))
-    # Every TP rank must be fed the same batch: compared before the first collective, every forward.
-    guard_entry(model, group, f"parallelize({type(model).__name__})")
+    if tp > 1:  # every TP rank must be fed the same batch: compared before the first collective, every forward
+        guard_entry(model, group, f"parallelize({type(model).__name__})")
     return model
 
 

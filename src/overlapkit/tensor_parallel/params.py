@@ -37,6 +37,9 @@ def _dtensor():
 
 
 def is_dtensor(t) -> bool:
+    if torch.compiler.is_compiling():  # dynamo warns at every compile when it traces a functools.cache
+        from torch.distributed.tensor import DTensor
+        return isinstance(t, DTensor)
     return isinstance(t, _dtensor()[0])
 
 
@@ -246,6 +249,13 @@ class LocalShardParams:
 
     def _global_shape(self, name: str) -> Sequence[int]:
         raise NotImplementedError
+
+
+def is_parallelized(module: nn.Module) -> bool:
+    """Whether `module` holds tensor-parallel layers or DTensor parameters: what `parallelize` leaves at
+    any TP size (at TP size 1 its parameters are plain, its layers still overlapkit's)."""
+    return any(isinstance(m, LocalShardParams) for m in module.modules()) or \
+        any(is_dtensor(p) for p in module.parameters())
 
 
 def localize_parameters(module: nn.Module) -> nn.Module:

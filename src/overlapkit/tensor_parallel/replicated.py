@@ -39,6 +39,7 @@ def _replicate(p: nn.Parameter, mesh) -> nn.Parameter:
     new = nn.Parameter(DTensor.from_local(p.data, mesh, [Replicate()], run_check=False),
                        requires_grad=p.requires_grad)
     new.__dict__.update(p.__dict__)  # markers such as `sequence_parallel`
+    new.__dict__.pop(SUMMED_BY_HOOK, None)  # p's gradient hook is p's own
     return new
 
 
@@ -77,6 +78,15 @@ def replicate_module(module: nn.Module, mesh, group, *, sum_over=None, label: st
         object.__setattr__(module, _HOOKS, [handles, sum_over, f"sequence_parallel_grads.{label}"])
     elif sum_over is not None:
         getattr(module, _HOOKS)[1] = sum_over
+    if sum_over is not None:
+        # The sum as a gradient hook on each parameter now, not at the first compiled forward: a
+        # hook registered while dynamo traces changes what the graph was traced with, and the
+        # second step recompiles the whole model. A parameter that replaces it later (FSDP2's)
+        # is summed by the forward's view instead (_local_views).
+        for p in module._parameters.values():
+            if p is not None and p.requires_grad and not getattr(p, SUMMED_BY_HOOK, False):
+                p.register_hook(_sum_over_tp(sum_over, getattr(module, _HOOKS)[2]))
+                setattr(p, SUMMED_BY_HOOK, True)
     return module
 
 
@@ -117,18 +127,20 @@ def _local_views(module: nn.Module, _args) -> None:
         if group is not None and view.requires_grad:
             if compiling:
                 # The recorder around the all-reduce cannot be traced: under torch.compile the sum
-                # is a gradient hook on the parameter itself, run eagerly before accumulation.
-                if not getattr(p, _SUM_HOOKED, False):
+                # is a gradient hook on the parameter itself, run eagerly before accumulation
+                # (registered by replicate_module; here for a parameter that replaced that one).
+                if not getattr(p, SUMMED_BY_HOOK, False):
                     p.register_hook(_sum_over_tp(group, name))
-                    setattr(p, _SUM_HOOKED, True)
-            elif not getattr(p, _SUM_HOOKED, False):
+                    setattr(p, SUMMED_BY_HOOK, True)
+            elif not getattr(p, SUMMED_BY_HOOK, False):
                 view = copy_to_tp(view, group, name)  # partial gradients summed over TP in backward
         module._parameters[pname] = view
     module.__dict__.setdefault("_overlapkit_saved_params", []).append(saved)
 
 
-_SUM_HOOKED = "_overlapkit_sp_grad_hook"
-"""Set on a parameter whose gradient hook sums it over TP (it then needs no sum in its view)."""
+SUMMED_BY_HOOK = "_overlapkit_sp_grad_hook"
+"""Set on a parameter whose gradient hook sums it over TP (it then needs no sum in its view); a copy of
+the parameter that does not carry the hook must not carry this mark either."""
 
 
 def _sum_over_tp(group, name: str):
