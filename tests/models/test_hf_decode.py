@@ -183,7 +183,8 @@ def _stale_flag_and_one_rank():
     grads = []
     for model in (fresh, used):  # the base model called directly: the top-level hook that resets the flag is skipped
         model.model(input_ids=ids[:, :2 * tp]).last_hidden_state.square().sum().backward()
-        grads.append({n: p.grad.to_local().clone() for n, p in model.named_parameters() if p.grad is not None})
+        grads.append({n: getattr(p.grad, "to_local", lambda g=p.grad: g)().clone() for n, p in model.named_parameters()
+                      if p.grad is not None})  # tp 1 keeps plain parameters
     same = grads[0].keys() == grads[1].keys() and all(torch.equal(grads[0][k], grads[1][k]) for k in grads[0])
     # converted after its first decode steps: the decode layout reads the parameters' new tensors
     ref64, used64 = ref.to(torch.float64), used.to(torch.float64)

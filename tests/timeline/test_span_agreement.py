@@ -16,6 +16,7 @@ from torch import nn
 from torch.profiler import ProfilerActivity, profile, schedule
 
 from distributed import distributed
+from overlapkit.launch import RankFailed
 from overlapkit.timeline import read_trace, record
 from overlapkit.timeline.agree import compare_spans
 
@@ -137,8 +138,16 @@ def _profiled(trace_dir: str, engines: tuple[str, ...]):
 
 @pytest.fixture(scope="module")
 def agreements():
-    with tempfile.TemporaryDirectory() as d:
-        return _profiled(d, ENGINES)
+    # A rank under torch.profiler on gloo was seen killed by SIGSEGV about once in twenty runs of this
+    # module (inside torch, before any window was compared; not reproduced alone): such a world runs once
+    # more. Any other failure, and a second crash, fails every test here.
+    for attempt in (1, 2):
+        with tempfile.TemporaryDirectory() as d:
+            try:
+                return _profiled(d, ENGINES)
+            except RankFailed as e:
+                if attempt == 2 or "killed by SIG" not in str(e):
+                    raise
 
 
 @pytest.mark.parametrize("engine", ENGINES)
