@@ -215,7 +215,9 @@ def prepare_decode(model: nn.Module, tp: int, *, sequence_parallel: bool,
     region = region_of(model)
     if region is None:
         raise ValueError("prepare_decode: the model has no sequence region; call overlapkit.parallelize first")
-    layers = [m for m in model.modules() if not pre_norm_rule(m)]
+    # At tp 1 there is nothing to reduce: the fused op would be the layer's own add + norm behind more
+    # Python (1.10x plain decode ms/token on a host-bound model), so the layers keep their own forward.
+    layers = [m for m in model.modules() if not pre_norm_rule(m)] if tp > 1 else []
     states = []
     for i, layer in enumerate(layers):
         attn_row, mlp_row = _row_layer(layer.self_attn), _row_layer(layer.mlp)
