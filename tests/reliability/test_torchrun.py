@@ -26,7 +26,11 @@ def test_every_rank_hears_the_error_under_torchrun(tmp_path, case, words):
                          env={**os.environ, "PYTHONWARNINGS": "ignore"})
     text = out.stdout + out.stderr
     assert out.returncode != 0, text[-3000:]
+    # Two processes print at once into one pipe: a rank's line may run into the other's, so each rank's
+    # report is cut out of the whole output at its marker, not read line by line.
     for rank in (0, 1):
-        line = next((l for l in out.stdout.splitlines() if l.startswith(f"rank {rank}: ")), "")
-        assert line.startswith(f"rank {rank}: RankMismatchError"), text[-3000:]
-        assert all(w in line for w in words), line
+        start = out.stdout.find(f"rank {rank}: ")
+        assert start >= 0, text[-3000:]
+        said = out.stdout[start:].split(f"rank {1 - rank}: ")[0]
+        assert said.startswith(f"rank {rank}: RankMismatchError"), text[-3000:]
+        assert all(w in said for w in words), said
