@@ -8,6 +8,7 @@ promptly. `torchrun_probe.py` runs one probe as every rank and prints what each 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -26,11 +27,11 @@ def test_every_rank_hears_the_error_under_torchrun(tmp_path, case, words):
                          env={**os.environ, "PYTHONWARNINGS": "ignore"})
     text = out.stdout + out.stderr
     assert out.returncode != 0, text[-3000:]
-    # Two processes print at once into one pipe: a rank's line may run into the other's, so each rank's
-    # report is cut out of the whole output at its marker, not read line by line.
+    # Two processes print into one pipe at once, and a message names both ranks: each rank's report is
+    # found by its probe marker, which the probe writes in one piece between newlines.
     for rank in (0, 1):
-        start = out.stdout.find(f"rank {rank}: ")
-        assert start >= 0, text[-3000:]
-        said = out.stdout[start:].split(f"rank {1 - rank}: ")[0]
-        assert said.startswith(f"rank {rank}: RankMismatchError"), text[-3000:]
+        found = re.search(rf"\[probe rank {rank}\] ([^\n]*)", out.stdout)
+        assert found, text[-3000:]
+        said = found.group(1).split("[probe rank")[0]
+        assert said.startswith("RankMismatchError"), text[-3000:]
         assert all(w in said for w in words), said

@@ -1,6 +1,6 @@
 """One probe run as every rank of a torchrun job: `python -m torch.distributed.run ... torchrun_probe.py CASE`.
 
-Each rank prints one line `rank R: <outcome>` (the error's class and first line, or `ok <loss>`)
+Each rank prints one line `[probe rank R] <outcome>` (in one write, a newline before and after) (the error's class and first line, or `ok <loss>`)
 so the test reads what every rank heard from torchrun's output.
 """
 
@@ -39,9 +39,9 @@ def main(case: str) -> None:
                 opt.step()
                 opt.zero_grad()
             out = loss.item()
-        print(f"rank {rank}: ok {out}", flush=True)
+        print(f"\n[probe rank {rank}] ok {out}\n", end="", flush=True)
     except RankMismatchError as e:
-        print(f"rank {rank}: RankMismatchError {str(e).splitlines()[0]}", flush=True)
+        print(f"\n[probe rank {rank}] RankMismatchError {str(e).splitlines()[0]}\n", end="", flush=True)
         sys.exit(3)
 
 
