@@ -14,6 +14,8 @@
 #   users   the 16 cores: the user's path in its other shapes -- a transformers MoE at ep 4 and ep 2 x tp 2 beside
 #           torchtitan-style EP, HF Llama in pipeline stages at pp 4 beside torch's schedules, the Trainer beside the
 #           hand loop -- and the entry checks' share of a tp 4 step
+#   serve   infer and calibrate1 in the GPU lane beside, on the other cores, infer's tp 2/4/8 and the fixed-cost
+#           twins (ep 4 chunks="auto", ZeRO-3 auto at 8 ranks, PP 1F1B vs Schedule1F1B): one call's worth
 #   infer   serving: infer_step (generate()'s prefill tokens/s and decode ms/token, plain / DTensor TP / overlapkit)
 #           on one GPU at world size 1 (batch 1, 8, 32; prompt 2048; 128 new tokens; CUDA graphs too) and on the
 #           16 cores at tp 2, 4, 8, batch 8
@@ -33,7 +35,7 @@
 # both are packed into OUTDIR/PART.tgz. Results of the 16 cores are named *_cpu16_* as committed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-part=${1:?"part: checks | h200 | cpu16 | users | infer | record | compiled | multi | gemm | probes | calibrate16 | calibrate1 | ab SCRIPT ARGS..."}; shift
+part=${1:?"part: checks | h200 | cpu16 | users | infer | serve | record | compiled | multi | gemm | probes | calibrate16 | calibrate1 | ab SCRIPT ARGS..."}; shift
 if [ "$part" = ab ]; then out=${OUT:-/tmp/overlapkit_device}; else out=${1:-${OUT:-/tmp/overlapkit_device}}; fi
 
 # NVLink multicast off (it can take a shared host's GPUs down); overlapkit from this checkout; the wheels of
@@ -117,16 +119,37 @@ users() {
 
 # Serving: generate()'s prefill and decode, plain / PyTorch's DTensor TP / overlapkit, on the GPU at world size 1
 # (the fixed cost, CUDA graphs too) and on the 16 cores at tp 2, 4, 8 and batch 8; under 9 minutes in all.
-infer() {
-  mkdir -p "$g" "$c"
-  step infer_gpu_ws1 240 python3 benchmarks/infer_step.py --device cuda --world 1 --preset 1b --batch 1,8,32 \
-      --prompt 2048 --new 128 --rounds 4 --out "$g"
-  step infer_tp2 90 python3 benchmarks/infer_step.py --world 2 --preset cpu16 --threads 8 --batch 8 --prompt 512 \
-      --new 32 --rounds 2 --out "$c"
-  step infer_tp4 90 python3 benchmarks/infer_step.py --world 4 --preset cpu16 --threads 4 --batch 8 --prompt 512 \
-      --new 32 --rounds 2 --out "$c"
-  step infer_tp8 100 python3 benchmarks/infer_step.py --world 8 --preset cpu16 --threads 2 --batch 8 --prompt 512 \
-      --new 32 --rounds 2 --out "$c"
+# THREADS: torch threads a rank at tp 2/4/8 (the serve lane has 13 cores, so it passes fewer).
+infer_gpu() {
+  mkdir -p "$g"
+  step decode_graphs_gpu 60 "${PIN[@]}" python3 -m pytest -q -p no:cacheprovider tests/gpu/test_decode_graphs.py
+  step infer_gpu_ws1 220 "${PIN[@]}" python3 benchmarks/infer_step.py --device cuda --world 1 --preset 1b \
+      --batch 1,8,32 --prompt 2048 --new 128 --rounds 4 --out "$g"
+}
+infer_cpu16() {
+  mkdir -p "$c"
+  local t2=${THREADS2:-8} t4=${THREADS4:-4} t8=${THREADS8:-2}
+  step infer_tp2 90 "${PIN[@]}" python3 benchmarks/infer_step.py --world 2 --preset cpu16 --threads "$t2" --batch 8 \
+      --prompt 512 --new 32 --rounds 2 --out "$c"
+  step infer_tp4 90 "${PIN[@]}" python3 benchmarks/infer_step.py --world 4 --preset cpu16 --threads "$t4" --batch 8 \
+      --prompt 512 --new 32 --rounds 2 --out "$c"
+  step infer_tp8 100 "${PIN[@]}" python3 benchmarks/infer_step.py --world 8 --preset cpu16 --threads "$t8" --batch 8 \
+      --prompt 512 --new 32 --rounds 2 --out "$c"
+}
+infer() { infer_gpu; infer_cpu16; }
+
+# serve: the most one call holds, in two lanes as `record` runs them. GPU lane (cores 0-2): the decode-graph tests,
+# infer_step at world size 1, the cost model calibrated across micro-batches. Gloo lane (cores 3-15, 13 cores):
+# infer_step at tp 2/4/8, then the fixed-cost twins (MoE chunks="auto" vs its fixed twin at ep 4, ZeRO-3 auto vs
+# its pinned twin at 8 ranks, PP 1F1B vs torch's Schedule1F1B at pp 4).
+serve_gpu() { infer_gpu; calibrate1; }
+serve_cpu() {
+  THREADS2=6 THREADS4=3 THREADS8=1 infer_cpu16
+  step ep_ws4 60 "${PIN[@]}" python3 benchmarks/ep_overlap.py --world 4 --threads 3 --out "$c"
+  step fsdp_ws8 110 "${PIN[@]}" python3 benchmarks/fsdp_overlap.py --world 8 --threads 1 --variants fsdp2,1,2,auto \
+      --total-s 95 --budget-s 70 --steps 40 --warmup 1 --recorded 0 --out "$c"
+  step pp_ws4 90 "${PIN[@]}" python3 benchmarks/pp_overlap.py --world 4 --threads 3 --schedules 1f1b,interleaved \
+      --steps 16 --warmup 2 --recorded 1 --out "$c"
 }
 
 multi() {
@@ -188,7 +211,7 @@ calibrate16() {
 
 calibrate1() {
   mkdir -p "$g"
-  step calibrate_cuda 300 python3 benchmarks/probes/calibrate_validation.py --device cuda --layout-limit 70 --out "$g"
+  step calibrate_cuda 270 "${PIN[@]}" python3 benchmarks/probes/calibrate_validation.py --device cuda --layout-limit 70 --out "$g"
 }
 
 # The compiled step beside the compiled plain model (one GPU, world size 1, as torch.compile's default and in
@@ -231,11 +254,12 @@ lanes() {
 
 case "$part" in
 checks | h200 | cpu16 | users | infer | multi | probes | calibrate16 | calibrate1) "$part" ;;
+serve) lanes serve_gpu serve_cpu ;;
 gemm) mkdir -p "$g"; step bench_gemm 240 python3 -m overlapkit bench gemm --out "$g/h200_measured.json" ;;
 record) lanes h200 cpu16 ;;
 compiled) lanes compiled_gpu compiled_cpu16 ;;
 ab) ab "$@" ;;
-*) echo "unknown part $part (checks | h200 | cpu16 | users | infer | record | compiled | multi | gemm | probes | calibrate16 | calibrate1 | ab SCRIPT ARGS...)"; exit 2 ;;
+*) echo "unknown part $part (checks | h200 | cpu16 | users | infer | serve | record | compiled | multi | gemm | probes | calibrate16 | calibrate1 | ab SCRIPT ARGS...)"; exit 2 ;;
 esac
 if [ -d "$c" ]; then  # the scripts name a CPU result *_cpu_*; the committed 16-core tables are *_cpu16_*
   for f in "$c"/*_cpu_*; do [ -e "$f" ] && mv "$f" "$c/$(basename "$f" | sed 's/_cpu_/_cpu16_/')"; done
