@@ -148,9 +148,9 @@ def test_the_recorder_reports_exposed_communication_per_prefill_and_decode_step(
         for s in steps[1:]:
             # per decode step: the embedding's all-reduce, one fused all-reduce per row layer (2 per decoder
             # layer, 2 layers), the logits' all-gather; nothing gathers or scatters the sequence
-            assert s["collectives"] == 1 + 2 * 2 + 1, s
-            assert 0 < s["exposed_comm_ms"] <= s["comm_ms"] + 1e-9 and s["comm_ms"] <= s["step_ms"] + 1e-6, s
-        assert steps[0]["collectives"] > steps[1]["collectives"], steps  # prefill: the sequence-parallel path
+            assert s["comm_spans"] == 1 + 2 * 2 + 1, s
+            assert 0 < s["exposed_ms"] <= s["comm_ms"] + 1e-9 and s["comm_ms"] <= s["step_ms"] + 1e-6, s
+        assert steps[0]["comm_spans"] > steps[1]["comm_spans"], steps  # prefill: the sequence-parallel path
         for step, ks in kinds.items():
             assert ks == ["tp_all_gather", "tp_all_reduce"], (step, ks)
 

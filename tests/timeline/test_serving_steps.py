@@ -83,11 +83,11 @@ def test_trace_cut_into_prefill_and_decode_steps():
     got = [{k: round(v, 3) if isinstance(v, float) else v for k, v in s.items()} for s in steps]
     assert got == [
         # prefill: both transfers after the GEMM, nothing beside them
-        dict(kind="prefill", step_ms=1.0, comm_ms=0.15, exposed_ms=0.15),
+        dict(kind="prefill", step_ms=1.0, comm_ms=0.15, exposed_ms=0.15, comm_spans=2),
         # decode 1: [1.20, 1.26] of transfers after the GEMM ends at 1.20
-        dict(kind="decode", step_ms=0.3, comm_ms=0.06, exposed_ms=0.06),
+        dict(kind="decode", step_ms=0.3, comm_ms=0.06, exposed_ms=0.06, comm_spans=2),
         # decode 2: launched in [1.50, 1.56], run until 1.73; the GEMM hides [1.65, 1.70] of [1.65, 1.73]
-        dict(kind="decode", step_ms=0.23, comm_ms=0.08, exposed_ms=0.03),
+        dict(kind="decode", step_ms=0.23, comm_ms=0.08, exposed_ms=0.03, comm_spans=2),
     ]
     rows = by_kind(0, steps)
     assert [(r.kind, r.steps, round(r.step_ms, 3), round(r.comm_ms, 3), round(r.exposed_ms, 3)) for r in rows] == [

@@ -14,11 +14,8 @@ from __future__ import annotations
 
 import contextlib
 
-from ..runtime import intervals as iv
 from ..runtime import recorder
-
-STEP_KINDS = ("prefill", "decode")
-"""The names of the compute span around an inference forward."""
+from ..timeline.serving import STEP_KINDS, recorded_steps
 
 
 def begin_step(kind: str) -> contextlib.ExitStack | None:
@@ -42,22 +39,11 @@ def end_step(stack: contextlib.ExitStack | None) -> None:
 
 
 def exposed_per_step(spans) -> list[dict]:
-    """Per inference step of one rank's spans: {step, kind, step_ms, comm_ms, exposed_comm_ms, collectives}.
+    """Per inference step of one rank's spans: {step, kind, step_ms, comm_ms, exposed_ms, comm_spans}.
 
     `kind` is the step's compute span name (prefill or decode); a step without one is left out.
-    exposed = |union of the step's communication \\ union of its computation| (the report's definition).
+    exposed = |union of the step's communication \\ union of its computation| (the report's definition); the
+    step runs from its span's start to the later of its end and its work's last end, as `overlapkit analyze`
+    cuts a trace's serving steps (timeline/serving.py), so recording and trace are read by one rule.
     """
-    steps: dict[int, dict] = {}
-    for s in spans:
-        if s.is_compute and s.name in STEP_KINDS and s.step is not None:
-            row = steps.setdefault(s.step, dict(step=s.step, kind=s.name, start=s.start_ms, end=s.end_ms))
-            row["start"], row["end"] = min(row["start"], s.start_ms), max(row["end"], s.end_ms)
-    out = []
-    for step, row in sorted(steps.items()):
-        mine = [s for s in spans if s.step == step]
-        comm = iv.union((s.start_ms, s.end_ms) for s in mine if s.is_comm)
-        compute = iv.union((s.start_ms, s.end_ms) for s in mine if s.is_compute)
-        out.append(dict(step=step, kind=row["kind"], step_ms=row["end"] - row["start"], comm_ms=iv.length(comm),
-                        exposed_comm_ms=iv.length(iv.subtract(comm, compute)),
-                        collectives=sum(1 for s in mine if s.is_comm)))
-    return out
+    return recorded_steps(spans)

@@ -67,11 +67,12 @@ def _row(kind: str, start: float, end: float, work) -> dict:
     comm = iv.union((s.start_ms, s.end_ms) for s in work if s.is_comm)
     compute = iv.union((s.start_ms, s.end_ms) for s in work if s.is_compute)
     end = max([end] + [s.end_ms for s in work])
-    return dict(kind=kind, step_ms=end - start, comm_ms=iv.length(comm), exposed_ms=iv.length(iv.subtract(comm, compute)))
+    return dict(kind=kind, step_ms=end - start, comm_ms=iv.length(comm), exposed_ms=iv.length(iv.subtract(comm, compute)),
+                comm_spans=sum(1 for s in work if s.is_comm))
 
 
 def trace_steps(trace) -> list[dict]:
-    """Per serving step of one read trace (`timeline.trace.Trace`): {kind, step_ms, comm_ms, exposed_ms}."""
+    """Per serving step of one read trace (`timeline.trace.Trace`): {kind, step_ms, comm_ms, exposed_ms, comm_spans}."""
     windows = trace.serving_ranges
     starts = [w[1] for w in windows]
     work: list[list] = [[] for _ in windows]
@@ -84,8 +85,9 @@ def trace_steps(trace) -> list[dict]:
 
 
 def recorded_steps(spans) -> list[dict]:
-    """Per serving step of a recorder's spans: {step, kind, step_ms, comm_ms, exposed_ms}; a step number
-    without a compute span named prefill or decode is left out."""
+    """Per serving step of a recorder's spans: {step, kind, step_ms, comm_ms, exposed_ms, comm_spans}; a step
+    number without a compute span named prefill or decode is left out. comm_spans: the step's communication
+    spans (a recording: one per collective; a trace: one per kernel or CPU range of one)."""
     by_step: dict[int, list] = {}
     for s in spans:
         if s.step is not None:
