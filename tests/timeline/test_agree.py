@@ -65,3 +65,18 @@ def test_offset_from_the_first_of_each_computation():
     assert compare_spans(recorded, traced).ok(1e-9)
     with pytest.raises(ValueError, match="no computation appears in both"):
         estimate_offset(recorded, [])
+
+
+def test_a_transfer_still_in_flight_when_the_window_ended_is_cut_not_missing():
+    # ZeRO's gather for the next step, issued 0.1 ms before the profiler stopped (trace time 20 = recorder
+    # time 10 at an offset of 10): recorded issue to completion, never in the trace
+    recorded = [rec("compute", 0, 9.8, "fwd"), rec("zero_all_gather", 9.9, 19.0, "bucket0")]
+    traced = [rec("compute", 10.01, 19.79, "fwd")]
+    a = compare_spans(recorded, traced, offset_ms=10.0, window_end_ms=20.0)
+    assert a.ok(0.05) and a.cut == ["zero_all_gather:bucket0@9.900"] and not a.missing and a.matched == 1
+    # a transfer that ended inside the window and is not traced is still missing
+    inside = compare_spans([*recorded[:1], rec("zero_all_gather", 9.0, 9.5, "bucket0")], traced, offset_ms=10.0,
+                           window_end_ms=20.0)
+    assert inside.missing == ["zero_all_gather:bucket0@9.000"] and not inside.cut
+    # without the window's end nothing is set apart
+    assert compare_spans(recorded, traced, offset_ms=10.0).missing == ["zero_all_gather:bucket0@9.900"]

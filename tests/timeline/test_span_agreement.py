@@ -115,7 +115,8 @@ def _window(step, path: str):
     trace = read_trace(path, last_step=True)
     recorded = [s for s in rec.spans if s.step in trace.steps]
     offset = rec.origin_unix_ms - trace.origin_unix_ms
-    return compare_spans(recorded, trace.spans, offset_ms=offset, tol_ms=TOL_MS), recorded
+    window_end = max(end for _, end in trace.step_ranges.values())  # a transfer still in flight then: cut
+    return compare_spans(recorded, trace.spans, offset_ms=offset, tol_ms=TOL_MS, window_end_ms=window_end), recorded
 
 
 @distributed(world_size=2, timeout_s=300.0)
@@ -150,20 +151,15 @@ def agreements():
                     raise
 
 
-KNOWN_GAPS = {"zero": "in two of five full-suite runs (never alone) one ZeRO parameter gather "
-                      "(zero_all_gather:bucket0) was recorded in every profiled window but not traced: not explained yet"}
-"""Engines whose agreement is known to fail at times; each still runs, and passes when it agrees."""
-
-
-@pytest.mark.parametrize("engine", [pytest.param(e, marks=pytest.mark.xfail(reason=KNOWN_GAPS[e], strict=False))
-                                    if e in KNOWN_GAPS else e for e in ENGINES])
+@pytest.mark.parametrize("engine", ENGINES)
 def test_every_recorded_span_has_its_profiler_range_and_back(agreements, engine):
     for rank, per_engine in enumerate(agreements):
         r = per_engine[engine]
         a = r["agreement"]
         assert r["recorded"] > 0 and "compute" in r["kinds"] and len(r["kinds"]) > 1, (rank, r)
         assert not a.missing and not a.unmatched, (rank, a)
-        assert a.matched == r["recorded"], (rank, a)
+        # cut: ZeRO's gather for the next step, issued just before the profiler stopped and never traced
+        assert a.matched + len(a.cut) == r["recorded"] and len(a.cut) <= 1, (rank, a)
         assert a.compute_diff_ms <= TOL_MS, (rank, a.worst_compute)
         assert a.ok(TOL_MS, COMM_END_TOL_MS), (rank, a)
 

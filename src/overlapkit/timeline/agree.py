@@ -16,6 +16,11 @@ the post: the two are paired by their ends, and the traced one may start earlier
 One exception is not a disagreement: on CPU the recorder stamps a transfer's end when its
 future completes, and gloo closes its profiler range just after that, on its own thread, so a
 traced transfer may end a little (a preemption, under load) after its record.
+
+Nor is the profiler's window edge: a transfer issued just before the profiler stopped (ZeRO's parameter
+gather for the next step, in flight across the step boundary) is recorded from issue to completion, while
+gloo's range for it opens and closes after the profiler stopped, so the trace never holds it. Given the
+window's end, a recorded span still running then with no traced span is `cut`, not `missing`.
 """
 
 from __future__ import annotations
@@ -48,6 +53,9 @@ class SpanAgreement:
     """The most a recorded computation's time differs from the traced time of its name inside it."""
     worst_compute: str = ""
     """The computation (name@start ms, recorded vs traced ms) that differs by `compute_diff_ms`."""
+    cut: list[str] = ()
+    """Recorded spans (kind:name@start) still running when the profiler's window ended, with no traced span:
+    the profiler never saw them run to their end, so their absence is not a disagreement."""
 
     def ok(self, tol_ms: float, comm_end_tol_ms: float | None = None) -> bool:
         """Everything paired, inside its record and as long as it within `tol_ms` (transfer ends:
@@ -93,7 +101,7 @@ def estimate_offset(recorded: list[Span], traced: list[Span]) -> float:
 
 
 def compare_spans(recorded: list[Span], traced: list[Span], offset_ms: float | None = None,
-                  tol_ms: float = 0.5) -> SpanAgreement:
+                  tol_ms: float = 0.5, window_end_ms: float | None = None) -> SpanAgreement:
     """Pair each traced overlapkit span with the recorded span of its kind it ran under.
 
     Traced spans are taken in start order; each goes to the earliest recorded span of its kind
@@ -102,7 +110,8 @@ def compare_spans(recorded: list[Span], traced: list[Span], offset_ms: float | N
     that it starts inside (the second copy of an exchange, the next kernel of a GEMM).
     `offset_ms` is trace time minus recorder time (estimated from computations when None).
     A pipeline receive goes by its end instead (see the module doc); a bubble pairs with the
-    absence of traced computation inside it.
+    absence of traced computation inside it. `window_end_ms` (trace time: the last ProfilerStep's end,
+    `Trace.step_ranges`) sets apart the recorded spans the window cut (see the module doc).
     """
     bubbles = [s for s in recorded if s.kind == "pp_bubble"]
     recorded = [s for s in recorded if s.is_compute or s.is_comm]
@@ -126,11 +135,12 @@ def compare_spans(recorded: list[Span], traced: list[Span], offset_ms: float | N
         else:
             held.setdefault(id(owner), []).append(t)
     early = late_compute = late_comm = 0.0
-    missing = []
+    missing, cut = [], []
+    edge = None if window_end_ms is None else window_end_ms - offset_ms  # in recorder time, as the records
     diff, worst = 0.0, ""
     for r in sorted(recorded, key=lambda s: s.start_ms):
         if id(r) not in held:
-            missing.append(f"{r.kind}:{r.name}@{r.start_ms:.3f}")
+            (cut if edge is not None and r.end_ms > edge else missing).append(f"{r.kind}:{r.name}@{r.start_ms:.3f}")
         for t in held.get(id(r), []):
             if r.kind not in POSTED_EARLY:
                 early = max(early, r.start_ms - t.start_ms)
@@ -152,5 +162,5 @@ def compare_spans(recorded: list[Span], traced: list[Span], offset_ms: float | N
         else:
             missing.append(f"{b.kind}:{b.name}@{b.start_ms:.3f} (computing {busy:.3f} ms of it)")
     return SpanAgreement(matched=matched, missing=missing, unmatched=unmatched, early_ms=early,
-                         late_compute_ms=late_compute, late_comm_ms=late_comm, offset_ms=offset_ms,
+                         late_compute_ms=late_compute, late_comm_ms=late_comm, offset_ms=offset_ms, cut=cut,
                          compute_diff_ms=diff, worst_compute=worst)
