@@ -2,9 +2,14 @@
 
 What it overlaps: the host's launch work with the device's compute. A decode step at small batch is
 launch-bound: hundreds of small kernels, each costing the host more than the device. Captured once
-per input signature (after an eager warm-up on a side stream, so that the first-shape checks,
-communicators, symmetric buffers and cuBLAS workspaces exist before capture), a step is then one
-`graph.replay()` on inputs copied into the captured tensors. The collectives inside are NCCL's or
+per input signature, a step is then one `graph.replay()` on inputs copied into the captured tensors.
+The warm-up before capture (first-shape checks, communicators, symmetric buffers and cuBLAS workspaces
+must exist before it) is the signature's first real calls, run eagerly on a side stream and returned:
+never an extra call. A decode step mutates state in place (transformers' static cache advances its
+`cumulative_length` on the device and writes the step's keys there), so a warm-up call made on the side
+would move the cache one position per call and every later step would write past where it should
+(seen on an H100: `index_copy_(): index out of bounds`, and wrong tokens before that). Capturing runs no
+kernel, so each call moves the state exactly once: eagerly, or by its replay. The collectives inside are NCCL's or
 the one-shot symmetric-memory all-reduce, both capturable.
 
 `StepGraphs` captures any function of tensors whose shapes repeat; it needs CUDA tensors and is
@@ -35,6 +40,7 @@ class StepGraphs:
     what a caller holds. At most `keep` signatures are held (a new KV cache object is a new signature)."""
 
     def __init__(self, fn, *, warmup: int = 2, keep: int = 8) -> None:
+        """`warmup`: real calls of a signature run eagerly (on a side stream) before it is captured."""
         self.fn, self.warmup, self.keep = fn, warmup, keep
         self.graphs: dict[tuple, tuple] = {}
         """signature -> (graph, static inputs, static output)."""
@@ -43,12 +49,18 @@ class StepGraphs:
         self.replays = 0
         """How many calls were served by a replay."""
         self.pool = None
+        self._side = None
+        self._seen: dict[tuple, int] = {}
+        """signature -> real calls run eagerly so far (the warm-up before its capture)."""
 
     def __call__(self, **kwargs):
         key = tuple(sorted((k, _key(v)) for k, v in kwargs.items()))
         if key in self.refused:
             return self.fn(**kwargs)
         entry = self.graphs.get(key)
+        if entry is None and self._seen.get(key, 0) < self.warmup:
+            self._seen[key] = self._seen.get(key, 0) + 1
+            return self._eager_on_side_stream(kwargs)
         if entry is None:
             if len(self.graphs) >= self.keep:
                 # the oldest signature goes (its graph's memory with it); the static inputs an entry holds keep
@@ -68,18 +80,29 @@ class StepGraphs:
         self.replays += 1
         return _cloned(out)
 
-    def _capture(self, kwargs: dict):
-        static = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
+    def _side_stream(self):
+        # one stream for the warm-up calls and the capture (cuBLAS keys its workspace by stream); each use
+        # waits for the current stream first, so a block freed there is never reused here too early
+        if self._side is None:
+            self._side = torch.cuda.Stream()
+        self._side.wait_stream(torch.cuda.current_stream())
+        return self._side
+
+    def _eager_on_side_stream(self, kwargs: dict):
+        side = self._side_stream()
         with torch.cuda.stream(side):
-            for _ in range(self.warmup):
-                self.fn(**static)
+            out = self.fn(**kwargs)
         torch.cuda.current_stream().wait_stream(side)
+        return out
+
+    def _capture(self, kwargs: dict):
+        """The graph of one call of `fn` on clones of `kwargs` (capture runs no kernel: the call's effect comes
+        from the replay that follows)."""
+        static = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        with torch.cuda.graph(graph, pool=self.pool, stream=self._side_stream()):
             out = self.fn(**static)
         return graph, static, out
 
