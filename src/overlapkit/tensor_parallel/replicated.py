@@ -75,7 +75,9 @@ def replicate_module(module: nn.Module, mesh, group, *, sum_over=None, label: st
         handles = (module.register_forward_pre_hook(_local_views),
                    module.register_forward_hook(_restore, always_call=True),
                    module._register_load_state_dict_pre_hook(_load_hook, with_module=True))
-        object.__setattr__(module, _HOOKS, [handles, sum_over, f"sequence_parallel_grads.{label}"])
+        # the last item: the stack of parameters a forward swapped for local views (an attribute made here,
+        # not in the hook: torch 2.11's dynamo cannot trace `module.__dict__.setdefault`)
+        object.__setattr__(module, _HOOKS, [handles, sum_over, f"sequence_parallel_grads.{label}", []])
     elif sum_over is not None:
         getattr(module, _HOOKS)[1] = sum_over
     if sum_over is not None:
@@ -116,7 +118,7 @@ def replicate_parameters(model: nn.Module, mesh, group) -> nn.Module:
 
 
 def _local_views(module: nn.Module, _args) -> None:
-    _, group, name = getattr(module, _HOOKS)
+    _, group, name, stack = getattr(module, _HOOKS)
     saved = {}
     compiling = torch.compiler.is_compiling()
     for pname, p in module._parameters.items():
@@ -135,7 +137,7 @@ def _local_views(module: nn.Module, _args) -> None:
             elif not getattr(p, SUMMED_BY_HOOK, False):
                 view = copy_to_tp(view, group, name)  # partial gradients summed over TP in backward
         module._parameters[pname] = view
-    module.__dict__.setdefault("_overlapkit_saved_params", []).append(saved)
+    stack.append(saved)
 
 
 SUMMED_BY_HOOK = "_overlapkit_sp_grad_hook"
@@ -153,7 +155,7 @@ def _sum_over_tp(group, name: str):
 
 
 def _restore(module: nn.Module, _args, _out) -> None:
-    stack = module.__dict__.get("_overlapkit_saved_params")
+    stack = getattr(module, _HOOKS)[3]
     if stack:
         module._parameters.update(stack.pop())
 
