@@ -48,7 +48,23 @@ def read_measured(trace_dir: str):
             gemm[key][1] += 1
     comm = {r.kind: (r.comm_ms / n, (r.exposed_ms or 0.0) / n, r.count / n, r.nbytes // max(1, r.count))
             for r in rank.by_kind}
+    device = next(t.device for t in traces if t.rank == rank.rank)
     return Measured(step_ms=step_ms, compute_ms=sum(t.compute_ms for t in times) / n,
                     idle_ms=sum(t.idle_ms for t in times) / n,
                     gemm={k: (ms, calls / n) for k, (ms, calls) in gemm.items()}, comm=comm, steps=n,
-                    ranks=len(report.ranks), device=next(t.device for t in traces if t.rank == rank.rank))
+                    ranks=len(report.ranks), device=device,
+                    host_busy_ms=host_busy_ms([t for t in traces if t.rank == rank.rank]) if device == "gpu" else None)
+
+
+def host_busy_ms(traces) -> float | None:
+    """The host's own time per profiled step of one rank's GPU traces: each ProfilerStep less the time its
+    threads sat in a synchronization with the GPU (cudaStreamSynchronize, a blocking copy, ...). None without
+    ProfilerStep ranges."""
+    from overlapkit.runtime import intervals as iv
+
+    busy = []
+    for t in traces:
+        for _, (a, b) in sorted((n, r) for n, r in t.step_ranges.items() if n in t.steps):
+            syncs = iv.union((max(a, x), min(b, y)) for _, x, y in t.host_syncs if x < b and y > a)
+            busy.append((b - a) - iv.length(syncs))
+    return sum(busy) / len(busy) if busy else None

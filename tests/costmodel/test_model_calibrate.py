@@ -229,3 +229,40 @@ def test_kinds_the_model_lacks_go_with_their_engine_and_other_codes_collectives_
     t = terms(Measured(step_ms=r.step_ms + 3.5, compute_ms=r.compute_ms, idle_ms=0.0, comm=comm),
               predict_calibrated(cal, MODEL, traced))
     assert t["exposed"][0] == pytest.approx(t["exposed"][1]) and t["host"] == (pytest.approx(0.5), pytest.approx(0.5))
+
+
+def test_a_gpu_hosts_dispatch_is_read_off_its_busy_time_and_the_rest_of_the_idle_is_per_step():
+    """An H100 trace at micro-batch 4 showed 2.5 ms idle a step that did not change with the micro-batch
+    (2.6 ms at 2, 2.4 ms at 8): the step's edges, not dispatch. Fitted as dispatch outlasting each layer, it
+    priced micro-batch 1 at +66 %. With the host's own time read off the trace, the dispatch is measured
+    wherever the GPU did not wait, and the idle it does not explain is priced once per step."""
+    truth = replace(preset("h200-sxm"), host_us_per_op=20.0)
+    fixed = 2.5
+    small, large = ParallelConfig(micro_batch=1, global_batch=1), ParallelConfig(micro_batch=8, global_batch=8)
+    measured, r = _gpu_trace(truth, large)
+    assert r.host_ms == 0  # the GPU never waited for a layer's dispatch here
+    busy = 20.0 * 1e-3 * ops_per_step(MODEL, large)
+    traced = replace(measured, step_ms=measured.step_ms + fixed, idle_ms=fixed, host_busy_ms=busy)
+    cal = fit(traced, MODEL, large, preset("h200-sxm"))
+    assert cal.host_us_per_op == pytest.approx(20.0) and cal.host_step_ms == pytest.approx(fixed)
+    assert any("busy" in n and "once per step" in n for n in cal.notes)
+    want = predict(MODEL, small, truth)
+    assert want.host_ms > 0  # the small micro-batch is dispatch-bound on the machine
+    got = predict_calibrated(cal, MODEL, small)
+    assert got.host_ms == pytest.approx(want.host_ms + fixed, rel=0.05)
+    assert predict_calibrated(cal, MODEL, large).step_ms == pytest.approx(traced.step_ms, rel=1e-2)
+    # the bisected dispatch (no host time in the trace) reads the same idle as dispatch, and overprices small
+    old = fit(replace(traced, host_busy_ms=None), MODEL, large, preset("h200-sxm"))
+    assert predict_calibrated(old, MODEL, small).host_ms > got.host_ms
+
+
+def test_host_busy_time_is_each_step_less_its_synchronizations():
+    from types import SimpleNamespace
+
+    from overlapkit.plan_tools import host_busy_ms
+
+    t = SimpleNamespace(step_ranges={1: (0.0, 10.0), 2: (10.0, 30.0), 3: (30.0, 31.0)}, steps=[1, 2],
+                        host_syncs=[(7, 2.0, 5.0), (7, 4.0, 6.0), (8, 9.0, 12.0), (7, 25.0, 40.0)])
+    # step 1: 10 - |[2, 6] + [9, 10]| = 5; step 2: 20 - |[10, 12] + [25, 30]| = 13; step 3 was dropped
+    assert host_busy_ms([t]) == pytest.approx(9.0)
+    assert host_busy_ms([SimpleNamespace(step_ranges={}, steps=[], host_syncs=[])]) is None

@@ -66,6 +66,9 @@ class Measured:
     device: str = "cpu"
     """Where the job computed: 'cpu' (the host that dispatches also computes, so its time per op adds to the
     step) or 'gpu' (the host dispatches ahead; the GPU waits only where a layer's dispatch outlasts its work)."""
+    host_busy_ms: float | None = None
+    """On a GPU, the host's own time per step: the step less the time its threads sat in a synchronization
+    with the GPU. What dispatch took whether or not the GPU waited for it (None: the trace cannot tell)."""
 
     def __post_init__(self) -> None:
         v.positive("Measured", "step_ms", self.step_ms)
@@ -75,6 +78,8 @@ class Measured:
                                 f"calibration needs the compute ranges or kernels of a training step")
         v.positive("Measured", "idle_ms", self.idle_ms, allow_zero=True)
         v.one_of("Measured", "device", self.device, DEVICES)
+        if self.host_busy_ms is not None:
+            v.positive("Measured", "host_busy_ms", self.host_busy_ms, allow_zero=True)
 
 
 class CalibratedCollectives(Collectives):
@@ -115,6 +120,9 @@ class Calibration:
     dispatch time per op, which the GPU waits for only where a layer's dispatch outlasts its work."""
     engine_exposed: dict = field(default_factory=dict)
     """Engine kind the model has no counterpart for -> exposed ms per step at the traced layout."""
+    host_step_ms: float = 0.0
+    """On a GPU: the traced idle that the layers' dispatch does not explain (the step's edges: the optimizer's
+    launches, a loss read back), added once per step at every layout."""
 
     @property
     def collectives(self) -> Collectives:
@@ -130,6 +138,7 @@ class Calibration:
                 "engine_exposed": dict(self.engine_exposed),
                 "comm_factors": dict(self.comm_factors),
                 "exposed_fraction": dict(self.exposed_fraction), "host_us_per_op": self.host_us_per_op,
+                "host_step_ms": self.host_step_ms,
                 "gemm_points": [list(p) for p in self.gemm_points], "notes": list(self.notes)}
 
     def summary(self) -> str:
@@ -137,7 +146,9 @@ class Calibration:
         exp = ", ".join(f"{k} {100 * f:.0f}%" for k, f in self.exposed_fraction.items()) or "none traced"
         return (f"fitted: matrix rate {self.matmul_scale:.3g}x and memory rate {self.compute_scale:.3g}x the "
                 f"preset's ({len(self.gemm_points)} GEMM shapes pinned); collective time vs the model: {comm}; exposed: {exp}; "
-                f"host {self.host_us_per_op:.1f} us per op" + "".join(f"\n  note: {n}" for n in self.notes))
+                f"host {self.host_us_per_op:.1f} us per op"
+                + (f" and {self.host_step_ms:.3g} ms per step" if self.host_step_ms else "")
+                + "".join(f"\n  note: {n}" for n in self.notes))
 
 
 def traced_layout(asked: ParallelConfig, spec: str) -> ParallelConfig:
@@ -320,13 +331,33 @@ def fit(measured: Measured, model: ModelConfig, traced: ParallelConfig, base: Ha
         factors.setdefault(KIND_COLLECTIVE[kind], []).append((comm_ms, r.comm_by_kind[kind]))
     comm_factors = {c: sum(m for m, _ in xs) / sum(p for _, p in xs) for c, xs in factors.items()}
     exposed = {k: min(1.0, e / c) for k, (c, e) in by_kind.items()}
-    if measured.device == "gpu":
+    host_step = 0.0
+    if measured.device == "gpu" and measured.host_busy_ms is not None:
+        host_us, host_step = _measured_dispatch(measured, unmatched, model, traced, hw, notes)
+        hw = replace(hw, host_us_per_op=host_us)
+    elif measured.device == "gpu":
         host_us = _dispatch_us(measured.idle_ms + unmatched, model, traced, hw, base.host_us_per_op, notes)
         hw = replace(hw, host_us_per_op=host_us)
     else:
         host_us = 1e3 * (measured.idle_ms + unmatched) / ops_per_step(model, traced)
     return Calibration(hw, comm_factors, exposed, host_us, scale, traced, points, notes, matmul_scale=matmul or scale,
-                       device=measured.device, engine_exposed=engine_exposed)
+                       device=measured.device, engine_exposed=engine_exposed, host_step_ms=host_step)
+
+
+def _measured_dispatch(measured: Measured, unmatched: float, model: ModelConfig, traced: ParallelConfig,
+                       hw: Hardware, notes: list) -> tuple[float, float]:
+    """(dispatch µs per op, fixed ms per step) on a GPU whose trace shows the host's own time. The dispatch is
+    read off the host side (its busy time over the ops it dispatched), not inferred from where the GPU
+    waited: a trace in which the GPU never waited for a layer says only that dispatch was faster than the
+    GPU there, and an idle time that does not change with the work (the step's edges) is not dispatch. The
+    model's wait at that dispatch time is what the layers explain of the traced idle; the rest is per step."""
+    us = 1e3 * measured.host_busy_ms / ops_per_step(model, traced)
+    wait = predict(model, traced, replace(hw, host_us_per_op=us)).host_ms
+    idle = measured.idle_ms + unmatched
+    notes.append(f"the host was busy {measured.host_busy_ms:.3g} ms per step: {us:.3g} us per dispatched op; the "
+                 f"layers' dispatch explains {min(wait, idle):.3g} ms of the GPU's {idle:.3g} ms idle, the rest is "
+                 f"priced once per step")
+    return us, max(0.0, idle - wait)
 
 
 def _dispatch_us(idle_ms: float, model: ModelConfig, traced: ParallelConfig, hw: Hardware, preset_us: float,
@@ -371,6 +402,8 @@ def predict_calibrated(cal: Calibration, model: ModelConfig, par: ParallelConfig
     r.exposed_by_kind, r.exposed_ms = exposed, sum(exposed.values())
     if cal.device == "cpu":  # on a GPU the model's own host wait stands, at the fitted dispatch time
         r.host_ms = cal.host_us_per_op * 1e-3 * ops_per_step(model, par)
+    else:
+        r.host_ms += cal.host_step_ms
     r.step_ms = r.compute_ms + r.exposed_ms + r.bubble_ms + r.host_ms
     if not math.isfinite(r.step_ms):
         raise v.ConfigError(f"the calibrated step is {r.step_ms}: the trace's numbers are out of range")
