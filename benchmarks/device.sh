@@ -16,6 +16,7 @@
 #           hand loop -- and the entry checks' share of a tp 4 step
 #   serve   infer and calibrate1 in the GPU lane beside, on the other cores, infer's tp 2/4/8 and the fixed-cost
 #           twins (ep 4 chunks="auto", ZeRO-3 auto at 8 ranks, PP 1F1B vs Schedule1F1B): one call's worth
+#   closing serve's GPU lane beside, on the other cores, the user's path at ep 4 and pp 4 and the GPT calibration
 #   infer   serving: infer_step (generate()'s prefill tokens/s and decode ms/token, plain / DTensor TP / overlapkit)
 #           on one GPU at world size 1 (batch 1, 8, 32; prompt 2048; 128 new tokens; CUDA graphs too) and on the
 #           16 cores at tp 2, 4, 8, batch 8
@@ -35,7 +36,7 @@
 # both are packed into OUTDIR/PART.tgz. Results of the 16 cores are named *_cpu16_* as committed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-part=${1:?"part: checks | h200 | cpu16 | users | infer | serve | record | compiled | multi | gemm | probes | calibrate16 | calibrate1 | ab SCRIPT ARGS..."}; shift
+part=${1:?"part: checks | h200 | cpu16 | users | infer | serve | closing | record | compiled | multi | gemm | probes | calibrate16 | calibrate1 | ab SCRIPT ARGS..."}; shift
 if [ "$part" = ab ]; then out=${OUT:-/tmp/overlapkit_device}; else out=${1:-${OUT:-/tmp/overlapkit_device}}; fi
 
 # NVLink multicast off (it can take a shared host's GPUs down); overlapkit from this checkout; the wheels of
@@ -199,6 +200,19 @@ probes() {
   step tp_agreement_ws4 40 python3 benchmarks/probes/tp_agreement_cost.py --world 4 --threads 2 --out "$c"
 }
 
+# closing: what one call holds once serve has run -- the GPU lane as serve's (decode-graph tests, infer_step at
+# world size 1, the GPU calibration); on the other 13 cores the user's path at ep 4 and pp 4 (issue 37's rows) and
+# the 16-core calibration on overlapkit's GPT.
+closing_cpu() {
+  mkdir -p "$c"
+  step moe_ep4 150 "${PIN[@]}" python3 benchmarks/user_step.py --moe --world 4 --ep 4 --preset cpu16 --threads 3 \
+      --out "$c"
+  step pp4 170 "${PIN[@]}" python3 benchmarks/user_step.py --pp --world 4 --threads 3 --preset cpu16 \
+      --schedules 1f1b,interleaved-1f1b --out "$c"
+  step calibrate_cpu_gpt 230 "${PIN[@]}" python3 benchmarks/probes/calibrate_validation.py --device cpu --model gpt \
+      --layout-limit 40 --out "$c"
+}
+
 # Each layout in its own session under --layout-limit (a stalled one is killed and recorded as failed); the
 # results are rewritten after every layout, so a step cut short keeps the rows it measured.
 calibrate16() {
@@ -255,11 +269,12 @@ lanes() {
 case "$part" in
 checks | h200 | cpu16 | users | infer | multi | probes | calibrate16 | calibrate1) "$part" ;;
 serve) lanes serve_gpu serve_cpu ;;
+closing) lanes serve_gpu closing_cpu ;;
 gemm) mkdir -p "$g"; step bench_gemm 240 python3 -m overlapkit bench gemm --out "$g/h200_measured.json" ;;
 record) lanes h200 cpu16 ;;
 compiled) lanes compiled_gpu compiled_cpu16 ;;
 ab) ab "$@" ;;
-*) echo "unknown part $part (checks | h200 | cpu16 | users | infer | serve | record | compiled | multi | gemm | probes | calibrate16 | calibrate1 | ab SCRIPT ARGS...)"; exit 2 ;;
+*) echo "unknown part $part (checks | h200 | cpu16 | users | infer | serve | closing | record | compiled | multi | gemm | probes | calibrate16 | calibrate1 | ab SCRIPT ARGS...)"; exit 2 ;;
 esac
 if [ -d "$c" ]; then  # the scripts name a CPU result *_cpu_*; the committed 16-core tables are *_cpu16_*
   for f in "$c"/*_cpu_*; do [ -e "$f" ] && mv "$f" "$c/$(basename "$f" | sed 's/_cpu_/_cpu16_/')"; done
