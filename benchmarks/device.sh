@@ -144,6 +144,14 @@ infer() { infer_gpu; infer_cpu16; }
 # infer_step at tp 2/4/8, then the fixed-cost twins (MoE chunks="auto" vs its fixed twin at ep 4, ZeRO-3 auto vs
 # its pinned twin at 8 ranks, PP 1F1B vs torch's Schedule1F1B at pp 4).
 serve_gpu() { infer_gpu; calibrate1; }
+closing_gpu() {
+  mkdir -p "$g"
+  step decode_graphs_gpu 60 "${PIN[@]}" python3 -m pytest -q -p no:cacheprovider tests/gpu/test_decode_graphs.py
+  step infer_gpu_ws1 200 "${PIN[@]}" python3 benchmarks/infer_step.py --device cuda --world 1 --preset 1b \
+      --batch 1,8,32 --prompt 2048 --new 128 --rounds 3 --out "$g"
+  step calibrate_cuda 200 "${PIN[@]}" python3 benchmarks/probes/calibrate_validation.py --device cuda \
+      --layout-limit 50 --out "$g"
+}
 serve_cpu() {
   THREADS2=6 THREADS4=3 THREADS8=1 infer_cpu16
   step ep_ws4 60 "${PIN[@]}" python3 benchmarks/ep_overlap.py --world 4 --threads 3 --out "$c"
@@ -207,10 +215,10 @@ closing_cpu() {
   mkdir -p "$c"
   step moe_ep4 150 "${PIN[@]}" python3 benchmarks/user_step.py --moe --world 4 --ep 4 --preset cpu16 --threads 3 \
       --out "$c"
-  step pp4 170 "${PIN[@]}" python3 benchmarks/user_step.py --pp --world 4 --threads 3 --preset cpu16 \
+  step pp4 150 "${PIN[@]}" python3 benchmarks/user_step.py --pp --world 4 --threads 3 --preset cpu16 \
       --schedules 1f1b,interleaved-1f1b --out "$c"
-  step calibrate_cpu_gpt 230 "${PIN[@]}" python3 benchmarks/probes/calibrate_validation.py --device cpu --model gpt \
-      --layout-limit 40 --out "$c"
+  step calibrate_cpu_gpt 160 "${PIN[@]}" python3 benchmarks/probes/calibrate_validation.py --device cpu --model gpt \
+      --layout-limit 30 --out "$c"
 }
 
 # Each layout in its own session under --layout-limit (a stalled one is killed and recorded as failed); the
@@ -269,7 +277,7 @@ lanes() {
 case "$part" in
 checks | h200 | cpu16 | users | infer | multi | probes | calibrate16 | calibrate1) "$part" ;;
 serve) lanes serve_gpu serve_cpu ;;
-closing) lanes serve_gpu closing_cpu ;;
+closing) lanes closing_gpu closing_cpu ;;
 gemm) mkdir -p "$g"; step bench_gemm 240 python3 -m overlapkit bench gemm --out "$g/h200_measured.json" ;;
 record) lanes h200 cpu16 ;;
 compiled) lanes compiled_gpu compiled_cpu16 ;;
