@@ -106,7 +106,8 @@ def ep_rows(results: Path) -> list[dict]:
         for r in d["summary"]["rows"] if "summary" in d else d["rows"]:
             name = r["variant"]
             chunks = r.get("chunks") or (name.split("chunks=")[1] if "chunks=" in name else None)
-            if name.startswith("uniform") and chunks not in (None, "ranks"):
+            # "uniform chunks=1, a second instance" (the noise floor of later runs) is not another chunk count
+            if name.startswith("uniform") and str(chunks).isdigit() and int(chunks) not in by:
                 by[int(chunks)] = r
         if not {1, 2} <= set(by):
             continue
