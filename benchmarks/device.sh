@@ -149,8 +149,8 @@ closing_gpu() {
   step decode_graphs_gpu 45 "${PIN[@]}" python3 -m pytest -q -p no:cacheprovider tests/gpu/test_decode_graphs.py
   step infer_gpu_ws1 170 "${PIN[@]}" python3 benchmarks/infer_step.py --device cuda --world 1 --preset 1b \
       --batch 1,8,32 --prompt 2048 --new 128 --rounds 2 --out "$g"
-  step calibrate_cuda 110 "${PIN[@]}" python3 benchmarks/probes/calibrate_validation.py --device cuda \
-      --layout-limit 30 --out "$g"
+  step calibrate_cuda 120 "${PIN[@]}" python3 benchmarks/probes/calibrate_validation.py --device cuda \
+      --layout-limit 35 --out "$g"
 }
 serve_cpu() {
   THREADS2=6 THREADS4=3 THREADS8=1 infer_cpu16
