@@ -22,7 +22,8 @@ from .collectives import Collectives, Group
 from .hardware import Hardware
 from .model import ModelConfig
 from .parallel import MODES, Overlap, ParallelConfig
-from .step import HOST_OPS_PER_LAYER, StepReport, predict
+from .host_fit import FIT_STEPS, bisected_dispatch, measured_dispatch, ops_per_step
+from .step import StepReport, predict
 from .transformer import layer_gemms
 
 KIND_COLLECTIVE = {"tp_all_gather": "all_gather", "tp_reduce_scatter": "reduce_scatter", "tp_all_reduce": "all_reduce",
@@ -39,9 +40,6 @@ GEMM_PHASES = ("fwd", "dgrad", "wgrad")
 """Phases of a layer GEMM a trace may name (forward, input gradient, weight gradient)."""
 DEVICES = ("cpu", "gpu")
 """Where a traced job computed (Measured.device)."""
-FIT_STEPS = 60
-"""Bisection steps (in log scale, over 1e-12..1e6 times the preset's rate) for the compute rate at which the
-traced layout's predicted compute is the measured one: 60 halvings leave a relative error below 1e-7."""
 
 
 @dataclass(frozen=True)
@@ -333,58 +331,16 @@ def fit(measured: Measured, model: ModelConfig, traced: ParallelConfig, base: Ha
     exposed = {k: min(1.0, e / c) for k, (c, e) in by_kind.items()}
     host_step = 0.0
     if measured.device == "gpu" and measured.host_busy_ms is not None:
-        host_us, host_step = _measured_dispatch(measured, unmatched, model, traced, hw, notes)
+        host_us, host_step = measured_dispatch(measured.host_busy_ms, measured.idle_ms + unmatched, model, traced, hw,
+                                               notes)
         hw = replace(hw, host_us_per_op=host_us)
     elif measured.device == "gpu":
-        host_us = _dispatch_us(measured.idle_ms + unmatched, model, traced, hw, base.host_us_per_op, notes)
+        host_us = bisected_dispatch(measured.idle_ms + unmatched, model, traced, hw, base.host_us_per_op, notes)
         hw = replace(hw, host_us_per_op=host_us)
     else:
         host_us = 1e3 * (measured.idle_ms + unmatched) / ops_per_step(model, traced)
     return Calibration(hw, comm_factors, exposed, host_us, scale, traced, points, notes, matmul_scale=matmul or scale,
                        device=measured.device, engine_exposed=engine_exposed, host_step_ms=host_step)
-
-
-def _measured_dispatch(measured: Measured, unmatched: float, model: ModelConfig, traced: ParallelConfig,
-                       hw: Hardware, notes: list) -> tuple[float, float]:
-    """(dispatch µs per op, fixed ms per step) on a GPU whose trace shows the host's own time. The dispatch is
-    read off the host side (its busy time over the ops it dispatched), not inferred from where the GPU
-    waited: a trace in which the GPU never waited for a layer says only that dispatch was faster than the
-    GPU there, and an idle time that does not change with the work (the step's edges) is not dispatch. The
-    model's wait at that dispatch time is what the layers explain of the traced idle; the rest is per step."""
-    us = 1e3 * measured.host_busy_ms / ops_per_step(model, traced)
-    wait = predict(model, traced, replace(hw, host_us_per_op=us)).host_ms
-    idle = measured.idle_ms + unmatched
-    notes.append(f"the host was busy {measured.host_busy_ms:.3g} ms per step: {us:.3g} us per dispatched op; the "
-                 f"layers' dispatch explains {min(wait, idle):.3g} ms of the GPU's {idle:.3g} ms idle, the rest is "
-                 f"priced once per step")
-    return us, max(0.0, idle - wait)
-
-
-def _dispatch_us(idle_ms: float, model: ModelConfig, traced: ParallelConfig, hw: Hardware, preset_us: float,
-                 notes: list) -> float:
-    """The host's dispatch time per op on a GPU: where the trace shows the GPU waiting (`idle_ms`), the time
-    at which the model's host wait of the traced layout is that idle time; where it shows none, the
-    dispatch was no slower than the GPU's work, which bounds it from above only: the preset's time, or
-    that bound where it is lower."""
-    def wait_ms(us: float) -> float:
-        return predict(model, traced, replace(hw, host_us_per_op=us)).host_ms
-
-    lo, hi = 0.0, 1e5  # µs per op; the wait grows with it
-    for _ in range(FIT_STEPS):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if wait_ms(mid) <= idle_ms else (lo, mid)
-    if idle_ms > 0 and wait_ms(lo) > 0:
-        notes.append(f"the GPU waited {idle_ms:.3g} ms per step for its host: {lo:.3g} us per dispatched op")
-        return lo
-    notes.append(f"the GPU never waited for its host: dispatch at most {lo:.3g} us per op; priced at "
-                 f"{min(lo, preset_us):.3g} us (the preset's {preset_us:.3g} us or that bound)")
-    return min(lo, preset_us)
-
-
-def ops_per_step(model: ModelConfig, par: ParallelConfig) -> int:
-    """Framework ops the slowest stage's host dispatches in one step (forward and twice that backward)."""
-    layers = max(par.stage_layers(model.num_layers))
-    return 3 * HOST_OPS_PER_LAYER[par.eager] * layers * par.micro_batches
 
 
 def predict_calibrated(cal: Calibration, model: ModelConfig, par: ParallelConfig) -> StepReport:

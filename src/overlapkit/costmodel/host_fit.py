@@ -1,0 +1,62 @@
+"""The host term of a calibration on a GPU: the dispatch time per op (and the idle it does not explain).
+
+On a GPU the host dispatches ahead and the GPU waits only where a layer's dispatch outlasts its work
+(costmodel.step). `measured_dispatch` reads the dispatch off the host's own busy time in the trace;
+`bisected_dispatch`, for a trace without it, sets the dispatch at which the model's wait is the traced idle.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from .hardware import Hardware
+from .model import ModelConfig
+from .parallel import ParallelConfig
+from .step import HOST_OPS_PER_LAYER, predict
+
+FIT_STEPS = 60
+"""Bisection steps of the fits (the compute rate in log scale over 1e-12..1e6 times the preset's, the dispatch time
+over 0..1e5 µs): 60 halvings leave a relative error below 1e-7."""
+
+
+def ops_per_step(model: ModelConfig, par: ParallelConfig) -> int:
+    """Framework ops the slowest stage's host dispatches in one step (forward and twice that backward)."""
+    layers = max(par.stage_layers(model.num_layers))
+    return 3 * HOST_OPS_PER_LAYER[par.eager] * layers * par.micro_batches
+
+
+def measured_dispatch(host_busy_ms: float, idle_ms: float, model: ModelConfig, traced: ParallelConfig, hw: Hardware,
+                      notes: list) -> tuple[float, float]:
+    """(dispatch µs per op, fixed ms per step) on a GPU whose trace shows the host's own time. The dispatch is
+    read off the host side (its busy time over the ops it dispatched), not inferred from where the GPU
+    waited: a trace in which the GPU never waited for a layer says only that dispatch was faster than the
+    GPU there, and an idle time that does not change with the work (the step's edges) is not dispatch. The
+    model's wait at that dispatch time is what the layers explain of the traced idle; the rest is per step."""
+    us = 1e3 * host_busy_ms / ops_per_step(model, traced)
+    wait = predict(model, traced, replace(hw, host_us_per_op=us)).host_ms
+    idle = idle_ms
+    notes.append(f"the host was busy {host_busy_ms:.3g} ms per step: {us:.3g} us per dispatched op; the "
+                 f"layers' dispatch explains {min(wait, idle):.3g} ms of the GPU's {idle:.3g} ms idle, the rest is "
+                 f"priced once per step")
+    return us, max(0.0, idle - wait)
+
+
+def bisected_dispatch(idle_ms: float, model: ModelConfig, traced: ParallelConfig, hw: Hardware, preset_us: float,
+                 notes: list) -> float:
+    """The host's dispatch time per op on a GPU: where the trace shows the GPU waiting (`idle_ms`), the time
+    at which the model's host wait of the traced layout is that idle time; where it shows none, the
+    dispatch was no slower than the GPU's work, which bounds it from above only: the preset's time, or
+    that bound where it is lower."""
+    def wait_ms(us: float) -> float:
+        return predict(model, traced, replace(hw, host_us_per_op=us)).host_ms
+
+    lo, hi = 0.0, 1e5  # µs per op; the wait grows with it
+    for _ in range(FIT_STEPS):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if wait_ms(mid) <= idle_ms else (lo, mid)
+    if idle_ms > 0 and wait_ms(lo) > 0:
+        notes.append(f"the GPU waited {idle_ms:.3g} ms per step for its host: {lo:.3g} us per dispatched op")
+        return lo
+    notes.append(f"the GPU never waited for its host: dispatch at most {lo:.3g} us per op; priced at "
+                 f"{min(lo, preset_us):.3g} us (the preset's {preset_us:.3g} us or that bound)")
+    return min(lo, preset_us)
