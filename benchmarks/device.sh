@@ -144,13 +144,13 @@ infer() { infer_gpu; infer_cpu16; }
 # infer_step at tp 2/4/8, then the fixed-cost twins (MoE chunks="auto" vs its fixed twin at ep 4, ZeRO-3 auto vs
 # its pinned twin at 8 ranks, PP 1F1B vs torch's Schedule1F1B at pp 4).
 serve_gpu() { infer_gpu; calibrate1; }
-closing_gpu() {
+closing_gpu() {  # by priority: a call cut short by the device time left keeps what ran first
   mkdir -p "$g"
-  step decode_graphs_gpu 45 "${PIN[@]}" python3 -m pytest -q -p no:cacheprovider tests/gpu/test_decode_graphs.py
   step infer_gpu_ws1 170 "${PIN[@]}" python3 benchmarks/infer_step.py --device cuda --world 1 --preset 1b \
       --batch 1,8,32 --prompt 2048 --new 128 --rounds 2 --out "$g"
   step calibrate_cuda 120 "${PIN[@]}" python3 benchmarks/probes/calibrate_validation.py --device cuda \
       --layout-limit 35 --out "$g"
+  step decode_graphs_gpu 45 "${PIN[@]}" python3 -m pytest -q -p no:cacheprovider tests/gpu/test_decode_graphs.py
 }
 serve_cpu() {
   THREADS2=6 THREADS4=3 THREADS8=1 infer_cpu16
