@@ -216,6 +216,8 @@ closing_cpu() {
       --out "$c"
   step pp4 150 "${PIN[@]}" python3 benchmarks/user_step.py --pp --world 4 --threads 3 --preset cpu16 \
       --schedules 1f1b,interleaved-1f1b --out "$c"
+  step fsdp_twin_phases 120 "${PIN[@]}" python3 benchmarks/probes/fsdp_twin_phases.py --world 8 --threads 1 \
+      --rounds 30 --out "$c"
 }
 
 # Each layout in its own session under --layout-limit (a stalled one is killed and recorded as failed); the

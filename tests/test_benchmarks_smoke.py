@@ -28,7 +28,7 @@ SMOKE = {
     # script: extra arguments after --smoke --out DIR
     "agreement_cost": [], "analyze_corpus": [], "analyze_large": [], "calibrate_validation": [],
     "compiled_host_phases": [], "compiled_step_profile": [], "cp_overlap": [], "dp_host_cost": [], "dp_overhead_probe": [], "dp_overlap": [],
-    "ep_grouped_probe": [], "ep_host_cost": [], "ep_overlap": [], "fsdp_overlap": [], "lm_head_probe": [], "model_vs_measured": [], "moe_vs_grouped_moe": [], "moe_decode": [],
+    "ep_grouped_probe": [], "ep_host_cost": [], "ep_overlap": [], "fsdp_overlap": [], "fsdp_twin_phases": [], "lm_head_probe": [], "model_vs_measured": [], "moe_vs_grouped_moe": [], "moe_decode": [],
     "model_vs_published": [], "pp_overlap": [], "pp_step_cost": [], "pp_zero_bubble": [], "profile_step": [],
     "reliability_cost": [], "replicated_params_probe": [], "straggler_path": [], "teardown_repeat": [], "tp_agreement_cost": [],
     "tp_chunk_profile": [], "tp_host_cost": [], "tp_overlap": [], "user_step": [], "infer_step": [],
@@ -49,7 +49,7 @@ probes whose paths another script in the default set covers (the agreement check
 compiled_step_profile builds user_step's variants). The rest, about 300 s of CPU, is the default: a few
 minutes on two cores, most of it interpreters starting (~4 s each with torch and DTensor)."""
 PROBES = {"agreement_cost", "calibrate_validation", "compiled_host_phases", "compiled_step_profile", "cp_kernel_probe", "dp_host_cost",
-          "dp_overhead_probe", "ep_grouped_probe", "ep_host_cost", "ep_profile", "hbm_add_probe", "lm_head_probe",
+          "dp_overhead_probe", "ep_grouped_probe", "fsdp_twin_phases", "ep_host_cost", "ep_profile", "hbm_add_probe", "lm_head_probe",
           "moe_decode", "moe_vs_grouped_moe", "pp_step_cost", "pp_zero_bubble", "profile_step", "replicated_params_probe", "straggler_path", "teardown_repeat",
           "tp_agreement_cost", "tp_chunk_profile", "tp_host_cost", "tp_step_gaps"}
 """The scripts in benchmarks/probes/: experiments that answered a question (the docs that cite them keep the

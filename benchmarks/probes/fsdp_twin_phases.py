@@ -1,0 +1,167 @@
+"""Where a decided ZeRO-3 `prefetch="auto"` model loses time to its pinned twin, phase by phase.
+
+The question (issue: what `auto` costs once it has decided): on the GPU host's 16 cores (8 ranks x 1
+thread, `fsdp_overlap.py`, 2026-12-07) auto read 1.076x the fixed model pinned at its depths, slower in
+three rounds in four, while two pinned instances differed by 1.011x; the traces of one step (aten ops and
+shapes, collectives in order, hooks, held tensors) compare equal at 2 and 3 ranks. This probe bisects in
+time and in instance rather than in calls:
+
+- two auto models, built side by side and decided one after the other (`auto A`, `auto B`): if both are
+  slower than the twins, the residue is auto's; if one is not, it is the instance (where its memory and
+  threads landed), not auto;
+- the twin pinned at auto's depths built after the decision (`pinned`) and the fixed model of the same
+  depths built before it (`fixed`, when auto's depths are one number);
+- each step split into forward + loss, backward, and optimizer step + zero_grad (host clock, all ranks
+  lined up before the step only, so the phases overlap as in training), slowest rank per phase;
+- beside each variant, the Python garbage collections a step triggered and the threads alive after it.
+
+    python benchmarks/probes/fsdp_twin_phases.py --world 8 --threads 1 --rounds 30
+
+Writes benchmarks/results/fsdp_twin_phases_<device>_ws<N>.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import statistics
+import sys
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: _lib
+from _lib.common import (add_common_args, balanced_orders, device_label, line_up, out_dir, print_message, run_ranks,
+                         world_size, write_results)
+from _lib.presets import SMOKE_GPT
+from overlapkit.data_parallel import fully_shard, prefetch_plan
+from overlapkit.models import GPT, GPTConfig, lm_loss
+
+PRESET = dict(vocab_size=2048, seq_len=64, hidden=256, num_heads=4, ffn_hidden=1024, num_layers=8)
+"""fsdp_overlap.py's CPU preset: 8 blocks of 0.8 M parameters."""
+PHASES = ("forward", "backward", "optimizer")
+MAX_DECIDE_STEPS = 30
+
+
+def _rank_body(gpt: dict, batch: int, rounds: int, warmup: int, threads: int) -> dict:
+    torch.set_num_threads(threads)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("dp",))
+    cfg = GPTConfig(**gpt)
+
+    def fresh(prefetch):
+        torch.manual_seed(0)
+        return fully_shard(GPT(cfg), mesh, prefetch=prefetch)
+
+    models = {"auto A": fresh("auto"), "auto B": fresh("auto")}
+    g = torch.Generator().manual_seed(1 + dist.get_rank())
+    idx = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len + 1), generator=g)
+    opts = {}
+
+    def step(name: str) -> tuple[float, float, float, int]:
+        model, opt = models[name], opts.setdefault(name, torch.optim.AdamW(models[name].parameters(), lr=1e-4))
+        collections = sum(s["collections"] for s in gc.get_stats())
+        t0 = time.perf_counter()
+        loss = lm_loss(model(idx[:, :-1]), idx[:, 1:])
+        t1 = time.perf_counter()
+        loss.backward()
+        t2 = time.perf_counter()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        t3 = time.perf_counter()
+        return 1e3 * (t1 - t0), 1e3 * (t2 - t1), 1e3 * (t3 - t2), sum(s["collections"] for s in gc.get_stats()) - collections
+
+    decided_after = {}
+    for name in ("auto A", "auto B"):
+        n = 0
+        while not prefetch_plan(models[name]).decided:
+            if n == MAX_DECIDE_STEPS:
+                raise RuntimeError(f"{name} did not decide in {MAX_DECIDE_STEPS} steps")
+            step(name)
+            n += 1
+        decided_after[name] = n
+    plan = prefetch_plan(models["auto A"])
+    depths = (plan.forward_depth, plan.backward_depth)
+    if depths != (prefetch_plan(models["auto B"]).forward_depth, prefetch_plan(models["auto B"]).backward_depth):
+        raise RuntimeError("the two auto models decided different depths: not twins")
+    models["pinned"] = fresh(depths)
+    if depths[0] == depths[1]:
+        models["fixed"] = fresh(depths[0])
+    names = list(models)
+    times = {n: [] for n in names}
+    orders = balanced_orders(len(names))
+    for i in range(warmup + rounds):
+        for name in (names[j] for j in orders[i % len(orders)]):
+            line_up(torch.device("cpu"))
+            got = step(name)
+            if i >= warmup:
+                times[name].append(got)
+    return dict(times=times, depths=depths, decided_after=decided_after, threads=threading.active_count())
+
+
+def _summary(per_rank: list[dict]) -> dict:
+    names = list(per_rank[0]["times"])
+    rounds = len(per_rank[0]["times"][names[0]])
+    rows = {}
+    for n in names:
+        phase = {p: [max(r["times"][n][i][k] for r in per_rank) for i in range(rounds)] for k, p in enumerate(PHASES)}
+        step = [max(sum(r["times"][n][i][:3]) for r in per_rank) for i in range(rounds)]
+        rows[n] = dict(step_ms=statistics.median(step), **{f"{p}_ms": statistics.median(v) for p, v in phase.items()},
+                       gc_per_step=statistics.mean(t[3] for r in per_rank for t in r["times"][n]), steps=step)
+    ref = rows["pinned"]["steps"]
+    for n, row in rows.items():
+        ratios = sorted(a / b for a, b in zip(row["steps"], ref))
+        row["vs_pinned"] = statistics.median(ratios)
+        row["vs_pinned_middle_half"] = (ratios[len(ratios) // 4], ratios[(3 * len(ratios)) // 4])
+    return dict(rows=rows, depths=per_rank[0]["depths"], decided_after=per_rank[0]["decided_after"],
+                threads=max(r["threads"] for r in per_rank), rounds=rounds)
+
+
+def _markdown(result: dict) -> str:
+    a = result["args"]
+    lines = [f"ZeRO-3 auto beside its twins, phase by phase: {result['device']}, {a['world']} ranks x {a['threads']} "
+             f"thread(s), GPT {result['gpt']['hidden']} x {result['gpt']['num_layers']}, {result['rounds']} rounds in a "
+             f"balanced order; auto decided {result['depths']} (steps to decide: {result['decided_after']}); slowest "
+             f"rank, medians; threads alive after: {result['threads']}", "",
+             "| variant | step ms | vs pinned (middle half) | forward ms | backward ms | optimizer ms | gc / step |",
+             "|---|---:|---|---:|---:|---:|---:|"]
+    for n, r in result["rows"].items():
+        lo, hi = r["vs_pinned_middle_half"]
+        lines.append(f"| {n} | {r['step_ms']:.1f} | {r['vs_pinned']:.3f} ({lo:.3f}–{hi:.3f}) | {r['forward_ms']:.1f} | "
+                     f"{r['backward_ms']:.1f} | {r['optimizer_ms']:.1f} | {r['gc_per_step']:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_common_args(ap)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--rounds", type=int, default=30)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--batch", type=int, default=2)
+    args = ap.parse_args(argv)
+    if args.device != "cpu":
+        print("fsdp_twin_phases: CPU (gloo) only: the gap it looks for was measured on the 16 cores", file=sys.stderr)
+        return 2
+    gpt = dict(SMOKE_GPT) if args.smoke else dict(PRESET)
+    if args.smoke:
+        args.rounds, args.warmup = 2, 1
+    world = world_size(args)
+    per_rank = run_ranks(_rank_body, world, gpt, args.batch, args.rounds, args.warmup, args.threads,
+                         timeout_s=600.0, on_message=print_message)
+    result = dict(device=device_label(args.device), gpt=gpt, args=dict(world=world, threads=args.threads,
+                                                                        rounds=args.rounds, batch=args.batch),
+                  **_summary(per_rank))
+    for row in result["rows"].values():
+        row.pop("steps")
+    stem = f"fsdp_twin_phases_{args.device}_ws{world}" + ("_smoke" if args.smoke else "")
+    write_results(result, os.path.join(out_dir(args), stem), _markdown)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
