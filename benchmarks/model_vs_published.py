@@ -6,8 +6,8 @@ states (benchmarks/_lib/published_settings.py, each with where it is stated); `p
 CLI's own parsing and default-filling, so that what is validated is what a user runs. The published TFLOP/s
 per GPU becomes a step time under the source's FLOP convention; the error table per source goes to
 benchmarks/results/model_vs_published.{json,md} (each row with its command and the assumptions `plan` made);
-`--update-docs` also refreshes the table in docs/model.md. It also predicts the held-out validation set
-(tests/data/published_steps/korthikanti22.json) and prints the 30-case mean a second time with every
+`--update-docs` also refreshes the table in docs/model.md. It also predicts the held-out validation sets
+(tests/data/published_steps/korthikanti22.json, and megatron_core_moe.json: a published MoE step) and prints the 30-case mean a second time with every
 source held out of anything fitted. Nothing is fitted on a case.
 
     python benchmarks/model_vs_published.py [--cases FILE] [--out benchmarks/results] [--update-docs]
@@ -52,7 +52,7 @@ def plan_argv(case: dict, folder: str, **design) -> list[str]:
     path = Path(folder) / "model.json"
     path.write_text(json.dumps(model))
     argv = ["--model", str(path), "--hardware", case["hardware"]]
-    for flag in ("tp", "pp", "vpp", "dp", "cp", "micro_batch", "global_batch", "recompute", "zero"):
+    for flag in ("tp", "pp", "vpp", "dp", "cp", "ep", "micro_batch", "global_batch", "recompute", "zero"):
         if flag in case:
             argv += [f"--{flag.replace('_', '-')}", str(case[flag])]
     argv.append("--sp" if case["sp"] else "--no-sp")
@@ -262,8 +262,13 @@ def summarize(rows: list[dict]) -> dict:
                           for k, x in by.items()}}
 
 
+VALIDATION = ("korthikanti22.json", "megatron_core_moe.json")
+"""Held-out published steps (tests/data/published_steps/), used for nothing but being predicted: Korthikanti et al.
+2022's eight A100 steps, and Megatron-Core's Mixtral 8x7B step (expert parallelism)."""
+
+
 def markdown(rows: list[dict], summary: dict, extra: list[dict], bf16: list[dict] = (), held: dict | None = None,
-             deepspeed: list[dict] = (), validation: list[dict] = (), design: list[dict] = ()) -> str:
+             deepspeed: list[dict] = (), validation: list[tuple] = (), design: list[dict] = ()) -> str:
     s = summary
     out = [f"{s['cases']} published steps through `overlapkit plan --stack ...`: mean |error| {s['mean_abs_pct']:.1f}%, "
            f"max {s['max_abs_pct']:.1f}%, {s['over_10pct']} over 10% (targets: mean <= 5%, per source <= 8%, max <= 12%)."]
@@ -280,16 +285,16 @@ def markdown(rows: list[dict], summary: dict, extra: list[dict], bf16: list[dict
                 + "; refit values per held-out source: "
                 + ", ".join(f"{src} {x['constants']['POWER_LIMIT_CLOCK']:.3f}" for src, x in held["by_source"].items())
                 + "."]
-    if validation:
-        v = summarize(validation)
-        out += ["", f"Held-out validation set ({v['cases']} further published steps, never used for anything "
-                f"above: tests/data/published_steps/korthikanti22.json): mean |error| {v['mean_abs_pct']:.1f}%, "
+    for name, rows_v in validation:
+        v = summarize(rows_v)
+        out += ["", f"Held-out validation set ({v['cases']} further published step{'s' if v['cases'] > 1 else ''}, never "
+                f"used for anything above: tests/data/published_steps/{name}): mean |error| {v['mean_abs_pct']:.1f}%, "
                 f"max {v['max_abs_pct']:.1f}%.", "",
                 "| source | case | hardware | GPUs | published s | predicted s | error % | compute s | exposed s "
                 "| bubble s | host s |", "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
         out += [f"| {r['source']} | {r['case']} | {r['hardware']} | {r['gpus']} | {r['published_s']:.3f} | "
                 f"{r['predicted_s']:.3f} | {r['error_pct']:+.1f} | {r['compute_s']:.3f} | {r['exposed_s']:.3f} | "
-                f"{r['bubble_s']:.3f} | {r['host_s']:.3f} |" for r in validation]
+                f"{r['bubble_s']:.3f} | {r['host_s']:.3f} |" for r in rows_v]
     out += ["",
            "| source | stack | cases | mean abs error % | max abs error % |", "|---|---|---:|---:|---:|"]
     out += [f"| {k} | {SOURCES[k]['stack']} | {x['cases']} | {x['mean_abs_pct']:.1f} | {x['max_abs_pct']:.1f} |"
@@ -328,8 +333,9 @@ def markdown(rows: list[dict], summary: dict, extra: list[dict], bf16: list[dict
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--cases", help="folder with cases.json (default: tests/data/published_steps)")
-    ap.add_argument("--validation", default=str(ROOT / "tests" / "data" / "published_steps" / "korthikanti22.json"),
-                    help="held-out validation cases (same format), reported beside the table")
+    ap.add_argument("--validation", nargs="*", default=[str(ROOT / "tests" / "data" / "published_steps" / name)
+                                                          for name in VALIDATION],
+                    help="held-out validation cases (files in cases.json's format), each reported beside the table")
     ap.add_argument("--out", default=None, help="results folder (default: benchmarks/results; with --smoke a new "
                                                 "temporary folder)")
     ap.add_argument("--smoke", action="store_true", help=SMOKE_HELP + " (here: the held-out refits on one source)")
@@ -355,15 +361,15 @@ def main(argv=None) -> int:
     first = data["cases"][0]["source"]
     held = held_out([c for c in data["cases"] if c["source"] == first] if args.smoke else data["cases"])
     deepspeed = deepspeed_schedule_rows(data["cases"])
-    validation_path = Path(args.validation)
-    validation = [run_case(c) for c in json.loads(validation_path.read_text())["cases"]] if validation_path.is_file() else []
+    validation = [(Path(p).name, [run_case(c) for c in json.loads(Path(p).read_text())["cases"]])
+                  for p in args.validation if Path(p).is_file()]
     design = [] if args.smoke else designs(data["cases"])
     text = markdown(rows, summary, extra, bf16, held, deepspeed, validation, design)
     out = Path(out_dir(args))
     out.mkdir(parents=True, exist_ok=True)
     (out / "model_vs_published.json").write_text(json.dumps(
         {"summary": summary, "rows": rows, "extra": extra, "megatron_core_bf16_reduce": bf16, "designs": design, "held_out": held,
-         "fitted": FITTED, "validation": {"summary": summarize(validation) if validation else {}, "rows": validation},
+         "fitted": FITTED, "validation": {name: {"summary": summarize(v), "rows": v} for name, v in validation},
          "mt_nlg_deepspeed_schedule": deepspeed, "sustained_clock": dict(SUSTAINED_CLOCK),
          "power_limit_clock": POWER_LIMIT_CLOCK,
          "settings": {k: describe(k) for k in SOURCES}},

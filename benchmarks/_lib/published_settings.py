@@ -38,6 +38,9 @@ SOURCES = {
     "MT-NLG-530B": dict(
         stack="deepspeed-2022",
         stated=(("--bf16", "Sec. 2.3: mixed precision with 16-bit bfloat"),)),
+    "MegatronCore-MoE": dict(
+        stack="megatron-core-2024",
+        stated=(("--bf16", "the README: Mixtral 8X7B bf16 training"),)),
     "Korthikanti22-T5": dict(
         stack="megatron-2022",
         stated=(("--bf16", "Sec. 5: bf16 mixed precision"),)),
