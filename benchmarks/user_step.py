@@ -192,9 +192,13 @@ def _rank_body(cfg_kw: dict, names: list[str], rounds: int, warmup: int, tp: int
         peak[name] = _state_bytes(models[name], opts[name]) + _step_peak_bytes(lambda: step(name), device)
     out = dict(times=times, first_s=first_s, loss0=loss0, peak=peak)
     if ep:
-        from _lib.hf_moe import expert_bytes
+        from _lib.hf_moe import all_to_all_share, expert_bytes
 
         out["expert_bytes"] = {n: expert_bytes(models[n]) for n in names}
+        out["all_to_all"] = {}
+        for name in names:  # one profiled step each, after the timed ones
+            line_up(device)
+            out["all_to_all"][name] = all_to_all_share(lambda: step(name))
         out["expert_bytes_whole"] = whole_experts
         out["chunks"] = {path: m.__dict__["_overlapkit_experts"][0].chunk_choice.decided
                          for n in names for path, m in models[n].named_modules() if "_overlapkit_experts" in m.__dict__}
@@ -280,7 +284,8 @@ def _moe_main(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
                   config=cfg, reference=ref, rows=rows, loss_spread=spread,
                   losses_agree=spread <= (2e-2 if args.device == "cuda" else 1e-4),
                   expert_mib={n: max(r["expert_bytes"][n] for r in per_rank) / 2**20 for n in names},
-                  expert_mib_whole=per_rank[0]["expert_bytes_whole"] / 2**20, ok_ep_chunks=per_rank[0]["chunks"])
+                  expert_mib_whole=per_rank[0]["expert_bytes_whole"] / 2**20, ok_ep_chunks=per_rank[0]["chunks"],
+                  all_to_all={n: max((r["all_to_all"][n] for r in per_rank), key=lambda x: x[0]) for n in names})
     if any(abs(result["expert_mib"][n] * args.ep - result["expert_mib_whole"]) > 1e-6 for n in names):
         raise AssertionError(f"expert memory per rank is not 1/ep of the experts: {result['expert_mib']}")
     stem = os.path.join(out_dir(args), f"user_step_moe_{args.device}_{args.preset}_ws{args.world}_ep{args.ep}_tp{tp}")

@@ -137,7 +137,36 @@ def moe_markdown(result: dict) -> str:
     notes = [f"\nfirst-step losses agree: {result['losses_agree']} (spread {result['loss_spread']:.2e}); "
              f"whole experts {result['expert_mib_whole']:.2f} MiB (each rank holds 1/ep)",
              f"chunks `auto` kept per experts module (ok_ep, rank 0): {result['ok_ep_chunks']}"]
+    if result.get("all_to_all"):
+        notes.append("all-to-all time in one profiled step (the union of its ranges, slowest rank; profiled, so "
+                     "slower than the timed step): " + "; ".join(
+                         f"{n} {ms:.1f} of {step:.1f} ms ({100 * ms / step:.1f} %)"
+                         for n, (step, ms) in result["all_to_all"].items())
+                     + ". Hiding every one of the peer's all-to-alls saves at most its share: a ratio below "
+                     "1 - that share needs faster compute, not more overlap.")
     return head + "\n".join(rows) + "\n" + "\n".join(notes) + "\n"
+
+
+def all_to_all_share(step) -> tuple[float, float]:
+    """(step ms, all-to-all ms) of one `step()` under torch.profiler: the union of the ranges whose name holds
+    "all_to_all" or "alltoall" (gloo's transfer ranges, c10d's ops, on any thread). For the peer, whose
+    all-to-alls are waited at once, it is what hiding every one of them could save of its step."""
+    import time
+
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        t0 = time.perf_counter()
+        step()
+        step_ms = 1e3 * (time.perf_counter() - t0)
+    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                   if "all_to_all" in e.name.lower() or "alltoall" in e.name.lower())
+    total, end = 0.0, float("-inf")
+    for a, b in spans:  # the union, in µs
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return step_ms, total / 1e3
 
 
 def expert_bytes(model: nn.Module) -> int:
