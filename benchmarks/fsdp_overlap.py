@@ -46,18 +46,13 @@ from torch.nn.parallel import DistributedDataParallel
 
 from _lib.common import (add_common_args, balanced_orders, device_label, line_up, lm_train_step, out_dir,
                          print_message, run_ranks, time_variants, world_size, write_results)
-from _lib.presets import SMOKE_GPT
+from _lib.presets import FSDP_PRESETS, SMOKE_GPT
 from _lib.unexported import measure, prefetch_wall_ms
 from overlapkit.data_parallel import DataParallel, ShardedOptimizer, fully_shard, layer_report, prefetch_plan
 from overlapkit.models import GPT, GPTConfig
 from overlapkit.timeline import record
 
-PRESETS = {
-    # 8 blocks of 0.8 M parameters (3 MB of fp32 each): one gather per block is a real share of a block's compute.
-    "cpu": dict(gpt=dict(vocab_size=2048, seq_len=64, hidden=256, num_heads=4, ffn_hidden=1024, num_layers=8), batch=2),
-    "cuda": dict(gpt=dict(vocab_size=32768, seq_len=1024, hidden=2048, num_heads=16, ffn_hidden=8192, num_layers=16),
-                 batch=4),
-}
+
 FIXED = ("overlapkit prefetch=0", "overlapkit prefetch=1", "overlapkit prefetch=2")
 AUTO = "overlapkit prefetch=auto"
 AUTO_TRIALS = "overlapkit prefetch=auto, trials=4"
@@ -371,7 +366,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--variants", default=",".join(SHORT),
                     help=f"comma-separated subset of {','.join(SHORT)} (fsdp2, auto and a fixed model pinned at "
                          "auto's depths always run)")
-    ap.add_argument("--preset", choices=sorted(PRESETS), default=None, help="model size (default: the device's)")
+    ap.add_argument("--preset", choices=sorted(FSDP_PRESETS), default=None, help="model size (default: the device's)")
     args = ap.parse_args(argv)
     if args.smoke:  # the tiny GPT, the fewest rounds (5), one warm-up round, one recorded step
         args.steps, args.warmup, args.recorded = 1, 1, 1
@@ -388,7 +383,7 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     variants = tuple(v for v in VARIANTS if v in {SHORT[a] for a in asked} | {"FSDP2 defaults", AUTO})
-    preset = dict(gpt=SMOKE_GPT, batch=1) if args.smoke else PRESETS[args.preset or args.device]
+    preset = dict(gpt=SMOKE_GPT, batch=1) if args.smoke else FSDP_PRESETS[args.preset or args.device]
     per_rank = run_ranks(_rank_body, world, args.device, preset, args.steps, args.warmup, args.recorded, args.threads,
                          variants, args.budget_s, None if args.total_s is None else started + args.total_s,
                          device=args.device, timeout_s=900.0, on_message=print_message)

@@ -159,14 +159,11 @@ def all_to_all_share(step) -> tuple[float, float]:
         t0 = time.perf_counter()
         step()
         step_ms = 1e3 * (time.perf_counter() - t0)
-    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
-                   if "all_to_all" in e.name.lower() or "alltoall" in e.name.lower())
-    total, end = 0.0, float("-inf")
-    for a, b in spans:  # the union, in µs
-        if b > end:
-            total += b - max(a, end)
-            end = b
-    return step_ms, total / 1e3
+    from _lib.unexported import intervals as iv
+
+    spans = ((e.time_range.start, e.time_range.end) for e in prof.events()
+             if "all_to_all" in e.name.lower() or "alltoall" in e.name.lower())
+    return step_ms, iv.length(iv.union(spans)) / 1e3  # µs -> ms
 
 
 def expert_bytes(model: nn.Module) -> int:

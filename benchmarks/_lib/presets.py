@@ -1,6 +1,6 @@
 """Model sizes more than one benchmark runs: the Llama 3 shapes of the TP benchmarks (from the cost
-model's MODEL_PRESETS, the one table of published configurations), the data-parallel GPTs, and the
-tiny GPT of every smoke run."""
+model's MODEL_PRESETS, the one table of published configurations), the data-parallel and ZeRO-3 GPTs,
+and the tiny GPT of every smoke run."""
 
 from __future__ import annotations
 
@@ -29,6 +29,13 @@ DP_PRESETS = {  # dp_overlap.py and dp_overhead_probe.py
     # ~0.94 B parameters (3.8 GB of fp32 gradients): the multi-GPU comparison with DDP.
     "cuda-1b": dict(gpt=dict(vocab_size=32768, seq_len=1024, hidden=2048, num_heads=16, ffn_hidden=8192, num_layers=16),
                     batch=4, bucket_mb=25.0),
+}
+
+FSDP_PRESETS = {  # fsdp_overlap.py and probes/fsdp_twin_phases.py
+    # 8 blocks of 0.8 M parameters (3 MB of fp32 each): one gather per block is a real share of a block's compute.
+    "cpu": dict(gpt=dict(vocab_size=2048, seq_len=64, hidden=256, num_heads=4, ffn_hidden=1024, num_layers=8), batch=2),
+    "cuda": dict(gpt=dict(vocab_size=32768, seq_len=1024, hidden=2048, num_heads=16, ffn_hidden=8192, num_layers=16),
+                 batch=4),
 }
 
 SMOKE_GPT = dict(vocab_size=64, seq_len=16, hidden=32, num_heads=2, ffn_hidden=64, num_layers=2)

@@ -36,12 +36,10 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: _lib
 from _lib.common import (add_common_args, balanced_orders, device_label, line_up, out_dir, print_message, run_ranks,
                          world_size, write_results)
-from _lib.presets import SMOKE_GPT
+from _lib.presets import FSDP_PRESETS, SMOKE_GPT
 from overlapkit.data_parallel import fully_shard, prefetch_plan
 from overlapkit.models import GPT, GPTConfig, lm_loss
 
-PRESET = dict(vocab_size=2048, seq_len=64, hidden=256, num_heads=4, ffn_hidden=1024, num_layers=8)
-"""fsdp_overlap.py's CPU preset: 8 blocks of 0.8 M parameters."""
 PHASES = ("forward", "backward", "optimizer")
 MAX_DECIDE_STEPS = 30
 
@@ -142,12 +140,12 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--batch", type=int, default=FSDP_PRESETS["cpu"]["batch"])
     args = ap.parse_args(argv)
     if args.device != "cpu":
         print("fsdp_twin_phases: CPU (gloo) only: the gap it looks for was measured on the 16 cores", file=sys.stderr)
         return 2
-    gpt = dict(SMOKE_GPT) if args.smoke else dict(PRESET)
+    gpt = dict(SMOKE_GPT) if args.smoke else dict(FSDP_PRESETS["cpu"]["gpt"])  # fsdp_overlap.py's CPU GPT
     if args.smoke:
         args.rounds, args.warmup = 2, 1
     world = world_size(args)

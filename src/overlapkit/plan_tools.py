@@ -64,7 +64,7 @@ def host_busy_ms(traces) -> float | None:
 
     busy = []
     for t in traces:
-        for _, (a, b) in sorted((n, r) for n, r in t.step_ranges.items() if n in t.steps):
+        for a, b in (r for n, r in t.step_ranges.items() if n in t.steps):
             syncs = iv.union((max(a, x), min(b, y)) for _, x, y in t.host_syncs if x < b and y > a)
             busy.append((b - a) - iv.length(syncs))
     return sum(busy) / len(busy) if busy else None

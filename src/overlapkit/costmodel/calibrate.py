@@ -329,16 +329,15 @@ def fit(measured: Measured, model: ModelConfig, traced: ParallelConfig, base: Ha
         factors.setdefault(KIND_COLLECTIVE[kind], []).append((comm_ms, r.comm_by_kind[kind]))
     comm_factors = {c: sum(m for m, _ in xs) / sum(p for _, p in xs) for c, xs in factors.items()}
     exposed = {k: min(1.0, e / c) for k, (c, e) in by_kind.items()}
-    host_step = 0.0
-    if measured.device == "gpu" and measured.host_busy_ms is not None:
-        host_us, host_step = measured_dispatch(measured.host_busy_ms, measured.idle_ms + unmatched, model, traced, hw,
-                                               notes)
-        hw = replace(hw, host_us_per_op=host_us)
-    elif measured.device == "gpu":
-        host_us = bisected_dispatch(measured.idle_ms + unmatched, model, traced, hw, base.host_us_per_op, notes)
-        hw = replace(hw, host_us_per_op=host_us)
+    idle, host_step = measured.idle_ms + unmatched, 0.0
+    if measured.device == "cpu":
+        host_us = 1e3 * idle / ops_per_step(model, traced)
     else:
-        host_us = 1e3 * (measured.idle_ms + unmatched) / ops_per_step(model, traced)
+        if measured.host_busy_ms is not None:
+            host_us, host_step = measured_dispatch(measured.host_busy_ms, idle, model, traced, hw, notes)
+        else:
+            host_us = bisected_dispatch(idle, model, traced, hw, base.host_us_per_op, notes)
+        hw = replace(hw, host_us_per_op=host_us)
     return Calibration(hw, comm_factors, exposed, host_us, scale, traced, points, notes, matmul_scale=matmul or scale,
                        device=measured.device, engine_exposed=engine_exposed, host_step_ms=host_step)
 

@@ -34,15 +34,14 @@ def measured_dispatch(host_busy_ms: float, idle_ms: float, model: ModelConfig, t
     model's wait at that dispatch time is what the layers explain of the traced idle; the rest is per step."""
     us = 1e3 * host_busy_ms / ops_per_step(model, traced)
     wait = predict(model, traced, replace(hw, host_us_per_op=us)).host_ms
-    idle = idle_ms
     notes.append(f"the host was busy {host_busy_ms:.3g} ms per step: {us:.3g} us per dispatched op; the "
-                 f"layers' dispatch explains {min(wait, idle):.3g} ms of the GPU's {idle:.3g} ms idle, the rest is "
-                 f"priced once per step")
-    return us, max(0.0, idle - wait)
+                 f"layers' dispatch explains {min(wait, idle_ms):.3g} ms of the GPU's {idle_ms:.3g} ms idle, the rest "
+                 f"is priced once per step")
+    return us, max(0.0, idle_ms - wait)
 
 
 def bisected_dispatch(idle_ms: float, model: ModelConfig, traced: ParallelConfig, hw: Hardware, preset_us: float,
-                 notes: list) -> float:
+                      notes: list) -> float:
     """The host's dispatch time per op on a GPU: where the trace shows the GPU waiting (`idle_ms`), the time
     at which the model's host wait of the traced layout is that idle time; where it shows none, the
     dispatch was no slower than the GPU's work, which bounds it from above only: the preset's time, or

@@ -60,8 +60,11 @@ class StepGraphs:
         entry = self.graphs.get(key)
         if entry is None and self._seen.get(key, 0) < self.warmup:
             self._seen[key] = self._seen.get(key, 0) + 1
+            if len(self._seen) > 4 * self.keep:  # a new KV cache a generate() is a new key: keep the newest
+                self._seen.pop(next(iter(self._seen)))
             return self._eager_on_side_stream(kwargs)
         if entry is None:
+            self._seen.pop(key, None)  # warmed up: captured (or refused) from here on
             if len(self.graphs) >= self.keep:
                 # the oldest signature goes (its graph's memory with it); the static inputs an entry holds keep
                 # the objects it was keyed on alive, so an id in a key is never another object's
