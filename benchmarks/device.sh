@@ -122,12 +122,16 @@ users() {
 # Serving: generate()'s prefill and decode, plain / PyTorch's DTensor TP / overlapkit, on the GPU at world size 1
 # (the fixed cost, CUDA graphs too) and on the 16 cores at tp 2, 4, 8 and batch 8; under 9 minutes in all.
 # THREADS: torch threads a rank at tp 2/4/8 (the serve lane has 13 cores, so it passes fewer).
-infer_gpu() {
+# The GPU's serving row (LIMIT ROUNDS) and the decode-graph tests (LIMIT): the parts below differ only in budget.
+infer_gpu_row() {
   mkdir -p "$g"
-  step decode_graphs_gpu 60 "${PIN[@]}" python3 -m pytest -q -p no:cacheprovider tests/gpu/test_decode_graphs.py
-  step infer_gpu_ws1 220 "${PIN[@]}" python3 benchmarks/infer_step.py --device cuda --world 1 --preset 1b \
-      --batch 1,8,32 --prompt 2048 --new 128 --rounds 4 --out "$g"
+  step infer_gpu_ws1 "$1" "${PIN[@]}" python3 benchmarks/infer_step.py --device cuda --world 1 --preset 1b \
+      --batch 1,8,32 --prompt 2048 --new 128 --rounds "$2" --out "$g"
 }
+decode_graphs_tests() {
+  step decode_graphs_gpu "$1" "${PIN[@]}" python3 -m pytest -q -p no:cacheprovider tests/gpu/test_decode_graphs.py
+}
+infer_gpu() { decode_graphs_tests 60; infer_gpu_row 220 4; }
 infer_cpu16() {
   mkdir -p "$c"
   local t2=${THREADS2:-8} t4=${THREADS4:-4} t8=${THREADS8:-2}
@@ -146,12 +150,9 @@ infer() { infer_gpu; infer_cpu16; }
 # its pinned twin at 8 ranks, PP 1F1B vs torch's Schedule1F1B at pp 4).
 serve_gpu() { infer_gpu; calibrate1; }
 closing_gpu() {  # by priority: a call cut short by the device time left keeps what ran first
-  mkdir -p "$g"
-  step infer_gpu_ws1 170 "${PIN[@]}" python3 benchmarks/infer_step.py --device cuda --world 1 --preset 1b \
-      --batch 1,8,32 --prompt 2048 --new 128 --rounds 2 --out "$g"
-  step calibrate_cuda 120 "${PIN[@]}" python3 benchmarks/probes/calibrate_validation.py --device cuda \
-      --layout-limit 35 --out "$g"
-  step decode_graphs_gpu 45 "${PIN[@]}" python3 -m pytest -q -p no:cacheprovider tests/gpu/test_decode_graphs.py
+  infer_gpu_row 170 2
+  calibrate_cuda 120 35
+  decode_graphs_tests 45
 }
 serve_cpu() {
   THREADS2=6 THREADS4=3 THREADS8=1 infer_cpu16
@@ -231,10 +232,12 @@ calibrate16() {
       --layout-limit 50 --out "$c"
 }
 
-calibrate1() {
+calibrate_cuda() {  # LIMIT LAYOUT_LIMIT
   mkdir -p "$g"
-  step calibrate_cuda 270 "${PIN[@]}" python3 benchmarks/probes/calibrate_validation.py --device cuda --layout-limit 70 --out "$g"
+  step calibrate_cuda "$1" "${PIN[@]}" python3 benchmarks/probes/calibrate_validation.py --device cuda \
+      --layout-limit "$2" --out "$g"
 }
+calibrate1() { calibrate_cuda 270 70; }
 
 # The compiled step beside the compiled plain model (one GPU, world size 1, as torch.compile's default and in
 # CUDA graphs) and beside compiled PyTorch TP (the 16 cores at tp 4, inductor on CPU), in two lanes that never
@@ -278,8 +281,7 @@ case "$part" in
 checks | h200 | cpu16 | users | infer | multi | probes | calibrate16 | calibrate1) "$part" ;;
 serve) lanes serve_gpu serve_cpu ;;
 closing) lanes closing_gpu closing_cpu ;;
-infer1) mkdir -p "$g"; step infer_gpu_ws1 200 python3 benchmarks/infer_step.py --device cuda --world 1 --preset 1b \
-    --batch 1,8,32 --prompt 2048 --new 128 --rounds 2 --out "$g" ;;
+infer1) infer_gpu_row 200 2 ;;
 gemm) mkdir -p "$g"; step bench_gemm 240 python3 -m overlapkit bench gemm --out "$g/h200_measured.json" ;;
 record) lanes h200 cpu16 ;;
 compiled) lanes compiled_gpu compiled_cpu16 ;;
