@@ -16,7 +16,7 @@
 #           hand loop -- and the entry checks' share of a tp 4 step
 #   serve   infer and calibrate1 in the GPU lane beside, on the other cores, infer's tp 2/4/8 and the fixed-cost
 #           twins (ep 4 chunks="auto", ZeRO-3 auto at 8 ranks, PP 1F1B vs Schedule1F1B): one call's worth
-#   closing serve's GPU lane beside, on the other cores, the user's path at ep 4 and pp 4 (under 330 s)
+#   closing serve's GPU lane beside, on the other cores, serving at tp 4 and the user's path at ep 4 and pp 4 (< 560 s)
 #   infer1  infer_step on the GPU at world size 1 alone (the shortest call that measures issue 39's GPU row)
 #   infer   serving: infer_step (generate()'s prefill tokens/s and decode ms/token, plain / DTensor TP / overlapkit)
 #           on one GPU at world size 1 (batch 1, 8, 32; prompt 2048; 128 new tokens; CUDA graphs too) and on the
@@ -210,10 +210,13 @@ probes() {
   step tp_agreement_ws4 40 python3 benchmarks/probes/tp_agreement_cost.py --world 4 --threads 2 --out "$c"
 }
 
-# closing: what one short call holds once serve has run (under 330 s) -- the GPU lane as serve's (decode-graph
-# tests, infer_step at world size 1, the GPU calibration); on the other 13 cores the user's path at ep 4 and pp 4.
+# closing: what one call holds once serve has run (under 560 s) -- the GPU lane as serve's (decode-graph
+# tests, infer_step at world size 1, the GPU calibration); on the other 13 cores serving at tp 4 (the two-batch
+# prefill beside the others), the user's path at ep 4 and pp 4, the ZeRO-3 twin probe.
 closing_cpu() {
   mkdir -p "$c"
+  step infer_tp4 120 "${PIN[@]}" python3 benchmarks/infer_step.py --world 4 --preset cpu16 --threads 3 --batch 8 \
+      --prompt 512 --new 32 --rounds 2 --out "$c"
   step moe_ep4 140 "${PIN[@]}" python3 benchmarks/user_step.py --moe --world 4 --ep 4 --preset cpu16 --threads 3 \
       --out "$c"
   step pp4 150 "${PIN[@]}" python3 benchmarks/user_step.py --pp --world 4 --threads 3 --preset cpu16 \

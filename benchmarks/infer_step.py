@@ -12,11 +12,15 @@ itself does each step), so one call gives the prefill (start to the first token)
   through the pipelined all-gather+GEMM / GEMM+reduce-scatter (auto), the generated tokens in the decode
   layout (each row layer's all-reduce fused with the residual add and the next norm);
 - `ok_nosp`: the same with `sequence_parallel=False`: the prefill in the decode layout too.
+- `ok_2mb` (tp > 1): `parallelize(..., inference=InferenceConfig(prefill="two_batch"))`: the prefill in the
+  decode layout with the batch cut in two, one half's all-reduce in flight under the other half's GEMMs.
 - `ok_graphs` (CUDA only): `ok` with its decode steps replayed from CUDA graphs (static KV cache).
 
 Also per variant, counted once (untimed) from a profiler's ops: the collectives one decode step issues
-(c10d and functional, the entry check's included). The prompt's tokens must agree across variants (they
-are compared; fp32 on CPU).
+(c10d and functional, the entry check's included), and from one profiled prefill the share of its time a
+transfer was in flight (the union of the collectives' ranges): for `torch_tp`, whose collectives are waited at
+once, the most that hiding every one could save of its prefill. The prompt's tokens must agree across variants
+(they are compared; fp32 on CPU).
 
     python benchmarks/infer_step.py                                         # CPU, one rank, tiny
     python benchmarks/infer_step.py --world 4 --preset cpu16 --threads 4 --batch 8     # 16-core host, tp 4
@@ -71,6 +75,10 @@ def _build(name: str, base, groups, device):
         overlapkit.parallelize(model, groups.mesh)
     elif name == "ok_nosp":
         overlapkit.parallelize(model, groups.mesh, sequence_parallel=False)
+    elif name == "ok_2mb":
+        from overlapkit.inference import InferenceConfig
+
+        overlapkit.parallelize(model, groups.mesh, inference=InferenceConfig(prefill="two_batch"))
     graphs = None
     if name == "ok_graphs":
         from overlapkit.models import capture_decode_graphs
@@ -169,6 +177,15 @@ def _rank_body(cfg_kw: dict, names: list[str], batches: list[int], prompt: int, 
         out["prefill"][batch], out["decode"][batch] = pre, dec
         first = seqs[names[0]]
         out["agree"][batch] = {n: torch.equal(seqs[n], first) for n in names}
+    from _lib.common import COLLECTIVES, comm_share
+
+    for batch in batches:  # one profiled prefill a variant, after the timed ones
+        ids = torch.randint(3, cfg.vocab_size, (batch, prompt), generator=torch.Generator().manual_seed(batch))
+        for name in names:
+            line_up(device)
+            with torch.no_grad():
+                out.setdefault("prefill_comm", {}).setdefault(batch, {})[name] = comm_share(
+                    lambda: models[name](input_ids=ids.to(device)), COLLECTIVES)
     small = torch.randint(3, cfg.vocab_size, (batches[0], 8), generator=torch.Generator().manual_seed(7)).to(device)
     out["collectives"] = {n: _decode_collectives(models[n], small) for n in names if n != "ok_graphs"}
     out["graphs"] = {n: dict(replays=g.replays, refused=sorted(set(g.refused.values())))
@@ -189,6 +206,8 @@ def _summary(per_rank: list[dict], names: list[str], batches: list[int], ref: st
                                         decode_ms_per_token=statistics.median(slow["decode"][n]),
                                         prefill_ratio=ratio["prefill"], decode_ratio=ratio["decode"],
                                         tokens_agree=all(r["agree"][batch][n] for r in per_rank),
+                                        prefill_comm_share=max(c / t for t, c in (r["prefill_comm"][batch][n]
+                                                                                  for r in per_rank)),
                                         decode_collectives=per_rank[0]["collectives"].get(n))
     return rows
 
@@ -201,18 +220,22 @@ def _markdown(result: dict) -> str:
             f"{result['transformers']}, {a['rounds']} rounds after {a['warmup']}; slowest rank, median; ratio = median "
             f"per-round ratio to `{result['reference']}`\n\n")
     lines = ["| batch | variant | prefill ms | prefill tokens/s | prefill ratio | decode ms/token | decode ratio | "
-             "collectives / decode step | tokens agree |", "|---:|---|---:|---:|---:|---:|---:|---:|---|"]
+             "collectives / decode step | prefill comm share | tokens agree |", "|---:|---|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in result["rows"].values():
         lines.append(f"| {r['batch']} | {r['variant']} | {r['prefill_ms']:.1f} | {r['prefill_tokens_per_s']:.0f} | "
                      f"{r['prefill_ratio']:.3f} | {r['decode_ms_per_token']:.2f} | {r['decode_ratio']:.3f} | "
-                     f"{r['decode_collectives'] if r['decode_collectives'] is not None else '—'} | {r['tokens_agree']} |")
-    notes = [f"\n{n}: {g['replays']} decode steps replayed from CUDA graphs" +
+                     f"{r['decode_collectives'] if r['decode_collectives'] is not None else '—'} | "
+                     f"{r['prefill_comm_share']:.1%} | {r['tokens_agree']} |")
+    notes = ["\nprefill comm share: of one profiled prefill (the slowest rank's share), the union of the collectives' "
+             "ranges: for torch_tp the most hiding them could save; for the overlapped variants their time in flight."]
+    notes += [f"\n{n}: {g['replays']} decode steps replayed from CUDA graphs" +
              (f"; captures refused: {g['refused']}" if g["refused"] else "") for n, g in result["graphs"].items()]
     return head + "\n".join(lines) + "\n" + "\n".join(notes) + ("\n" if notes else "")
 
 
 def _variants(world: int, device: str) -> list[str]:
-    return (["plain"] if world == 1 else []) + ["torch_tp", "ok", "ok_nosp"] + (["ok_graphs"] if device == "cuda" else [])
+    return (["plain"] if world == 1 else []) + ["torch_tp", "ok", "ok_nosp"] + (["ok_2mb"] if world > 1 else []) + \
+        (["ok_graphs"] if device == "cuda" else [])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -208,3 +208,26 @@ def pipeline_args(description: str) -> argparse.ArgumentParser:
     ap.add_argument("--recorded", type=int, default=3)
     ap.add_argument("--microbatches", type=int, default=None, help="m (default 2·pp)")
     return ap
+
+
+ALL_TO_ALL = ("all_to_all", "alltoall")
+COLLECTIVES = ("all_reduce", "allreduce", "all_gather", "allgather", "reduce_scatter", "wait_tensor")
+"""Words naming the ranges of a transfer in a CPU profiler trace (gloo's ranges, c10d's and the functional ops)."""
+
+
+def comm_share(step, words=ALL_TO_ALL) -> tuple[float, float]:
+    """(step ms, communication ms) of one `step()` under torch.profiler: the union of the ranges whose name holds
+    one of `words` (any thread). For a peer that waits each collective at once, it is what hiding every one of
+    them could save of its step; where transfers run beside compute it is their time in flight."""
+    import time
+
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        t0 = time.perf_counter()
+        step()
+        step_ms = 1e3 * (time.perf_counter() - t0)
+    from _lib.unexported import intervals as iv
+
+    spans = ((e.time_range.start, e.time_range.end) for e in prof.events() if any(w in e.name.lower() for w in words))
+    return step_ms, iv.length(iv.union(spans)) / 1e3  # µs -> ms

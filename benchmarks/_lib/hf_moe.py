@@ -147,25 +147,6 @@ def moe_markdown(result: dict) -> str:
     return head + "\n".join(rows) + "\n" + "\n".join(notes) + "\n"
 
 
-def all_to_all_share(step) -> tuple[float, float]:
-    """(step ms, all-to-all ms) of one `step()` under torch.profiler: the union of the ranges whose name holds
-    "all_to_all" or "alltoall" (gloo's transfer ranges, c10d's ops, on any thread). For the peer, whose
-    all-to-alls are waited at once, it is what hiding every one of them could save of its step."""
-    import time
-
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        t0 = time.perf_counter()
-        step()
-        step_ms = 1e3 * (time.perf_counter() - t0)
-    from _lib.unexported import intervals as iv
-
-    spans = ((e.time_range.start, e.time_range.end) for e in prof.events()
-             if "all_to_all" in e.name.lower() or "alltoall" in e.name.lower())
-    return step_ms, iv.length(iv.union(spans)) / 1e3  # µs -> ms
-
-
 def expert_bytes(model: nn.Module) -> int:
     """This rank's bytes of expert parameters (its local shards)."""
     n = 0

@@ -86,6 +86,13 @@ def check_bool(value, what: str, *, error: type[Exception] = ValueError) -> bool
     return value
 
 
+def check_choice(value, choices, what: str, *, error: type[Exception] = ValueError):
+    """`value`, or `error` naming `what` and the choices unless it is one of them."""
+    if not isinstance(value, str) or value not in choices:
+        raise error(f"{what}={value!r} must be one of {', '.join(map(repr, choices))}")
+    return value
+
+
 def check_prefetch(value, what: str, *, pairs: bool = False, error: type[Exception] = ValueError):
     """`value`, or `error` naming `what` unless it is 'auto' or an integer >= 0 (blocks gathered ahead), or with
     `pairs` a (forward, backward) pair of such integers: the ZeRO-3 / FSDP prefetch depth, as fully_shard and

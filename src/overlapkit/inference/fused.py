@@ -24,7 +24,9 @@ from torch import nn
 from ..runtime import comm, recorder, state
 from ..tensor_parallel.collectives import all_reduce_copy
 from ..tensor_parallel.symm_mem import TransportUnavailable, check_available
-from ..vocabulary import check_bool, positive_int
+from ..vocabulary import check_bool, check_choice, positive_int
+
+PREFILLS = ("sequence_parallel", "two_batch", "decode")
 
 
 @dataclass(frozen=True)
@@ -39,9 +41,17 @@ class InferenceConfig:
     """Use symmetric memory for the small all-reduces where the group allows it (CUDA, NCCL, one node);
     where it does not, the reason is kept (`one_shot_unavailable`) and NCCL runs instead."""
 
+    prefill: str = "sequence_parallel"
+    """How a prompt runs. "sequence_parallel": split over the TP ranks along the sequence, through the
+    training layers' pipelined all-gather+GEMM / GEMM+reduce-scatter (a prompt that does not split runs as
+    "decode"). "two_batch": the decode layout with the batch cut in two, one half's all-reduce in flight
+    while the other half computes (a prompt of one sequence, or a KV cache that is not HF's dynamic one
+    or already holds tokens, runs as "sequence_parallel"). "decode": the decode layout, one batch."""
+
     def __post_init__(self) -> None:
         positive_int(self.one_shot_max_bytes, "InferenceConfig.one_shot_max_bytes", minimum=0)
         check_bool(self.symm_mem, "InferenceConfig.symm_mem")
+        check_choice(self.prefill, PREFILLS, "InferenceConfig.prefill")
 
 
 _one_shot_verdicts: dict[str, str] = state.capability_dict("inference.one_shot_per_group")
@@ -111,6 +121,42 @@ def reduce_partial(x: torch.Tensor, group, name: str, config: InferenceConfig | 
     return all_reduce_copy(x, group, name)
 
 
+class InFlight:
+    """A row layer's partial sums on their way to being summed over the group (`start_reduce`); `wait()`
+    returns the sum. What runs between the two hides the transfer."""
+
+    def __init__(self, x: torch.Tensor, handle=None) -> None:
+        self._x, self._handle = x, handle
+
+    def wait(self) -> torch.Tensor:
+        if self._handle is not None:
+            self._handle.wait()
+            self._handle = None
+        return self._x
+
+
+def start_reduce(x: torch.Tensor, group, name: str, config: InferenceConfig | None = None) -> InFlight:
+    """`reduce_partial` left in flight where the transport allows it (NCCL, gloo): the one-shot kernel over
+    symmetric memory and a compiled graph's op run at once (they are single kernels on the stream)."""
+    config = config or InferenceConfig()
+    small = x.numel() * x.element_size() <= config.one_shot_max_bytes
+    if comm.group_size(group) == 1 or torch.compiler.is_compiling() or \
+            (config.symm_mem and small and x.is_cuda and not one_shot_unavailable(group, x.device)):
+        return InFlight(reduce_partial(x, group, name, config))
+    out = x.contiguous().clone()
+    return InFlight(out, comm.all_reduce(out, group, kind="tp_all_reduce", name=name, async_op=True))
+
+
+def add_norm(y: torch.Tensor, residual: torch.Tensor, norm: nn.Module | None, *, bias: torch.Tensor | None = None,
+             out: torch.Tensor | None = None) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """(norm(h), h) with h = residual + y (+ bias first): the reduced rows' elementwise tail, in the unfused
+    layer's order. `out`: where h is written (a view of a larger batch's buffer)."""
+    if bias is not None:
+        y = y + bias
+    h = torch.add(residual, y, out=out) if out is not None else residual + y
+    return (norm(h) if norm is not None else None), h
+
+
 def all_reduce_add_norm(partial: torch.Tensor, residual: torch.Tensor, norm: nn.Module | None, group, *,
                         bias: torch.Tensor | None = None, name: str = "",
                         config: InferenceConfig | None = None) -> tuple[torch.Tensor | None, torch.Tensor]:
@@ -118,9 +164,5 @@ def all_reduce_add_norm(partial: torch.Tensor, residual: torch.Tensor, norm: nn.
     the add and the norm on the reduced rows. `norm=None` returns (None, h) (a layer whose next norm is
     not known). The norm is the model's own module, so its formula (RMSNorm, LayerNorm, 1 + weight)
     is whatever the model computes."""
-    y = reduce_partial(partial, group, name, config)
-    if bias is not None:
-        y = y + bias
-    h = residual + y
-    return (norm(h) if norm is not None else None), h
+    return add_norm(reduce_partial(partial, group, name, config), residual, norm, bias=bias)
 

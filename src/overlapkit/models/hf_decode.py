@@ -37,6 +37,7 @@ from ..runtime.agreement import agree
 from ..tensor_parallel.layers import RowParallelLinear
 from ..tensor_parallel.linear_base import local_of
 from ..tensor_parallel.region import region_of
+from .hf_prefill import cache_of, eligible, two_batch_layer
 
 PRE_NORM = """
 residual = hidden_states
@@ -91,17 +92,27 @@ def pre_norm_rule(layer: nn.Module) -> str:
     return ""
 
 
+class _Layout:
+    """What the model's forward pre-hook decided for this forward, read by its fused layers, and the recorder
+    step it opened (closed by its forward hook)."""
+
+    stack = None
+    two_batch = False
+    """This forward is a prompt run as two micro-batches (InferenceConfig.prefill="two_batch", hf_prefill.py)."""
+
+
 class _LayerState:
     """One decoder layer's fused path: its two row layers, the norm after it, and what it hands over."""
 
-    def __init__(self, layer: nn.Module, attn_row, mlp_row, original, config: InferenceConfig, index: int):
+    def __init__(self, layer: nn.Module, attn_row, mlp_row, original, config: InferenceConfig, index: int,
+                 layout: _Layout):
         self.attn_row, self.mlp_row, self.original = attn_row, mlp_row, original
         self.next_norm: nn.Module | None = None
         self.next: _LayerState | None = None
         self.handed: tuple | None = None
         """(h, norm(h)) computed by the previous layer's fused op for this layer's input norm."""
         self.verified: bool | None = None
-        self.config, self.index = config, index
+        self.config, self.index, self.layout = config, index, layout
         self.attn_name, self.mlp_name = attn_row.name + ".fwd", mlp_row.name + ".fwd"
         sig = inspect.signature(inspect.unwrap(type(layer).forward))
         params = list(sig.parameters.values())[2:]  # after self and the activation
@@ -160,6 +171,10 @@ def _fused_forward(layer: nn.Module, state: _LayerState, hidden_states: torch.Te
     residual = hidden_states
     h = handed[1] if handed is not None and handed[0] is hidden_states else \
         _norm_now(layer.input_layernorm)(hidden_states)
+    if state.layout.two_batch:
+        out = two_batch_layer(layer, state, hidden_states, kwargs, h, _norm_now(layer.post_attention_layernorm))
+        if out is not None:
+            return out
     partial, _ = layer.self_attn(hidden_states=h, **kwargs)
     row = state.attn_row
     h, residual = all_reduce_add_norm(partial, residual, _norm_now(layer.post_attention_layernorm), row.group,
@@ -212,6 +227,7 @@ def prepare_decode(model: nn.Module, tp: int, *, sequence_parallel: bool,
     the recorder's prefill / decode step (inference/steps.py).
     """
     config = config or InferenceConfig()
+    layout = _Layout()
     region = region_of(model)
     if region is None:
         raise ValueError("prepare_decode: the model has no sequence region; call overlapkit.parallelize first")
@@ -223,49 +239,45 @@ def prepare_decode(model: nn.Module, tp: int, *, sequence_parallel: bool,
         attn_row, mlp_row = _row_layer(layer.self_attn), _row_layer(layer.mlp)
         if attn_row is None or mlp_row is None:
             continue
-        state = _LayerState(layer, attn_row, mlp_row, layer.forward, config, i)
+        state = _LayerState(layer, attn_row, mlp_row, layer.forward, config, i, layout)
         layer.forward = functools.partial(_fused_forward, layer, state)
         states.append((layer, state))
     for (_, state), (nxt_layer, nxt) in zip(states, states[1:]):
         state.next, state.next_norm = nxt, nxt_layer.input_layernorm
-    step = _OpenStep()
-    model.register_forward_pre_hook(functools.partial(_choose_layout, region, step, tp, sequence_parallel),
-                                    with_kwargs=True)
-    model.register_forward_hook(functools.partial(_close_step, step), always_call=True)
+    model.register_forward_pre_hook(functools.partial(_choose_layout, region, layout, tp, sequence_parallel,
+                                                      config.prefill), with_kwargs=True)
+    model.register_forward_hook(functools.partial(_close_step, layout), always_call=True)
     return len(states)
 
 
-class _OpenStep:
-    """The recorder step an inference forward of one model has open (closed by its forward hook)."""
-
-    stack = None
-
-
-def _sequence_length(args, kwargs) -> int | None:
+def _batch_and_length(args, kwargs) -> tuple[int, int | None]:
     x = kwargs.get("input_ids")
     if x is None:
         x = kwargs.get("inputs_embeds")
     if x is None and args and isinstance(args[0], torch.Tensor):
         x = args[0]
-    return x.shape[1] if x is not None and x.dim() >= 2 else None
+    return (x.shape[0], x.shape[1]) if x is not None and x.dim() >= 2 else (0, None)
 
 
 def _past_length(kwargs) -> int:
-    cache = kwargs.get("cache", kwargs.get("past_key_values"))
-    length = getattr(cache, "get_seq_length", None)
+    length = getattr(cache_of(kwargs), "get_seq_length", None)
     return int(length()) if length is not None else 0
 
 
-def _choose_layout(region, step: _OpenStep, tp: int, sequence_parallel: bool, _module, args, kwargs):
-    seq = _sequence_length(args, kwargs)
+def _choose_layout(region, layout: _Layout, tp: int, sequence_parallel: bool, prefill: str, _module, args, kwargs):
+    batch, seq = _batch_and_length(args, kwargs)
     inferring = not torch.is_grad_enabled() and kwargs.get("labels") is None
-    region.decode = inferring and seq is not None and (tp == 1 or not sequence_parallel or seq % tp != 0)
-    end_step(step.stack)  # a forward that raised before its hook closed it
-    step.stack = None
+    # two micro-batches only where there is a reduce to hide (tp > 1) and the layers run the decode layout
+    layout.two_batch = inferring and seq is not None and tp > 1 and prefill == "two_batch" and \
+        eligible(batch, seq, cache_of(kwargs))
+    split_prompt = sequence_parallel and prefill != "decode" and not layout.two_batch
+    region.decode = inferring and seq is not None and (tp == 1 or not split_prompt or seq % tp != 0)
+    end_step(layout.stack)  # a forward that raised before its hook closed it
+    layout.stack = None
     if inferring and (recorder.active() is not None or recorder.profiling()):
-        step.stack = begin_step("decode" if seq == 1 and _past_length(kwargs) > 0 else "prefill")
+        layout.stack = begin_step("decode" if seq == 1 and _past_length(kwargs) > 0 else "prefill")
 
 
-def _close_step(step: _OpenStep, _module, _args, _out):
-    end_step(step.stack)
-    step.stack = None
+def _close_step(layout: _Layout, _module, _args, _out):
+    end_step(layout.stack)
+    layout.stack = None

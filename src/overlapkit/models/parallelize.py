@@ -28,6 +28,7 @@ from fnmatch import fnmatch
 from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
+from ..inference import InferenceConfig
 from ..runtime.agreement import agree
 from ..runtime.entry import guard_entry
 from ..runtime.groups import ParallelGroups, resolve_group
@@ -82,7 +83,7 @@ def check_plan(model: nn.Module, plan: dict) -> None:
 
 
 def parallelize(model: nn.Module, mesh, *, overlap: str | None = None, sequence_parallel: bool | None = None,
-                plan: dict | None = None, **layer_kwargs) -> nn.Module:
+                plan: dict | None = None, inference: InferenceConfig | None = None, **layer_kwargs) -> nn.Module:
     """Make `model` tensor (and sequence) parallel over the mesh's "tp" dim, in place; return it.
 
     `mesh`: a DeviceMesh with a "tp" dim (or a 1-D one), a ParallelGroups, or a TP ProcessGroup.
@@ -91,7 +92,8 @@ def parallelize(model: nn.Module, mesh, *, overlap: str | None = None, sequence_
     setting the README's numbers measure) and `sequence_parallel` (default: on for the built-in
     plans, on where the model allows it for a translated one); any extra keyword (transport=,
     chunks=, hardware=) goes to every parallel linear layer. A plan you pass carries its options in its styles,
-    so `overlap`, `sequence_parallel` and layer keywords are refused with it.
+    so `overlap`, `sequence_parallel` and layer keywords are refused with it. `inference`: how a transformers
+    model's `generate()` runs its prompts and decode steps (InferenceConfig; docs/inference.md).
     On a mesh with a "cp" dim of size > 1 a transformers model also gets ring attention over it
     (hf_ring_attention.apply_to_hf), before the TP plan.
     Collective over the TP group (one store round trip to compare the plan across ranks).
@@ -113,7 +115,7 @@ def parallelize(model: nn.Module, mesh, *, overlap: str | None = None, sequence_
     check_plan(model, plan)
     tied = find_tied(model)
     agree(group, "parallelize", model=type(model).__name__, tp=tp,
-          plan=sorted((k, repr(v)) for k, v in plan.items()), tied=tied)
+          plan=sorted((k, repr(v)) for k, v in plan.items()), tied=tied, inference=repr(inference or InferenceConfig()))
     check_tied_plan(plan, tied)
     shard_experts(model, mesh)  # experts over the ep ranks init carved out of dp, from the model's ep_plan
     for name, module in model.named_modules():
@@ -143,7 +145,8 @@ def parallelize(model: nn.Module, mesh, *, overlap: str | None = None, sequence_
         plans.after_hf(model, group)
     attach_region(model)  # sequence parallelism steps aside where a forward's sequence does not split
     if plans.is_hf(model):  # generate(): decode steps in the inference layout, prompts split as in training
-        prepare_decode(model, tp, sequence_parallel=any(isinstance(s, ScatterSequence) for s in plan.values()))
+        prepare_decode(model, tp, sequence_parallel=any(isinstance(s, ScatterSequence) for s in plan.values()),
+                       config=inference)
     if tp > 1 and not isinstance(model, GPT):  # the GPT's plan leaves no parameter between its layers
         # parameters between column and row layers (plan_edges.py): decided here for an HF model
         # (a forward of a few tokens), at the first forward for a module whose inputs are unknown

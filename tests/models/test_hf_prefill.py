@@ -1,0 +1,137 @@
+"""A prompt as two micro-batches (`InferenceConfig(prefill="two_batch")`): the plain model's tokens and logits, the
+cache it would have stored, the batch really cut in two, and one half's all-reduce in flight under the other's compute.
+
+Tiny random Llama and Qwen3 at tp 2 and 3, greedy `generate()` with HF's dynamic cache, padded and unpadded,
+batches of 2, 3 (halves of 2 and 1) and 1 (falls back to one batch); a prompt that splits over tp and one that
+does not. The recorder's spans of a prefill show each half's all-reduces (`[0]`, `[1]`) and the first half's
+attention all-reduce overlapping the second half's attention.
+"""
+
+import copy
+
+import pytest
+import torch
+
+from distributed import distributed
+from test_hf_decode import _generate, _model, _prompts
+
+pytest.importorskip("transformers")
+
+
+def _parallel(ref, mesh, prefill: str):
+    import overlapkit
+    from overlapkit.inference import InferenceConfig
+
+    return overlapkit.parallelize(copy.deepcopy(ref), mesh, inference=InferenceConfig(prefill=prefill))
+
+
+def _counting():
+    """Count the decoder layers that ran as two micro-batches (this rank's process only)."""
+    from overlapkit.models import hf_decode
+
+    ran, layer = [], hf_decode.two_batch_layer
+
+    def counted(*args):
+        out = layer(*args)
+        ran.append(out is not None)
+        return out
+    hf_decode.two_batch_layer = counted
+    return ran
+
+
+def _cases(families=("llama", "qwen3")):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    tp = torch.distributed.get_world_size()
+    mesh = init_device_mesh("cpu", (tp,), mesh_dim_names=("tp",))
+    out, ran = {}, _counting()
+    for family in families:
+        ref = _model(family, tp)
+        model = _parallel(ref, mesh, "two_batch")
+        _generate(model, *_prompts(tp, 3, 2, False))  # the first forward checks the layer rule unfused
+        for length, batch, padded in ((2 * tp, 3, True), (2 * tp + 1, 2, False), (2 * tp, 1, False),
+                                      (2 * tp + 1, 4, True)):
+            ids, mask = _prompts(tp, length, batch, padded)
+            tokens, logits = _generate(ref, ids, mask)
+            got_tokens, got_logits = _generate(model, ids, mask)
+            out[(family, length, batch, padded)] = dict(tokens=torch.equal(tokens, got_tokens),
+                                                        err=(logits - got_logits).abs().max().item(), ran=sum(ran))
+            ran.clear()
+    return out
+
+
+@distributed(world_size=2, timeout_s=90)
+def _tp2():
+    return _cases()
+
+
+@distributed(world_size=3, timeout_s=120)
+def _tp3():
+    return _cases(("llama",))
+
+
+@pytest.mark.parametrize("tp", [2, 3])
+def test_two_micro_batch_prefill_gives_the_plain_models_tokens(tp):
+    for rank, out in enumerate({2: _tp2, 3: _tp3}[tp]()):
+        for (family, length, batch, padded), r in out.items():
+            where = f"tp={tp} rank {rank} {family} prompt {batch}x{length} padded={padded}"
+            assert r["tokens"], f"{where}: generated tokens differ from the plain model's"
+            assert r["err"] < 1e-5, f"{where}: logits off by {r['err']}"
+            # every decoder layer's prefill in two micro-batches (2 layers), except a single sequence's
+            assert r["ran"] == (0 if batch == 1 else 2), f"{where}: {r['ran']} layers ran two micro-batches"
+
+
+@distributed(world_size=2, timeout_s=90)
+def _cache_and_spans():
+    from overlapkit.runtime.recorder import record
+    from torch.distributed.device_mesh import init_device_mesh
+    from transformers import DynamicCache
+
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    ref = _model("llama", 2)
+    one, two = _parallel(ref, mesh, "decode"), _parallel(ref, mesh, "two_batch")
+    ids, mask = _prompts(2, 6, 3, True)
+    caches = {}
+    with torch.no_grad():
+        for name, m in (("ref", ref), ("one", one), ("two", two)):
+            m(input_ids=ids, attention_mask=mask)  # the first forward checks the layer rule unfused
+            cache = DynamicCache(config=m.config)
+            m(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+            caches[name] = [(layer.keys, layer.values) for layer in cache.layers]
+    rank, heads = torch.distributed.get_rank(), caches["two"][0][0].shape[1]  # this rank's key/value heads
+    local = slice(rank * heads, (rank + 1) * heads)
+    err = max((a[:, local] - b).abs().max().item() for name in ("one", "two") for (ka, va), (kb, vb)
+              in zip(caches["ref"], caches[name]) for a, b in ((ka, kb), (va, vb)))
+    big = _model("llama", 2)  # the spans' overlap on a prompt that takes a while
+    big_two = _parallel(big, mesh, "two_batch")
+    long_ids = torch.randint(1, 64, (4, 48), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        big_two(input_ids=long_ids)
+        with record() as rec:
+            rec.next_step()
+            big_two(input_ids=long_ids)
+
+    def both(a, b):
+        return max(0.0, min(a.end_ms, b.end_ms) - max(a.start_ms, b.start_ms))
+    spans = {s.name: s for s in rec.spans if s.name != "prefill" and s.step == max(x.step for x in rec.spans)}
+    attn0 = spans["model.layers.0.self_attn.o_proj.fwd[0]"]
+    return dict(cache_err=err, names=sorted(n for n in spans if n.startswith("model.layers.0.")),
+                overlap=both(attn0, spans["model.layers.0.attn[1]"]), shapes=[k.shape for k, _ in caches["two"]])
+
+
+def test_two_micro_batches_store_the_one_batch_cache_and_overlap_an_all_reduce():
+    for r in _cache_and_spans():
+        assert r["cache_err"] < 1e-5 and r["shapes"][0][0] == 3, r
+        halves = {"model.layers.0.self_attn.o_proj.fwd[0]", "model.layers.0.self_attn.o_proj.fwd[1]",
+                  "model.layers.0.mlp.down_proj.fwd[0]", "model.layers.0.mlp.down_proj.fwd[1]",
+                  "model.layers.0.attn[0]", "model.layers.0.attn[1]"}
+        assert halves <= set(r["names"]), r["names"]
+        # the first half's attention all-reduce was in flight while the second half's attention ran
+        assert r["overlap"] > 0, r
+
+
+def test_the_prefill_setting_is_checked():
+    from overlapkit.inference import InferenceConfig
+
+    with pytest.raises(ValueError, match="InferenceConfig.prefill='halves' must be one of"):
+        InferenceConfig(prefill="halves")
