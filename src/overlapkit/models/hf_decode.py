@@ -97,6 +97,7 @@ class _Layout:
     step it opened (closed by its forward hook)."""
 
     stack = None
+    states: tuple = ()
     two_batch = False
     """This forward is a prompt run as two micro-batches (InferenceConfig.prefill="two_batch", hf_prefill.py)."""
 
@@ -111,6 +112,9 @@ class _LayerState:
         self.next: _LayerState | None = None
         self.handed: tuple | None = None
         """(h, norm(h)) computed by the previous layer's fused op for this layer's input norm."""
+        self.next_layer: nn.Module | None = None
+        self.ahead = None
+        """This layer's first micro-batch started by the layer before (hf_prefill.Ahead), in a two-batch prefill."""
         self.verified: bool | None = None
         self.config, self.index, self.layout = config, index, layout
         self.attn_name, self.mlp_name = attn_row.name + ".fwd", mlp_row.name + ".fwd"
@@ -168,13 +172,16 @@ def _fused_forward(layer: nn.Module, state: _LayerState, hidden_states: torch.Te
     handed, state.handed = state.handed, None
     if not state.verified:
         return _checked_forward(layer, state, hidden_states, kwargs)
+    if state.layout.two_batch:
+        nxt = state.next
+        out = two_batch_layer(layer, state, hidden_states, kwargs,
+                              (_norm_now(layer.input_layernorm), _norm_now(layer.post_attention_layernorm)),
+                              (state.next_layer, nxt, _norm_now(state.next_norm)) if nxt and nxt.verified else None)
+        if out is not None:
+            return out
     residual = hidden_states
     h = handed[1] if handed is not None and handed[0] is hidden_states else \
         _norm_now(layer.input_layernorm)(hidden_states)
-    if state.layout.two_batch:
-        out = two_batch_layer(layer, state, hidden_states, kwargs, h, _norm_now(layer.post_attention_layernorm))
-        if out is not None:
-            return out
     partial, _ = layer.self_attn(hidden_states=h, **kwargs)
     row = state.attn_row
     h, residual = all_reduce_add_norm(partial, residual, _norm_now(layer.post_attention_layernorm), row.group,
@@ -242,8 +249,9 @@ def prepare_decode(model: nn.Module, tp: int, *, sequence_parallel: bool,
         state = _LayerState(layer, attn_row, mlp_row, layer.forward, config, i, layout)
         layer.forward = functools.partial(_fused_forward, layer, state)
         states.append((layer, state))
+    layout.states = tuple(state for _, state in states)
     for (_, state), (nxt_layer, nxt) in zip(states, states[1:]):
-        state.next, state.next_norm = nxt, nxt_layer.input_layernorm
+        state.next, state.next_norm, state.next_layer = nxt, nxt_layer.input_layernorm, nxt_layer
     model.register_forward_pre_hook(functools.partial(_choose_layout, region, layout, tp, sequence_parallel,
                                                       config.prefill), with_kwargs=True)
     model.register_forward_hook(functools.partial(_close_step, layout), always_call=True)
@@ -272,6 +280,8 @@ def _choose_layout(region, layout: _Layout, tp: int, sequence_parallel: bool, pr
         eligible(batch, seq, cache_of(kwargs))
     split_prompt = sequence_parallel and prefill != "decode" and not layout.two_batch
     region.decode = inferring and seq is not None and (tp == 1 or not split_prompt or seq % tp != 0)
+    for state in layout.states:  # a first micro-batch started ahead in a forward that raised: not this forward's
+        state.ahead = None
     end_step(layout.stack)  # a forward that raised before its hook closed it
     layout.stack = None
     if inferring and (recorder.active() is not None or recorder.profiling()):

@@ -8,10 +8,12 @@ first half, rounded up) and B, and runs them in turn on the one thread:
     A: norm, attention -> reduce A1 ->|                        |-> wait A1, add+norm, MLP -> reduce A2 ->|
     B:                                |-> norm, attention      |                                         |-> wait B1,
                                       |   -> reduce B1         |                                         |   add+norm, MLP -> reduce B2
-    then wait A2, add; wait B2, add (into the layer's one output buffer)
+    then wait A2, add; the NEXT layer's A: norm, attention -> reduce A1'; wait B2, add
 
-so A1 flies under B's attention, B1 under A's MLP, A2 under B's MLP; B2 under A's last add only. Every
-rank issues the same collectives in the same order (A1, B1, A2, B2 per layer). The micro-batches are the
+so A1 flies under B's attention, B1 under A's MLP, A2 under B's MLP, and B2 under the next layer's first
+half (`Ahead`: started by this layer, taken by the next only when it is called with this layer's output and
+the same argument objects; the last layer's B2 flies under A's add alone). Every rank issues the same
+collectives in the same order (A1, B1, A2, A1', B2, B1', ...). The micro-batches are the
 same computation as one batch (each sequence attends only to itself; only the GEMMs' row counts
 differ), so the tokens equal the one-batch tokens.
 
@@ -121,35 +123,67 @@ def cache_of(kwargs: dict):
     return next((kwargs[k] for k in CACHE_KWARGS if kwargs.get(k) is not None), None)
 
 
-def two_batch_layer(layer, state, hidden_states: torch.Tensor, kwargs: dict, normed: torch.Tensor, post_norm):
-    """One fused decoder layer's prefill as two micro-batches (the module docstring's order), `normed` its input
-    norm's output and `post_norm` the norm after its attention; None when its arguments do not split (the
-    caller runs one batch)."""
+class Ahead:
+    """The next layer's micro-batch A already under way, started by the layer before it while that layer's last
+    all-reduce (B's, after its MLP) flew: A's input norm and attention computed, its all-reduce in flight. Taken
+    only by a call with the very output tensor and the very argument objects it was started for; else dropped
+    (its all-reduce waited, its keys and values never written) and the layer runs from the start."""
+
+    def __init__(self, out: torch.Tensor, kwargs: dict, halves: tuple[dict, dict], flying) -> None:
+        self.out, self.kwargs, self.halves, self.flying = out, kwargs, halves, flying
+
+    def matches(self, hidden_states: torch.Tensor, kwargs: dict) -> bool:
+        return hidden_states is self.out and kwargs.keys() == self.kwargs.keys() and \
+            all(kwargs[k] is self.kwargs[k] for k in kwargs)
+
+
+def _attention(layer, state, name: str, i: int, x: torch.Tensor, norm, half: dict):
+    """Micro-batch i's input norm and attention, its all-reduce left in flight."""
+    with compute_span(f"{name}.attn[{i}]"):
+        partial, _ = layer.self_attn(hidden_states=norm(x), **half)
+    return start_reduce(partial, state.attn_row.group, f"{state.attn_name}[{i}]", state.config)
+
+
+def two_batch_layer(layer, state, hidden_states: torch.Tensor, kwargs: dict, norms, nxt=None):
+    """One fused decoder layer's prefill as two micro-batches (the module docstring's order); None when its
+    arguments do not split (the caller runs one batch). `norms`: the layer's (input, post-attention) norms.
+    `nxt`: (the next decoder layer, its state, its input norm) when that layer runs two micro-batches too: its
+    micro-batch A is started under this layer's last all-reduce (`Ahead`, kept in `nxt`'s state)."""
     batch = hidden_states.shape[0]
     a = (batch + 1) // 2
     rows = (slice(0, a), slice(a, batch))
-    halves = split_kwargs(kwargs, batch, rows)
+    ahead, state.ahead = state.ahead, None
+    if ahead is not None and not ahead.matches(hidden_states, kwargs):
+        ahead.flying.wait()  # started for other arguments (a hook changed them): dropped
+        ahead = None
+    halves = ahead.halves if ahead is not None else split_kwargs(kwargs, batch, rows)
     if halves is None or _collecting_attention():
         return None
     attn_row, mlp_row, config = state.attn_row, state.mlp_row, state.config
     attn_bias, mlp_bias = attn_row.decode_locals()[1], mlp_row.decode_locals()[1]
     name = _layer_name(attn_row.name, mlp_row.name)
-    flying = []
+    flying = [ahead.flying if ahead is not None else None, None]
     for i, r in enumerate(rows):
-        with compute_span(f"{name}.attn[{i}]"):
-            partial, _ = layer.self_attn(hidden_states=normed[r], **halves[i])
-        flying.append(start_reduce(partial, attn_row.group, f"{state.attn_name}[{i}]", config))
+        if flying[i] is None:
+            flying[i] = _attention(layer, state, name, i, hidden_states[r], norms[0], halves[i])
     _write_cache(cache_of(kwargs), halves)
     residuals = []
     for i, r in enumerate(rows):
-        h, residual = add_norm(flying[i].wait(), hidden_states[r], post_norm, bias=attn_bias)
+        h, residual = add_norm(flying[i].wait(), hidden_states[r], norms[1], bias=attn_bias)
         residuals.append(residual)
         with compute_span(f"{name}.mlp[{i}]"):
             partial = layer.mlp(h)
         flying[i] = start_reduce(partial, mlp_row.group, f"{state.mlp_name}[{i}]", config)
     out = torch.empty_like(hidden_states)
-    for i, r in enumerate(rows):
-        add_norm(flying[i].wait(), residuals[i], None, bias=mlp_bias, out=out[r])
+    add_norm(flying[0].wait(), residuals[0], None, bias=mlp_bias, out=out[rows[0]])
+    if nxt is not None:  # the next layer's A under B's last all-reduce
+        nxt_layer, nxt_state, nxt_norm = nxt
+        nxt_halves = split_kwargs(kwargs, batch, rows)
+        if nxt_halves is not None:
+            nxt_name = _layer_name(nxt_state.attn_row.name, nxt_state.mlp_row.name)
+            nxt_state.ahead = Ahead(out, kwargs, nxt_halves,
+                                    _attention(nxt_layer, nxt_state, nxt_name, 0, out[rows[0]], nxt_norm, nxt_halves[0]))
+    add_norm(flying[1].wait(), residuals[1], None, bias=mlp_bias, out=out[rows[1]])
     return out
 
 
