@@ -35,6 +35,9 @@ from ..tensor_parallel.region import split_here
 
 EP_DISPATCH = "ep_dispatch_experts"
 """The transformers ep_plan style of a module whose tokens are dispatched to its experts."""
+EXPERTS_STYLES = (EP_DISPATCH, "moe_tp_experts")
+"""The styles transformers releases give that module in their ep_plan (5.25: ep_dispatch_experts; 5.17:
+moe_tp_experts, also in its tp_plan, where it shards each expert's GEMMs over TP)."""
 EXPERT_COUNT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 """Config fields that hold a family's number of routed experts (the first one that matches is named in errors)."""
 
@@ -58,7 +61,7 @@ def _matches(pattern: str, path: str) -> bool:
 
 def expert_modules(model: nn.Module) -> dict[str, nn.Module]:
     """Path -> module of every experts module the model's ep_plan dispatches tokens to."""
-    patterns = [k for k, v in hf_ep_plan(model).items() if v == EP_DISPATCH]
+    patterns = [k for k, v in hf_ep_plan(model).items() if v in EXPERTS_STYLES]
     return {path: m for path, m in model.named_modules() if path and any(_matches(p, path) for p in patterns)}
 
 
