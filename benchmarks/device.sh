@@ -220,7 +220,7 @@ closing_cpu() {
   step moe_ep4 140 "${PIN[@]}" python3 benchmarks/user_step.py --moe --world 4 --ep 4 --preset cpu16 --threads 3 \
       --out "$c"
   step pp4 150 "${PIN[@]}" python3 benchmarks/user_step.py --pp --world 4 --threads 3 --preset cpu16 \
-      --schedules 1f1b,interleaved-1f1b --out "$c"
+      --schedules 1f1b,interleaved-1f1b --steps 12 --warmup 2 --out "$c"
   step fsdp_twin_phases 120 "${PIN[@]}" python3 benchmarks/probes/fsdp_twin_phases.py --world 8 --threads 1 \
       --rounds 30 --out "$c"
 }
