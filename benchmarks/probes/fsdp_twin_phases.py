@@ -61,7 +61,10 @@ def _rank_body(gpt: dict, batch: int, rounds: int, warmup: int, threads: int) ->
     opts = {}
 
     def step(name: str) -> tuple[float, float, float, int]:
-        model, opt = models[name], opts.setdefault(name, torch.optim.AdamW(models[name].parameters(), lr=1e-4))
+        model = models[name]
+        if name not in opts:  # once: setdefault would build (and drop) an optimizer every step
+            opts[name] = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        opt = opts[name]
         collections = sum(s["collections"] for s in gc.get_stats())
         t0 = time.perf_counter()
         loss = lm_loss(model(idx[:, :-1]), idx[:, 1:])
