@@ -37,7 +37,7 @@
 # both are packed into OUTDIR/PART.tgz. Results of the 16 cores are named *_cpu16_* as committed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-part=${1:?"part: checks | h200 | cpu16 | users | infer | infer1 | serve | closing | record | compiled | multi | gemm | probes | calibrate16 | calibrate1 | ab SCRIPT ARGS..."}; shift
+part=${1:?"part: checks | h200 | cpu16 | users | users37 | infer | infer1 | serve | closing | record | compiled | multi | gemm | probes | calibrate16 | calibrate1 | ab SCRIPT ARGS..."}; shift
 if [ "$part" = ab ]; then out=${OUT:-/tmp/overlapkit_device}; else out=${1:-${OUT:-/tmp/overlapkit_device}}; fi
 
 # NVLink multicast off (it can take a shared host's GPUs down); overlapkit from this checkout; the wheels of
@@ -117,6 +117,15 @@ users() {
       --rounds 3 --warmup 2 --steps 6 --out "$c"
   step entry_tp4 100 env OVERLAPKIT_RANK_THREADS=4 python3 benchmarks/reliability_cost.py --entry --world 4 --hidden 1024 \
       --heads 16 --out "$c"
+}
+
+# users37: issue 37's two user steps still unmeasured, on all 16 cores, in under 260 s (MoE at ep 4; the HF Llama at
+# pp 4 beside torch's schedules).
+users37() {
+  mkdir -p "$c"
+  step moe_ep4 130 python3 benchmarks/user_step.py --moe --world 4 --ep 4 --preset cpu16 --threads 4 --out "$c"
+  step pp4 120 python3 benchmarks/user_step.py --pp --world 4 --threads 4 --preset cpu16 \
+      --schedules 1f1b,interleaved-1f1b --steps 10 --warmup 2 --out "$c"
 }
 
 # Serving: generate()'s prefill and decode, plain / PyTorch's DTensor TP / overlapkit, on the GPU at world size 1
@@ -281,7 +290,7 @@ lanes() {
 }
 
 case "$part" in
-checks | h200 | cpu16 | users | infer | multi | probes | calibrate16 | calibrate1) "$part" ;;
+checks | h200 | cpu16 | users | users37 | infer | multi | probes | calibrate16 | calibrate1) "$part" ;;
 serve) lanes serve_gpu serve_cpu ;;
 closing) lanes closing_gpu closing_cpu ;;
 infer1) infer_gpu_row 200 2 ;;
