@@ -58,7 +58,7 @@ MAX_TOP_LEVEL = 13
 """One benchmark of record per engine, the user's training step, serving (infer_step: generate() is a user's path
 of record as much as the training step), and the analysis and cost-model checks."""
 PUBLIC_PACKAGES = ("tensor_parallel", "data_parallel", "pipeline_parallel", "expert_parallel", "context_parallel",
-                   "models", "timeline", "costmodel", "integrations")
+                   "models", "timeline", "costmodel", "integrations", "inference")
 TIMEOUT_S = 300
 
 
