@@ -53,8 +53,13 @@ def builtin_plan(model: nn.Module, tp: int, *, overlap: str, sequence_parallel: 
     model's own `tp_plan` (hf_plans.py); ValueError naming the type when there is neither.
 
     `sequence_parallel=None`: on for the built-in plans, on where the model allows it for a
-    translated one.
+    translated one; off for a transformers model at tp 1 (unless overlap is "pipelined").
     """
+    if tp == 1 and sequence_parallel is None and plans.is_hf(model) and overlap != "pipelined":
+        # One rank splits no sequence: the sequence-parallel entries would only be hooks on every attention
+        # and the first layer, paid per forward (a decode step's host time), with nothing to gain
+        # ("pipelined", which chunks the sequence-parallel collectives, keeps them as asked).
+        sequence_parallel = False
     if isinstance(model, GPT):
         return plans.gpt_plan(model, tp, overlap=overlap, sequence_parallel=sequence_parallel is not False,
                               **layer_kwargs)
@@ -90,7 +95,7 @@ def parallelize(model: nn.Module, mesh, *, overlap: str | None = None, sequence_
     `plan=None` picks the built-in plan by model type, or translates a transformers model's own
     `tp_plan`, built with `overlap` (default "auto": the cost model picks each GEMM's mode, the
     setting the README's numbers measure) and `sequence_parallel` (default: on for the built-in
-    plans, on where the model allows it for a translated one); any extra keyword (transport=,
+    plans, on where the model allows it for a translated one; off for a transformers model at tp 1 unless overlap is "pipelined"); any extra keyword (transport=,
     chunks=, hardware=) goes to every parallel linear layer. A plan you pass carries its options in its styles,
     so `overlap`, `sequence_parallel` and layer keywords are refused with it. `inference`: how a transformers
     model's `generate()` runs its prompts and decode steps (InferenceConfig; docs/inference.md).
