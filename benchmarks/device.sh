@@ -16,6 +16,7 @@
 #           hand loop -- and the entry checks' share of a tp 4 step
 #   serve   infer and calibrate1 in the GPU lane beside, on the other cores, infer's tp 2/4/8 and the fixed-cost
 #           twins (ep 4 chunks="auto", ZeRO-3 auto at 8 ranks, PP 1F1B vs Schedule1F1B): one call's worth
+#   next    what the open issues still lack (the GPU serving row, MoE vs grouped GEMM, ep 4 / pp 4, compiled tp 4)
 #   closing serve's GPU lane beside, on the other cores, serving at tp 4 and the user's path at ep 4 and pp 4 (< 560 s)
 #   infer1  infer_step on the GPU at world size 1 alone (the shortest call that measures issue 39's GPU row)
 #   infer   serving: infer_step (generate()'s prefill tokens/s and decode ms/token, plain / DTensor TP / overlapkit)
@@ -37,7 +38,7 @@
 # both are packed into OUTDIR/PART.tgz. Results of the 16 cores are named *_cpu16_* as committed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-part=${1:?"part: checks | h200 | cpu16 | users | users37 | infer | infer1 | serve | closing | record | compiled | multi | gemm | probes | calibrate16 | calibrate1 | ab SCRIPT ARGS..."}; shift
+part=${1:?"part: checks | h200 | cpu16 | users | users37 | infer | infer1 | serve | closing | next | record | compiled | multi | gemm | probes | calibrate16 | calibrate1 | ab SCRIPT ARGS..."}; shift
 if [ "$part" = ab ]; then out=${OUT:-/tmp/overlapkit_device}; else out=${1:-${OUT:-/tmp/overlapkit_device}}; fi
 
 # NVLink multicast off (it can take a shared host's GPUs down); overlapkit from this checkout; the wheels of
@@ -119,12 +120,31 @@ users() {
       --heads 16 --out "$c"
 }
 
+# next: what the open issues still lack after 2026-12-07, in two lanes, by priority (under 560 s). GPU lane: the
+# serving row at ws 1 after tp 1 lost its sequence-parallel hooks (plain / ok / ok_graphs), the MoE layer beside
+# transformers' grouped-GEMM MoE; gloo lane: issue 37's user steps (ep 4, pp 4), then the compiled tp 4 step.
+next_gpu() {
+  mkdir -p "$g"
+  step infer_gpu_ws1 200 "${PIN[@]}" python3 benchmarks/infer_step.py --device cuda --world 1 --preset 1b \
+      --batch 1,8,32 --prompt 2048 --new 128 --rounds 3 --variants plain,ok,ok_graphs --out "$g"
+  step moe_vs_grouped 120 "${PIN[@]}" python3 benchmarks/probes/moe_vs_grouped_moe.py --device cuda --out "$g"
+}
+next_cpu() {
+  USERS_THREADS=3 users37
+  mkdir -p "$c"
+  step user_tp4_compiled 290 "${PIN[@]}" python3 benchmarks/user_step.py --world 4 --preset cpu16 --threads 3 \
+      --set compiled --rounds 3 --warmup 1 --budget-s 40 \
+      --variants torch_tp_compiled,ok_auto_compiled --out "$c"
+}
+
 # users37: issue 37's two user steps still unmeasured, on all 16 cores, in under 260 s (MoE at ep 4; the HF Llama at
 # pp 4 beside torch's schedules).
 users37() {
   mkdir -p "$c"
-  step moe_ep4 130 python3 benchmarks/user_step.py --moe --world 4 --ep 4 --preset cpu16 --threads 4 --out "$c"
-  step pp4 120 python3 benchmarks/user_step.py --pp --world 4 --threads 4 --preset cpu16 \
+  local t=${USERS_THREADS:-4}  # torch threads a rank: 4 on the whole 16 cores, 3 in the 13-core lane
+  step moe_ep4 130 "${PIN[@]}" python3 benchmarks/user_step.py --moe --world 4 --ep 4 --preset cpu16 --threads "$t" \
+      --out "$c"
+  step pp4 120 "${PIN[@]}" python3 benchmarks/user_step.py --pp --world 4 --threads "$t" --preset cpu16 \
       --schedules 1f1b,interleaved-1f1b --steps 10 --warmup 2 --out "$c"
 }
 
@@ -293,6 +313,7 @@ case "$part" in
 checks | h200 | cpu16 | users | users37 | infer | multi | probes | calibrate16 | calibrate1) "$part" ;;
 serve) lanes serve_gpu serve_cpu ;;
 closing) lanes closing_gpu closing_cpu ;;
+next) lanes next_gpu next_cpu ;;
 infer1) infer_gpu_row 200 2 ;;
 gemm) mkdir -p "$g"; step bench_gemm 240 python3 -m overlapkit bench gemm --out "$g/h200_measured.json" ;;
 record) lanes h200 cpu16 ;;
