@@ -53,17 +53,19 @@ def torch_tp_plan(model) -> dict:
     return plan
 
 
-def _check_default(model) -> None:
-    """parallelize's defaults are what the ok_auto row says: overlap="auto" with sequence parallelism
-    (q/k/v compute locally on the input their attention gathered, so they have no mode of their own)."""
+def _check_default(model, tp: int) -> None:
+    """parallelize's defaults are what the ok_auto row says: overlap="auto", with sequence parallelism at tp > 1
+    (q/k/v compute locally on the input their attention gathered, so they have no mode of their own) and
+    without it at tp 1 (one rank splits no sequence)."""
     from overlapkit.tensor_parallel import ColumnParallelLinear, GatheredInputColumnLinear, RowParallelLinear
 
     layers = [m for m in model.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))
               and not isinstance(m, GatheredInputColumnLinear)]
     wrong = sorted((m.name, m.overlap, m.sequence_parallel) for m in layers
-                   if (m.overlap, m.sequence_parallel) != ("auto", True))
+                   if (m.overlap, m.sequence_parallel) != ("auto", tp > 1))
     if not layers or wrong:
-        raise RuntimeError(f"ok_auto: parallelize's defaults are no longer auto with SP on: {wrong}")
+        raise RuntimeError(f"ok_auto: parallelize's defaults are no longer auto with SP {'on' if tp > 1 else 'off'}: "
+                           f"{wrong}")
 
 
 def build_variant(name: str, base, groups, dp: int, compile_mode: str = "default"):
@@ -99,11 +101,11 @@ def build_variant(name: str, base, groups, dp: int, compile_mode: str = "default
     elif kind.startswith("ok_"):
         mode, sp = kind[3:].removesuffix("_nosp"), not kind.endswith("_nosp")
         # ok_auto is the default row: built passing nothing, so it measures what a user gets
-        # (checked to be auto with SP on, the row's name).
+        # (checked to be auto, with SP on at tp > 1: the row's name).
         opts = {} if (mode, sp) == ("auto", True) else dict(overlap=mode, sequence_parallel=sp)
         overlapkit.parallelize(model, groups.mesh, **opts)
         if not opts:
-            _check_default(model)
+            _check_default(model, groups.sizes.tp)
         if dp > 1:
             from overlapkit.data_parallel import DataParallel
             model = DataParallel(model, groups.dp)
