@@ -122,7 +122,8 @@ users() {
 
 # next: what the open issues still lack after 2026-12-07, in two lanes, by priority (under 560 s). GPU lane: the
 # serving row at ws 1 after tp 1 lost its sequence-parallel hooks (plain / ok / ok_graphs), the MoE layer beside
-# transformers' grouped-GEMM MoE; gloo lane: issue 37's user steps (ep 4, pp 4), then the compiled tp 4 step.
+# transformers' grouped-GEMM MoE; gloo lane: issue 37's user steps (ep 4, pp 4), the ZeRO-3 twin probe (now with
+# the GC's time and generations), then the compiled tp 4 step.
 next_gpu() {
   mkdir -p "$g"
   step infer_gpu_ws1 200 "${PIN[@]}" python3 benchmarks/infer_step.py --device cuda --world 1 --preset 1b \
@@ -132,7 +133,9 @@ next_gpu() {
 next_cpu() {
   USERS_THREADS=3 users37
   mkdir -p "$c"
-  step user_tp4_compiled 290 "${PIN[@]}" python3 benchmarks/user_step.py --world 4 --preset cpu16 --threads 3 \
+  step fsdp_twin_phases 100 "${PIN[@]}" python3 benchmarks/probes/fsdp_twin_phases.py --world 8 --threads 1 \
+      --rounds 20 --out "$c"
+  step user_tp4_compiled 220 "${PIN[@]}" python3 benchmarks/user_step.py --world 4 --preset cpu16 --threads 3 \
       --set compiled --rounds 3 --warmup 1 --budget-s 40 \
       --variants torch_tp_compiled,ok_auto_compiled --out "$c"
 }

@@ -13,7 +13,8 @@ time and in instance rather than in calls:
   depths built before it (`fixed`, when auto's depths are one number);
 - each step split into forward + loss, backward, and optimizer step + zero_grad (host clock, all ranks
   lined up before the step only, so the phases overlap as in training), slowest rank per phase;
-- beside each variant, the Python garbage collections a step triggered and the threads alive after it.
+- beside each variant, the Python garbage collections a step triggered (by generation, the time they took and
+  the objects they freed, from `gc.callbacks`) and the threads alive after it.
 
     python benchmarks/probes/fsdp_twin_phases.py --world 8 --threads 1 --rounds 30
 
@@ -44,6 +45,29 @@ PHASES = ("forward", "backward", "optimizer")
 MAX_DECIDE_STEPS = 30
 
 
+class _Collections:
+    """gc.callbacks entry: the collections since `reset()`, by generation, their time and the objects they freed."""
+
+    def __init__(self) -> None:
+        self.reset()
+        self._start = 0.0
+
+    def reset(self) -> None:
+        self.by_gen, self.ms, self.freed = [0, 0, 0], 0.0, 0
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+            return
+        self.by_gen[info["generation"]] += 1
+        self.ms += 1e3 * (time.perf_counter() - self._start)
+        self.freed += info["collected"]
+
+    def totals(self) -> tuple:
+        """(collections, [gen 0, 1, 2], ms, objects freed)."""
+        return sum(self.by_gen), list(self.by_gen), self.ms, self.freed
+
+
 def _rank_body(gpt: dict, batch: int, rounds: int, warmup: int, threads: int) -> dict:
     torch.set_num_threads(threads)
     from torch.distributed.device_mesh import init_device_mesh
@@ -59,13 +83,15 @@ def _rank_body(gpt: dict, batch: int, rounds: int, warmup: int, threads: int) ->
     g = torch.Generator().manual_seed(1 + dist.get_rank())
     idx = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len + 1), generator=g)
     opts = {}
+    collector = _Collections()
+    gc.callbacks.append(collector)
 
-    def step(name: str) -> tuple[float, float, float, int]:
+    def step(name: str) -> tuple:
         model = models[name]
         if name not in opts:  # once: setdefault would build (and drop) an optimizer every step
             opts[name] = torch.optim.AdamW(model.parameters(), lr=1e-4)
         opt = opts[name]
-        collections = sum(s["collections"] for s in gc.get_stats())
+        collector.reset()
         t0 = time.perf_counter()
         loss = lm_loss(model(idx[:, :-1]), idx[:, 1:])
         t1 = time.perf_counter()
@@ -74,7 +100,7 @@ def _rank_body(gpt: dict, batch: int, rounds: int, warmup: int, threads: int) ->
         opt.step()
         opt.zero_grad(set_to_none=True)
         t3 = time.perf_counter()
-        return 1e3 * (t1 - t0), 1e3 * (t2 - t1), 1e3 * (t3 - t2), sum(s["collections"] for s in gc.get_stats()) - collections
+        return 1e3 * (t1 - t0), 1e3 * (t2 - t1), 1e3 * (t3 - t2), *collector.totals()
 
     decided_after = {}
     for name in ("auto A", "auto B"):
@@ -112,7 +138,10 @@ def _summary(per_rank: list[dict]) -> dict:
         phase = {p: [max(r["times"][n][i][k] for r in per_rank) for i in range(rounds)] for k, p in enumerate(PHASES)}
         step = [max(sum(r["times"][n][i][:3]) for r in per_rank) for i in range(rounds)]
         rows[n] = dict(step_ms=statistics.median(step), **{f"{p}_ms": statistics.median(v) for p, v in phase.items()},
-                       gc_per_step=statistics.mean(t[3] for r in per_rank for t in r["times"][n]), steps=step)
+                       gc_per_step=statistics.mean(t[3] for r in per_rank for t in r["times"][n]),
+                       gc_by_generation=[statistics.mean(t[4][k] for r in per_rank for t in r["times"][n]) for k in range(3)],
+                       gc_ms_per_step=statistics.mean(t[5] for r in per_rank for t in r["times"][n]),
+                       gc_freed_per_step=statistics.mean(t[6] for r in per_rank for t in r["times"][n]), steps=step)
     ref = rows["pinned"]["steps"]
     for n, row in rows.items():
         ratios = sorted(a / b for a, b in zip(row["steps"], ref))
@@ -128,12 +157,15 @@ def _markdown(result: dict) -> str:
              f"thread(s), GPT {result['gpt']['hidden']} x {result['gpt']['num_layers']}, {result['rounds']} rounds in a "
              f"balanced order; auto decided {result['depths']} (steps to decide: {result['decided_after']}); slowest "
              f"rank, medians; threads alive after: {result['threads']}", "",
-             "| variant | step ms | vs pinned (middle half) | forward ms | backward ms | optimizer ms | gc / step |",
-             "|---|---:|---|---:|---:|---:|---:|"]
+             "| variant | step ms | vs pinned (middle half) | forward ms | backward ms | optimizer ms | gc / step "
+             "(gen 0 / 1 / 2) | gc ms / step | freed / step |",
+             "|---|---:|---|---:|---:|---:|---:|---:|---:|"]
     for n, r in result["rows"].items():
         lo, hi = r["vs_pinned_middle_half"]
         lines.append(f"| {n} | {r['step_ms']:.1f} | {r['vs_pinned']:.3f} ({lo:.3f}–{hi:.3f}) | {r['forward_ms']:.1f} | "
-                     f"{r['backward_ms']:.1f} | {r['optimizer_ms']:.1f} | {r['gc_per_step']:.2f} |")
+                     f"{r['backward_ms']:.1f} | {r['optimizer_ms']:.1f} | {r['gc_per_step']:.2f} ("
+                     f"{' / '.join(f'{g:.2f}' for g in r['gc_by_generation'])}) | {r['gc_ms_per_step']:.2f} | "
+                     f"{r['gc_freed_per_step']:.0f} |")
     return "\n".join(lines) + "\n"
 
 
