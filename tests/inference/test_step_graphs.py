@@ -34,7 +34,7 @@ class _FakeCuda:
     kernel, so the function's in-place effects must not happen), a replay runs what it recorded."""
 
     def __init__(self):
-        self.capturing, self.graph = False, None
+        self.capturing, self.captured = False, None
         fake = self
 
         class Graph:
@@ -43,7 +43,7 @@ class _FakeCuda:
 
         class Capture:
             def __init__(self, graph, pool=None, stream=None):
-                fake.graph = graph
+                fake.captured = graph
 
             def __enter__(self):
                 fake.capturing = True
@@ -55,8 +55,7 @@ class _FakeCuda:
             def wait_stream(self, other):
                 pass
 
-        self.CUDAGraph, self.graph_cm, self.Stream = Graph, Capture, Stream
-        self.graph = Capture
+        self.CUDAGraph, self.graph, self.Stream = Graph, Capture, Stream
         self.graph_pool_handle = object
         self.current_stream = Stream
         self.stream = lambda s: contextlib.nullcontext()
@@ -83,7 +82,7 @@ def test_each_call_moves_the_state_once_warm_up_capture_and_replay_alike(monkeyp
         if not fake.capturing:
             return body(x)
         out = torch.empty(())  # the graph's output buffer: each replay writes the step's result into it
-        fake.graph.fn = lambda: out.copy_(body(x))
+        fake.captured.fn = lambda: out.copy_(body(x))
         return out
 
     graphs = G.StepGraphs(step, warmup=2)
@@ -92,3 +91,25 @@ def test_each_call_moves_the_state_once_warm_up_capture_and_replay_alike(monkeyp
     assert [x for _, x in written] == [float(i) for i in range(6)]  # each call's own input
     assert graphs.replays == 4  # two eager warm-up calls, then the capture's call and three more replayed
     assert got == [10.0 * i + i + 1 for i in range(6)]
+
+
+def test_refused_signatures_are_bounded_as_the_warm_up_counts_are(monkeypatch):
+    # each generate() brings a new KV cache object, so a new signature: a capture refused for every one of them
+    # must not keep every refusal for the model's life
+    from overlapkit.inference import graphs as G
+
+    fake = _FakeCuda()
+    monkeypatch.setattr(G.torch, "cuda", fake)
+
+    def step(x, cache):
+        if fake.capturing:
+            raise RuntimeError("operation not permitted when stream is capturing\nmore")
+        return x + 1
+
+    graphs = G.StepGraphs(step, warmup=1, keep=2)
+    caches = [object() for _ in range(20)]  # all alive: no id is another's
+    for cache in caches:  # a new cache: a new signature, warmed up once, then refused
+        assert float(graphs(x=torch.tensor(1.0), cache=cache)) == 2.0
+        assert float(graphs(x=torch.tensor(1.0), cache=cache)) == 2.0
+    assert len(graphs.refused) == 8 and graphs.replays == 0
+    assert set(graphs.refused.values()) == {"operation not permitted when stream is capturing"}

@@ -45,7 +45,7 @@ class StepGraphs:
         self.graphs: dict[tuple, tuple] = {}
         """signature -> (graph, static inputs, static output)."""
         self.refused: dict[tuple, str] = {}
-        """signature -> why it could not be captured (run eagerly)."""
+        """signature -> why it could not be captured (run eagerly); the newest 4 x `keep` of them."""
         self.replays = 0
         """How many calls were served by a replay."""
         self.pool = None
@@ -73,6 +73,8 @@ class StepGraphs:
                 entry = self.graphs[key] = self._capture(kwargs)
             except RuntimeError as e:
                 self.refused[key] = str(e).splitlines()[0]
+                if len(self.refused) > 4 * self.keep:  # as `_seen`: a new KV cache a generate() is a new key
+                    self.refused.pop(next(iter(self.refused)))
                 torch.cuda.synchronize()
                 return self.fn(**kwargs)
         graph, static, out = entry
