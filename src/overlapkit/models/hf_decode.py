@@ -176,7 +176,8 @@ def _fused_forward(layer: nn.Module, state: _LayerState, hidden_states: torch.Te
         nxt = state.next
         out = two_batch_layer(layer, state, hidden_states, kwargs,
                               (_norm_now(layer.input_layernorm), _norm_now(layer.post_attention_layernorm)),
-                              (state.next_layer, nxt, _norm_now(state.next_norm)) if nxt and nxt.verified else None)
+                              (state.next_layer, nxt, _norm_now(state.next_norm)) if nxt and nxt.verified and
+                              nxt.index == state.index + 1 else None)  # the layer the model calls next
         if out is not None:
             return out
     residual = hidden_states
