@@ -174,3 +174,15 @@ def test_the_prefill_setting_is_checked():
 
     with pytest.raises(ValueError, match="InferenceConfig.prefill='halves' must be one of"):
         InferenceConfig(prefill="halves")
+
+
+def test_only_attentions_that_reach_the_cache_by_update_alone_are_split():
+    # the half batch's stand-in cache answers `update` and passes the rest on; an attention that tests the cache's
+    # type or reaches into it (an encoder-decoder cache's self/cross parts) runs one batch
+    from overlapkit.models.hf_prefill import attention_splits
+    from transformers.models.bart.modeling_bart import BartAttention
+    from transformers.models.llama.modeling_llama import LlamaAttention
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention
+
+    assert attention_splits(object.__new__(LlamaAttention)) and attention_splits(object.__new__(Qwen3Attention))
+    assert not attention_splits(object.__new__(BartAttention))

@@ -27,9 +27,13 @@ kind not known to be per sequence, or an output collector recording attention ou
 
 from __future__ import annotations
 
+import inspect
+import re
+
 import torch
 
 from ..inference.fused import add_norm, start_reduce
+from ..runtime import state as process_state
 from ..runtime.recorder import compute_span
 
 SPLIT_KWARGS = ("attention_mask", "position_ids", "position_embeddings")
@@ -53,6 +57,26 @@ def eligible(batch: int, seq: int, cache) -> bool:
         return False
     # exactly the dynamic cache: its update of an empty layer stores the keys given and returns them
     return type(cache) is DynamicCache and cache.get_seq_length() == 0
+
+
+_ATTENTION_USES_UPDATE_ONLY: dict[type, bool] = process_state.cache_dict("inference.attention_cache_use")
+"""Attention class -> whether its forward touches the KV cache only through `update` (what `_HalfCache` stands in for)."""
+
+
+def attention_splits(attention) -> bool:
+    """Whether this attention's forward may run on a half batch behind a `_HalfCache`: its source reaches the
+    cache only by calling `update` (no isinstance test of it, no reach into its layers), read once per class."""
+    cls = type(attention)
+    if cls not in _ATTENTION_USES_UPDATE_ONLY:
+        try:
+            src = inspect.getsource(inspect.unwrap(cls.forward))
+        except (OSError, TypeError):
+            src = ""
+        uses = re.findall(r"\b(?:past_key_values?|cache)\b(\.\w+|\[|\))?", src)
+        _ATTENTION_USES_UPDATE_ONLY[cls] = bool(src) and "isinstance(" not in \
+            "".join(line for line in src.splitlines() if re.search(r"\b(?:past_key_values?|cache)\b", line)) and \
+            all(u in ("", ".update", ")") for u in uses)
+    return _ATTENTION_USES_UPDATE_ONLY[cls]
 
 
 def _collecting_attention() -> bool:
@@ -157,7 +181,7 @@ def two_batch_layer(layer, state, hidden_states: torch.Tensor, kwargs: dict, nor
         ahead.flying.wait()  # started for other arguments (a hook changed them): dropped
         ahead = None
     halves = ahead.halves if ahead is not None else split_kwargs(kwargs, batch, rows)
-    if halves is None or _collecting_attention():
+    if halves is None or _collecting_attention() or not attention_splits(layer.self_attn):
         return None
     attn_row, mlp_row, config = state.attn_row, state.mlp_row, state.config
     attn_bias, mlp_bias = attn_row.decode_locals()[1], mlp_row.decode_locals()[1]
@@ -178,7 +202,7 @@ def two_batch_layer(layer, state, hidden_states: torch.Tensor, kwargs: dict, nor
     add_norm(flying[0].wait(), residuals[0], None, bias=mlp_bias, out=out[rows[0]])
     if nxt is not None:  # the next layer's A under B's last all-reduce
         nxt_layer, nxt_state, nxt_norm = nxt
-        nxt_halves = split_kwargs(kwargs, batch, rows)
+        nxt_halves = split_kwargs(kwargs, batch, rows) if attention_splits(nxt_layer.self_attn) else None
         if nxt_halves is not None:
             nxt_name = _layer_name(nxt_state.attn_row.name, nxt_state.mlp_row.name)
             nxt_state.ahead = Ahead(out, kwargs, nxt_halves,
