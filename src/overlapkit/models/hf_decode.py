@@ -37,7 +37,7 @@ from ..runtime.agreement import agree
 from ..tensor_parallel.layers import RowParallelLinear
 from ..tensor_parallel.linear_base import local_of
 from ..tensor_parallel.region import region_of
-from .hf_prefill import cache_of, eligible, two_batch_layer
+from .hf_prefill import cache_of, eligible, layer_name, two_batch_layer
 
 PRE_NORM = """
 residual = hidden_states
@@ -97,9 +97,13 @@ class _Layout:
     step it opened (closed by its forward hook)."""
 
     stack = None
-    states: tuple = ()
     two_batch = False
     """This forward is a prompt run as two micro-batches (InferenceConfig.prefill="two_batch", hf_prefill.py)."""
+
+    def __init__(self) -> None:
+        self.ahead: dict = {}
+        """Layer index -> its first micro-batch started by the layer before (hf_prefill.Ahead), in a two-batch
+        prefill; what a forward that raised left here is dropped by the next forward."""
 
 
 class _LayerState:
@@ -113,11 +117,10 @@ class _LayerState:
         self.handed: tuple | None = None
         """(h, norm(h)) computed by the previous layer's fused op for this layer's input norm."""
         self.next_layer: nn.Module | None = None
-        self.ahead = None
-        """This layer's first micro-batch started by the layer before (hf_prefill.Ahead), in a two-batch prefill."""
         self.verified: bool | None = None
         self.config, self.index, self.layout = config, index, layout
         self.attn_name, self.mlp_name = attn_row.name + ".fwd", mlp_row.name + ".fwd"
+        self.name = layer_name(attn_row.name, mlp_row.name)
         sig = inspect.signature(inspect.unwrap(type(layer).forward))
         params = list(sig.parameters.values())[2:]  # after self and the activation
         self.defaults = {p.name: p.default for p in params if p.default is not inspect.Parameter.empty}
@@ -250,7 +253,6 @@ def prepare_decode(model: nn.Module, tp: int, *, sequence_parallel: bool,
         state = _LayerState(layer, attn_row, mlp_row, layer.forward, config, i, layout)
         layer.forward = functools.partial(_fused_forward, layer, state)
         states.append((layer, state))
-    layout.states = tuple(state for _, state in states)
     for (_, state), (nxt_layer, nxt) in zip(states, states[1:]):
         state.next, state.next_norm, state.next_layer = nxt, nxt_layer.input_layernorm, nxt_layer
     model.register_forward_pre_hook(functools.partial(_choose_layout, region, layout, tp, sequence_parallel,
@@ -281,8 +283,7 @@ def _choose_layout(region, layout: _Layout, tp: int, sequence_parallel: bool, pr
         eligible(batch, seq, cache_of(kwargs))
     split_prompt = sequence_parallel and prefill != "decode" and not layout.two_batch
     region.decode = inferring and seq is not None and (tp == 1 or not split_prompt or seq % tp != 0)
-    for state in layout.states:  # a first micro-batch started ahead in a forward that raised: not this forward's
-        state.ahead = None
+    layout.ahead.clear()  # a first micro-batch started ahead in a forward that raised: not this forward's
     end_step(layout.stack)  # a forward that raised before its hook closed it
     layout.stack = None
     if inferring and (recorder.active() is not None or recorder.profiling()):

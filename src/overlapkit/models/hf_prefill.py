@@ -161,9 +161,9 @@ class Ahead:
             all(kwargs[k] is self.kwargs[k] for k in kwargs)
 
 
-def _attention(layer, state, name: str, i: int, x: torch.Tensor, norm, half: dict):
+def _attention(layer, state, i: int, x: torch.Tensor, norm, half: dict):
     """Micro-batch i's input norm and attention, its all-reduce left in flight."""
-    with compute_span(f"{name}.attn[{i}]"):
+    with compute_span(f"{state.name}.attn[{i}]"):
         partial, _ = layer.self_attn(hidden_states=norm(x), **half)
     return start_reduce(partial, state.attn_row.group, f"{state.attn_name}[{i}]", state.config)
 
@@ -172,24 +172,25 @@ def two_batch_layer(layer, state, hidden_states: torch.Tensor, kwargs: dict, nor
     """One fused decoder layer's prefill as two micro-batches (the module docstring's order); None when its
     arguments do not split (the caller runs one batch). `norms`: the layer's (input, post-attention) norms.
     `nxt`: (the next decoder layer, its state, its input norm) when that layer runs two micro-batches too: its
-    micro-batch A is started under this layer's last all-reduce (`Ahead`, kept in `nxt`'s state)."""
+    micro-batch A is started under this layer's last all-reduce (`Ahead`, kept in the layout under its index)."""
     batch = hidden_states.shape[0]
     a = (batch + 1) // 2
     rows = (slice(0, a), slice(a, batch))
-    ahead, state.ahead = state.ahead, None
+    ahead = state.layout.ahead.pop(state.index, None)
     if ahead is not None and not ahead.matches(hidden_states, kwargs):
         ahead.flying.wait()  # started for other arguments (a hook changed them): dropped
         ahead = None
     halves = ahead.halves if ahead is not None else split_kwargs(kwargs, batch, rows)
     if halves is None or _collecting_attention() or not attention_splits(layer.self_attn):
+        if ahead is not None:
+            ahead.flying.wait()  # dropped: its keys and values never reach the cache
         return None
-    attn_row, mlp_row, config = state.attn_row, state.mlp_row, state.config
+    attn_row, mlp_row, config, name = state.attn_row, state.mlp_row, state.config, state.name
     attn_bias, mlp_bias = attn_row.decode_locals()[1], mlp_row.decode_locals()[1]
-    name = _layer_name(attn_row.name, mlp_row.name)
     flying = [ahead.flying if ahead is not None else None, None]
     for i, r in enumerate(rows):
         if flying[i] is None:
-            flying[i] = _attention(layer, state, name, i, hidden_states[r], norms[0], halves[i])
+            flying[i] = _attention(layer, state, i, hidden_states[r], norms[0], halves[i])
     _write_cache(cache_of(kwargs), halves)
     residuals = []
     for i, r in enumerate(rows):
@@ -204,14 +205,13 @@ def two_batch_layer(layer, state, hidden_states: torch.Tensor, kwargs: dict, nor
         nxt_layer, nxt_state, nxt_norm = nxt
         nxt_halves = split_kwargs(kwargs, batch, rows) if attention_splits(nxt_layer.self_attn) else None
         if nxt_halves is not None:
-            nxt_name = _layer_name(nxt_state.attn_row.name, nxt_state.mlp_row.name)
-            nxt_state.ahead = Ahead(out, kwargs, nxt_halves,
-                                    _attention(nxt_layer, nxt_state, nxt_name, 0, out[rows[0]], nxt_norm, nxt_halves[0]))
+            state.layout.ahead[nxt_state.index] = Ahead(
+                out, kwargs, nxt_halves, _attention(nxt_layer, nxt_state, 0, out[rows[0]], nxt_norm, nxt_halves[0]))
     add_norm(flying[1].wait(), residuals[1], None, bias=mlp_bias, out=out[rows[1]])
     return out
 
 
-def _layer_name(attn_row: str, mlp_row: str) -> str:
+def layer_name(attn_row: str, mlp_row: str) -> str:
     """The decoder layer's path: what its two row layers' paths share ("model.layers.0")."""
     a, b = attn_row.split("."), mlp_row.split(".")
     n = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
