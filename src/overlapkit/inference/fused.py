@@ -114,11 +114,15 @@ def reduce_partial(x: torch.Tensor, group, name: str, config: InferenceConfig | 
     message on CUDA, else the group's own all-reduce (NCCL, gloo); x itself on one rank."""
     if comm.group_size(group) == 1:
         return x
-    config = config or InferenceConfig()
-    small = x.numel() * x.element_size() <= config.one_shot_max_bytes
-    if config.symm_mem and small and x.is_cuda and not one_shot_unavailable(group, x.device):
+    if _takes_one_shot(x, group, config or InferenceConfig()):
         return _one_shot(x.contiguous(), group, name)
     return all_reduce_copy(x, group, name)
+
+
+def _takes_one_shot(x: torch.Tensor, group, config: InferenceConfig) -> bool:
+    """Whether `x`'s all-reduce goes through the one-shot kernel over symmetric memory (small, CUDA, allowed)."""
+    small = x.numel() * x.element_size() <= config.one_shot_max_bytes
+    return config.symm_mem and small and x.is_cuda and not one_shot_unavailable(group, x.device)
 
 
 class InFlight:
@@ -139,9 +143,7 @@ def start_reduce(x: torch.Tensor, group, name: str, config: InferenceConfig | No
     """`reduce_partial` left in flight where the transport allows it (NCCL, gloo): the one-shot kernel over
     symmetric memory and a compiled graph's op run at once (they are single kernels on the stream)."""
     config = config or InferenceConfig()
-    small = x.numel() * x.element_size() <= config.one_shot_max_bytes
-    if comm.group_size(group) == 1 or torch.compiler.is_compiling() or \
-            (config.symm_mem and small and x.is_cuda and not one_shot_unavailable(group, x.device)):
+    if comm.group_size(group) == 1 or torch.compiler.is_compiling() or _takes_one_shot(x, group, config):
         return InFlight(reduce_partial(x, group, name, config))
     out = x.contiguous().clone()
     return InFlight(out, comm.all_reduce(out, group, kind="tp_all_reduce", name=name, async_op=True))
