@@ -64,11 +64,11 @@ def _module_styles(model: nn.Module, hf_plan: dict[str, str]) -> dict[str, str]:
     paths = dict(model.named_modules())
     params = {name for name, _ in model.named_parameters(remove_duplicate=False)}
     cls = type(model).__name__
-    experts = tuple(expert_modules(model))
+    # the experts modules and their parameters, by path
+    experts = [p for e, m in expert_modules(model).items() for p in (e, *(f"{e}.{n}" for n, _ in m.named_parameters()))]
     out: dict[str, str] = {}
     for pattern, style in hf_plan.items():
-        if any(_matches(pattern, e) or any(_matches(pattern, f"{e}.{n}") for n, _ in paths[e].named_parameters())
-               for e in experts):
+        if any(_matches(pattern, p) for p in experts):
             # Some releases' tp_plan shards each expert's GEMMs over TP (transformers 5.17: moe_tp_experts,
             # packed_colwise on experts.gate_up_proj): overlapkit places experts by the ep_plan instead
             # (whole experts over the ep ranks, each replicated over tp), as the later releases' plans do.
