@@ -125,9 +125,7 @@ users() {
 # transformers' grouped-GEMM MoE; gloo lane: issue 37's user steps (ep 4, pp 4), the ZeRO-3 twin probe (now with
 # the GC's time and generations), then the compiled tp 4 step.
 next_gpu() {
-  mkdir -p "$g"
-  step infer_gpu_ws1 200 "${PIN[@]}" python3 benchmarks/infer_step.py --device cuda --world 1 --preset 1b \
-      --batch 1,8,32 --prompt 2048 --new 128 --rounds 3 --variants plain,ok,ok_graphs --out "$g"
+  infer_gpu_row 200 3 plain,ok,ok_graphs
   step moe_vs_grouped 120 "${PIN[@]}" python3 benchmarks/probes/moe_vs_grouped_moe.py --device cuda --out "$g"
 }
 next_cpu() {
@@ -154,11 +152,11 @@ users37() {
 # Serving: generate()'s prefill and decode, plain / PyTorch's DTensor TP / overlapkit, on the GPU at world size 1
 # (the fixed cost, CUDA graphs too) and on the 16 cores at tp 2, 4, 8 and batch 8; under 9 minutes in all.
 # THREADS: torch threads a rank at tp 2/4/8 (the serve lane has 13 cores, so it passes fewer).
-# The GPU's serving row (LIMIT ROUNDS) and the decode-graph tests (LIMIT): the parts below differ only in budget.
-infer_gpu_row() {
+# The GPU's serving row (LIMIT ROUNDS [VARIANTS]) and the decode-graph tests (LIMIT): the parts below differ only in budget.
+infer_gpu_row() {  # LIMIT ROUNDS [VARIANTS]
   mkdir -p "$g"
   step infer_gpu_ws1 "$1" "${PIN[@]}" python3 benchmarks/infer_step.py --device cuda --world 1 --preset 1b \
-      --batch 1,8,32 --prompt 2048 --new 128 --rounds "$2" --out "$g"
+      --batch 1,8,32 --prompt 2048 --new 128 --rounds "$2" ${3:+--variants "$3"} --out "$g"
 }
 decode_graphs_tests() {
   step decode_graphs_gpu "$1" "${PIN[@]}" python3 -m pytest -q -p no:cacheprovider tests/gpu/test_decode_graphs.py
