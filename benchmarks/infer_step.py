@@ -158,9 +158,9 @@ def _rank_body(cfg_kw: dict, names: list[str], batches: list[int], prompt: int, 
     from _lib.unexported import progress
 
     out = dict(prefill={}, decode={}, agree={}, collectives={})
-    for batch in batches:
-        ids = torch.randint(3, cfg.vocab_size, (batch, prompt), generator=torch.Generator().manual_seed(batch))
-        ids = ids.to(device)
+    prompts = {b: torch.randint(3, cfg.vocab_size, (b, prompt), generator=torch.Generator().manual_seed(b)).to(device)
+               for b in batches}
+    for batch, ids in prompts.items():
         pre, dec, seqs = {n: [] for n in names}, {n: [] for n in names}, {}
         orders = balanced_orders(len(names))
         for i in range(warmup + rounds):
@@ -179,13 +179,12 @@ def _rank_body(cfg_kw: dict, names: list[str], batches: list[int], prompt: int, 
         out["agree"][batch] = {n: torch.equal(seqs[n], first) for n in names}
     from _lib.common import COLLECTIVES, comm_share
 
-    for batch in batches:  # one profiled prefill a variant, after the timed ones
-        ids = torch.randint(3, cfg.vocab_size, (batch, prompt), generator=torch.Generator().manual_seed(batch))
+    for batch, ids in prompts.items():  # one profiled prefill a variant, after the timed ones
         for name in names:
             line_up(device)
             with torch.no_grad():
                 out.setdefault("prefill_comm", {}).setdefault(batch, {})[name] = comm_share(
-                    lambda: models[name](input_ids=ids.to(device)), COLLECTIVES)
+                    lambda: models[name](input_ids=ids), COLLECTIVES)
     small = torch.randint(3, cfg.vocab_size, (batches[0], 8), generator=torch.Generator().manual_seed(7)).to(device)
     out["collectives"] = {n: _decode_collectives(models[n], small) for n in names if n != "ok_graphs"}
     out["graphs"] = {n: dict(replays=g.replays, refused=sorted(set(g.refused.values())))
