@@ -17,6 +17,7 @@
 #   serve   infer and calibrate1 in the GPU lane beside, on the other cores, infer's tp 2/4/8 and the fixed-cost
 #           twins (ep 4 chunks="auto", ZeRO-3 auto at 8 ranks, PP 1F1B vs Schedule1F1B): one call's worth
 #   next    what the open issues still lack (the GPU serving row, MoE vs grouped GEMM, ep 4 / pp 4, compiled tp 4)
+#   after   the two calibrations (GPU across micro-batches; the 13-core gloo job, GPT then HF Llama) in lanes (< 560 s)
 #   closing serve's GPU lane beside, on the other cores, serving at tp 4 and the user's path at ep 4 and pp 4 (< 560 s)
 #   infer1  infer_step on the GPU at world size 1 alone (the shortest call that measures issue 39's GPU row)
 #   infer   serving: infer_step (generate()'s prefill tokens/s and decode ms/token, plain / DTensor TP / overlapkit)
@@ -38,7 +39,7 @@
 # both are packed into OUTDIR/PART.tgz. Results of the 16 cores are named *_cpu16_* as committed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-part=${1:?"part: checks | h200 | cpu16 | users | users37 | infer | infer1 | serve | closing | next | record | compiled | multi | gemm | probes | calibrate16 | calibrate1 | ab SCRIPT ARGS..."}; shift
+part=${1:?"part: checks | h200 | cpu16 | users | users37 | infer | infer1 | serve | closing | next | after | record | compiled | multi | gemm | probes | calibrate16 | calibrate1 | ab SCRIPT ARGS..."}; shift
 if [ "$part" = ab ]; then out=${OUT:-/tmp/overlapkit_device}; else out=${1:-${OUT:-/tmp/overlapkit_device}}; fi
 
 # NVLink multicast off (it can take a shared host's GPUs down); overlapkit from this checkout; the wheels of
@@ -265,6 +266,17 @@ calibrate16() {
       --layout-limit 50 --out "$c"
 }
 
+# after: the cost model's two calibrations once the launch-queue waits are set apart from the host's dispatch,
+# in two lanes (under 560 s): the GPU across micro-batches, the 13 cores' gloo job (our GPT, then HF Llama).
+after_gpu() { calibrate_cuda 200 40; }
+after_cpu() {
+  mkdir -p "$c"
+  step calibrate_cpu_gpt 270 "${PIN[@]}" python3 benchmarks/probes/calibrate_validation.py --device cpu --model gpt \
+      --layout-limit 50 --out "$c"
+  step calibrate_cpu_llama 270 "${PIN[@]}" python3 benchmarks/probes/calibrate_validation.py --device cpu \
+      --model llama --layout-limit 50 --out "$c"
+}
+
 calibrate_cuda() {  # LIMIT LAYOUT_LIMIT
   mkdir -p "$g"
   step calibrate_cuda "$1" "${PIN[@]}" python3 benchmarks/probes/calibrate_validation.py --device cuda \
@@ -315,6 +327,7 @@ checks | h200 | cpu16 | users | users37 | infer | multi | probes | calibrate16 |
 serve) lanes serve_gpu serve_cpu ;;
 closing) lanes closing_gpu closing_cpu ;;
 next) lanes next_gpu next_cpu ;;
+after) lanes after_gpu after_cpu ;;
 infer1) infer_gpu_row 200 2 ;;
 gemm) mkdir -p "$g"; step bench_gemm 240 python3 -m overlapkit bench gemm --out "$g/h200_measured.json" ;;
 record) lanes h200 cpu16 ;;

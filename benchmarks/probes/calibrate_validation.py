@@ -94,7 +94,7 @@ def run_rank(sizes: dict, layout: tuple, steps: int, trace_dir: str, overlap: st
     # A rank still running near its process-group timeout says where every thread is, before it is killed.
     faulthandler.dump_traceback_later(float(os.environ.get("CALIBRATE_STACKS_S", 200)), exit=False)
     if device == "cpu":
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+        torch.set_num_threads(max(1, cores() // world))
     groups = ParallelGroups.build(tp=tp, dp=dp, pp=pp)
     dev = torch.device("cuda" if device == "cuda" else "cpu")
     torch.manual_seed(0)
@@ -196,6 +196,11 @@ def par_of(layout: tuple, overlap: str):
                           overlap=Overlap(tp=overlap, dp="bulk", pp="bulk"))
 
 
+def cores() -> int:
+    """The cores this process may run on (a lane pinned by taskset has fewer than the machine)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 def plan_of(device: str, kind: str, arch: str, world: int) -> dict:
     """The layouts of a run, the traced one first."""
     b = SIZES[kind]["batch"]
@@ -217,7 +222,7 @@ def run(device: str, kind: str, steps: int, overlap: str, timeout_s: float, trac
     plan = plan_of(device, kind, arch, world)
     traces = traces or tempfile.mkdtemp(prefix="calibrate_validation_")
     res = {"failed": [], "device": device, "kind": kind, "arch": arch, "model": model_json(sizes, arch),
-           "steps": steps, "overlap": overlap, "world": world, "cores": os.cpu_count(), "calibration": None,
+           "steps": steps, "overlap": overlap, "world": world, "cores": cores(), "calibration": None,
            "rows": []}
     cal = None
     for i, (name, layout) in enumerate(plan.items()):
@@ -249,6 +254,9 @@ def run(device: str, kind: str, steps: int, overlap: str, timeout_s: float, trac
             "preset_ms": preset_ms, "layout": name, "tp": layout[0], "pp": layout[1], "dp": layout[2],
             "micro_batch": layout[3], "micro_batches": layout[4], "measured_ms": measured.step_ms,
             "predicted_ms": r.step_ms, "error_pct": err, "traced": i == 0,
+            # the host's own time a step (a GPU trace): the same ops at every micro-batch, so a busy time that
+            # grows with the GPU's work is waiting the reader did not set apart
+            "host_busy_ms": measured.host_busy_ms,
             # term -> [measured ms, predicted ms]: where a miss comes from
             "terms": {k: list(v) for k, v in terms(measured, r).items()},
             # kind -> [comm ms, exposed ms, calls] per step
@@ -291,6 +299,10 @@ def markdown(res: dict) -> str:
                 "preset as shipped (uncalibrated, sustained clock 1.0) against the same steps: "
                 + ", ".join(f"{r['layout']} {100 * (r['preset_ms'] - r['measured_ms']) / r['measured_ms']:+.1f}%"
                             for r in rows) + "."]
+        if all(r.get("host_busy_ms") is not None for r in rows):
+            out += ["", "The host's busy time a step (each ProfilerStep less its waits for the GPU: synchronizations "
+                    "and launches that waited for room in the queue), the same ops at every micro-batch: "
+                    + ", ".join(f"{r['layout']} {r['host_busy_ms']:.1f} ms" for r in rows) + "."]
     return "\n".join(out) + "\n"
 
 

@@ -58,13 +58,14 @@ def read_measured(trace_dir: str):
 
 def host_busy_ms(traces) -> float | None:
     """The host's own time per profiled step of one rank's GPU traces: each ProfilerStep less the time its
-    threads sat in a synchronization with the GPU (cudaStreamSynchronize, a blocking copy, ...). None without
-    ProfilerStep ranges."""
+    threads sat in a synchronization with the GPU (cudaStreamSynchronize, a blocking copy, ...) or in a kernel
+    launch waiting for room in the GPU's queue (Trace.launch_waits). None without ProfilerStep ranges."""
     from overlapkit.runtime import intervals as iv
 
     busy = []
     for t in traces:
         for a, b in (r for n, r in t.step_ranges.items() if n in t.steps):
-            syncs = iv.union((max(a, x), min(b, y)) for _, x, y in t.host_syncs if x < b and y > a)
+            syncs = iv.union((max(a, x), min(b, y)) for _, x, y in (*t.host_syncs, *getattr(t, "launch_waits", ()))
+                             if x < b and y > a)
             busy.append((b - a) - iv.length(syncs))
     return sum(busy) / len(busy) if busy else None

@@ -16,11 +16,12 @@ class TraceBuilder:
         self.events.append({"ph": "X", "cat": cat, "name": name, "pid": 10, "tid": tid, "ts": ts, "dur": dur,
                             "args": args})
 
-    def launch(self, name, ts, dur, at, stream=7, cat="kernel", tid=1, **args):
-        """A GPU event running [ts, ts+dur] on `stream`, launched from thread `tid` at time `at`."""
+    def launch(self, name, ts, dur, at, stream=7, cat="kernel", tid=1, launch_us=1, **args):
+        """A GPU event running [ts, ts+dur] on `stream`, launched from thread `tid` at time `at` (the launch call
+        taking `launch_us`)."""
         self._corr += 1
         self.events.append({"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "pid": 10, "tid": tid,
-                            "ts": at, "dur": 1, "args": {"correlation": self._corr}})
+                            "ts": at, "dur": launch_us, "args": {"correlation": self._corr}})
         self.events.append({"ph": "X", "cat": cat, "name": name, "pid": 0, "tid": stream, "ts": ts, "dur": dur,
                             "args": {"stream": stream, "device": 0, "correlation": self._corr, **args}})
 

@@ -143,3 +143,23 @@ def test_sizes_and_groups_from_older_collective_records(tmp_path):
     spans = [s for s in read_trace(b.write(tmp_path / "t.json")).spans if s.is_comm]
     assert [(s.kind, s.nbytes, s.group_size, s.group) for s in spans] == [
         ("send_recv", 6144 * 4, 0, ""), ("all_reduce", 0, 0, ""), ("all_gather", 32, 2, "pg 3")]
+
+
+def test_a_launch_that_waited_for_room_in_the_queue_is_a_wait_for_the_gpu_not_dispatch(tmp_path):
+    from overlapkit.plan_tools import host_busy_ms
+
+    b = TraceBuilder()
+    b.cpu("ProfilerStep#1", 0, 2_000)
+    b.cpu("ProfilerStep#2", 2_000, 2_000)
+    b.cpu("ProfilerStep#3", 4_000, 100)  # the profiler's last step: dropped
+    # step 1: twenty 5 µs launches (one 9 µs: jitter, kept as dispatch); step 2: two launches that sat 400 µs
+    for i in range(20):
+        b.launch(f"k{i}", 100 + 50 * i, 10, at=50 * i, launch_us=9 if i == 3 else 5)
+    for i in range(2):
+        b.launch(f"full{i}", 2_600 + 500 * i, 10, at=2_100 + 500 * i, launch_us=405)
+    t = read_trace(b.write(tmp_path / "rank0.json"))
+    step2 = t.step_ranges[2][0]  # the launches' times from step 2's start
+    waits = sorted((round(a - step2, 3), round(b_ - step2, 3)) for _, a, b_ in t.launch_waits)
+    assert waits == [(0.105, 0.505), (0.605, 1.005)]  # beyond the median launch (5 µs): 0.4 ms each
+    assert not t.host_syncs  # the critical path's syncs stay the runtime's synchronizing calls
+    assert host_busy_ms([t]) == pytest.approx((2.0 + 2.0 - 0.8) / 2)

@@ -46,6 +46,23 @@ HOST_SYNCS = frozenset(n for n, t in _PREFIXES if t == "host_sync")
 """Runtime calls in which the host waits for the GPU."""
 GRAPH_LAUNCHES = frozenset({"cudaGraphLaunch", "hipGraphLaunch"})
 """Runtime calls that replay a captured graph (one correlation id for all its kernels)."""
+KERNEL_LAUNCH = "LaunchKernel"
+"""In the name of every runtime call that queues one kernel (cudaLaunchKernel, cuLaunchKernelEx, hipLaunchKernel…)."""
+TYPICAL_LAUNCHES = 16
+"""Kernel launches a trace needs before its median launch time is taken as what a launch costs the host."""
+
+
+def launch_waits(launches: list) -> list:
+    """(thread, start, end) of the host's waits inside kernel launches: a launch that took over twice the
+    trace's median launch waited, beyond the median, for room in the GPU's launch queue (full when the host
+    runs far ahead of the GPU). That is a wait for the GPU, like a synchronization, not dispatch work; counted
+    as dispatch, it would price the host of a GPU-bound step at the GPU's pace. Jitter within twice the median
+    stays dispatch."""
+    if len(launches) < TYPICAL_LAUNCHES:
+        return []
+    durations = sorted(b - a for _, a, b in launches)
+    median = durations[len(durations) // 2]
+    return [(t, a + median, b) for t, a, b in launches if b - a > 2 * median]
 
 
 def tag(name: str) -> str | None:

@@ -13,8 +13,7 @@ FSDP2 issued inside its `FSDP::all_gather` / `FSDP::post_backward_reduce` range 
 An event whose times the reader uses must carry them as real numbers within a day of the others,
 and the trace's rank must lie in its world: anything else is refused in one line naming the event
 and the field (`timeline/validate.py`), never read as 0. A CPU-only trace (gloo) is read by
-`timeline/cpu_trace.py`. Traces of other devices (MTIA)
-are refused as unsupported rather than misread as CPU traces.
+`timeline/cpu_trace.py`. Traces of other devices (MTIA) are refused, not misread as CPU traces.
 
 The last `ProfilerStep` is dropped when a trace holds two or more (a profiler usually stops
 inside it), as HolisticTraceAnalysis does; `last_step=True` keeps it.
@@ -29,15 +28,14 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import cpu_trace
-from .framework import GRAPH_LAUNCHES, HOST_SYNCS, tag
+from . import cpu_trace, validate
+from .framework import GRAPH_LAUNCHES, HOST_SYNCS, KERNEL_LAUNCH, launch_waits, tag
 from .fsdp2 import is_fsdp_range
 from .gpu_trace import gpu_spans, keep_gpu
 from .jsonstream import UNSUPPORTED_DEVICES, TraceEvents, TraceFileError, unsupported
 from .kinds import collective_kind
 from .messages import dtype_bytes, keep
 from .phases import marker_phase, span_phase
-from . import validate
 from .ranges import Ranges
 from .serving import outermost_steps, step_kind
 from .validate import BadTrace
@@ -97,6 +95,8 @@ class Trace:
     (compute on a CPU thread; a kernel whose launch is not in the trace)."""
     host_syncs: list = field(default_factory=list)
     """(thread, start ms, end ms) of every host call that waited for the GPU (cudaStreamSynchronize, ...)."""
+    launch_waits: list = field(default_factory=list)
+    """(thread, start ms, end ms) of kernel launches' waits for room in the GPU's queue (framework.launch_waits)."""
     host_ops: list = field(default_factory=list)
     """(thread, start ms, end ms, name) of the outermost CPU ops of each thread: what the host ran."""
     blocked: list = field(default_factory=list)
@@ -114,17 +114,18 @@ class Trace:
             return
         self.spans = [s.shifted(offset_ms) for s in self.spans]
         self.issue = [None if i is None else (i[0], i[1] - offset_ms, *i[2:]) for i in self.issue]
-        self.host_syncs = [(t, a - offset_ms, b - offset_ms) for t, a, b in self.host_syncs]
-        self.host_ops = [(t, a - offset_ms, b - offset_ms, n) for t, a, b, n in self.host_ops]
-        self.blocked = [(t, a - offset_ms, b - offset_ms) for t, a, b in self.blocked]
+        self.host_syncs, self.launch_waits, self.blocked, self.host_ops = (
+            [(t, a - offset_ms, b - offset_ms, *n) for t, a, b, *n in v]
+            for v in (self.host_syncs, self.launch_waits, self.blocked, self.host_ops))
         self.step_ranges = {n: (a - offset_ms, b - offset_ms) for n, (a, b) in self.step_ranges.items()}
         self.serving_ranges = [(k, a - offset_ms, b - offset_ms) for k, a, b in self.serving_ranges]
 
 
 def _role(cat: str, name: str) -> tuple:
-    """(lower-case category, what the reader does with an X event of it and this name, its framework tag,
-    the phase it marks, the serving step it is: prefill, decode or None). The role is None for events whose times no number is read from (Python frames,
-    GPU images of CPU ranges, ranges that mark nothing): those are neither kept nor checked (validate.py).
+    """(lower-case category, what the reader does with an X event of it and this name, its framework tag, the
+    phase it marks, the serving step it is: prefill, decode or None). The role is None for events whose times no
+    number is read from (Python frames, GPU images of CPU ranges, ranges that mark nothing): those are neither kept
+    nor checked (validate.py).
     Refuses a category of a device overlapkit cannot read."""
     if (device := cat.split("_", 1)[0]) in UNSUPPORTED_DEVICES:
         raise unsupported(device)
@@ -187,7 +188,7 @@ def read_trace(path: str | Path, rank: int | None = None, last_step: bool = Fals
         source = TraceEvents(path, stream=stream, on_bytes=on_bytes)
     except TraceFileError as e:
         raise TraceError(f"{path}: {e}") from None
-    gpu, launches, steps, syncs, evidence = [], {}, [], [], {}
+    gpu, launches, steps, syncs, kernel_launches, evidence = [], {}, [], [], [], {}
     ranges, param_comms, param_by_ext, markers, fsdp = Ranges(), Ranges(), {}, Ranges(), Ranges()
     gloo, ops, serving = [], [], []
     first, last, starts = (_INF, -1, None), (-_INF, -1, None), []  # the used events' earliest start, latest end
@@ -224,6 +225,8 @@ def read_trace(path: str | Path, rank: int | None = None, last_step: bool = Fals
                     launches[args["correlation"]] = (tid, ts, name)
                 if name in HOST_SYNCS:
                     syncs.append((tid, ts, ts + dur))
+                elif KERNEL_LAUNCH in name:
+                    kernel_launches.append((tid, ts, ts + dur))
             elif role == "step":
                 steps.append((ts, ts + dur, int(name[len(_STEP_PREFIX):])))
             elif role == "range":
@@ -318,12 +321,12 @@ def read_trace(path: str | Path, rank: int | None = None, last_step: bool = Fals
                  origin_unix_ms=(base_us + origin) / 1e3, steps=kept, dropped_step=dropped, device=device,
                  compute_known=compute_known, notes=notes, gpu_name=_gpu_name(meta), job_id=job,
                  issue=[p[1] for p in placed], host_syncs=[(t, ms(a), ms(b)) for t, a, b in syncs],
+                 launch_waits=[(t, ms(a), ms(b)) for t, a, b in launch_waits(kernel_launches)],
                  host_ops=[(t, ms(a), ms(b), n) for t, a, b, n in _outermost(ops)],
                  blocked=[(t, ms(a), ms(b)) for t, a, b in blocked],
                  step_ranges={n: (ms(a), ms(b)) for a, b, n in steps if n in kept or n == dropped},
                  serving_ranges=[(k, ms(a), ms(b)) for a, b, k in outermost_steps(serving)
                                  if dropped is None or a < steps[-1][0]], evidence=evidence)
-
 
 
 def _place(s: Span, origin_us: float, rank: int, step: int | None, phase: str | None) -> Span:
