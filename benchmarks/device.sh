@@ -134,8 +134,8 @@ next_cpu() {
   mkdir -p "$c"
   step fsdp_twin_phases 100 "${PIN[@]}" python3 benchmarks/probes/fsdp_twin_phases.py --world 8 --threads 1 \
       --rounds 20 --out "$c"
-  step user_tp4_compiled 220 "${PIN[@]}" python3 benchmarks/user_step.py --world 4 --preset cpu16 --threads 3 \
-      --set compiled --rounds 3 --warmup 1 --budget-s 40 \
+  step user_tp4_compiled 180 "${PIN[@]}" python3 benchmarks/user_step.py --world 4 --preset cpu16 --threads 3 \
+      --set compiled --rounds 3 --warmup 1 --budget-s 30 \
       --variants torch_tp_compiled,ok_auto_compiled --out "$c"
 }
 
