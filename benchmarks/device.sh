@@ -123,8 +123,8 @@ users() {
 
 # next: what the open issues still lack after 2026-12-07, in two lanes, by priority (under 560 s). GPU lane: the
 # MoE layer beside transformers' grouped-GEMM MoE, the GPU calibration with launch-queue waits set apart, the
-# serving row at ws 1 after tp 1 lost its sequence-parallel hooks (plain / ok / ok_graphs); gloo lane: issue 37's user steps (ep 4, pp 4), the ZeRO-3 twin probe (now with
-# the GC's time and generations), then the compiled tp 4 step.
+# serving row at ws 1 after tp 1 lost its sequence-parallel hooks (plain / ok / ok_graphs); gloo lane: issue 37's
+# user steps (ep 4, pp 4), the ZeRO-3 twin probe (now with the GC's time and generations), the compiled tp 4 step.
 next_gpu() {
   mkdir -p "$g"
   step moe_vs_grouped 120 "${PIN[@]}" python3 benchmarks/probes/moe_vs_grouped_moe.py --device cuda --out "$g"
