@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from distributed import distributed
-from test_hf_decode import _generate, _model, _prompts
+from hf_decode_cases import generate as _generate, model as _model, prompts as _prompts
 
 pytest.importorskip("transformers")
 
