@@ -35,12 +35,16 @@
 #           call, so a no-regression check compares like with like: e.g.
 #           OLD_SRC=/tmp/old/src bash benchmarks/device.sh ab benchmarks/tp_overlap.py --device cuda --shape-tp 8 --layers-only
 # Each step runs under its own time limit (`step`; a failing step is reported, never fatal), so a call always
-# reaches its end; results land in OUTDIR/results/<machine>/ (h200, cpu16, multi), logs in OUTDIR/logs/, and
-# both are packed into OUTDIR/PART.tgz. Results of the 16 cores are named *_cpu16_* as committed.
+# reaches its end; OUTDIR/PART.tgz holds results/<machine>/ (h200, cpu16, multi) and logs/ of every step finished
+# so far (packed again after each). Results of the 16 cores are named *_cpu16_* as committed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 part=${1:?"part: checks | h200 | cpu16 | users | users37 | infer | infer1 | serve | closing | next | after | record | compiled | multi | gemm | probes | calibrate16 | calibrate1 | ab SCRIPT ARGS..."}; shift
-if [ "$part" = ab ]; then out=${OUT:-/tmp/overlapkit_device}; else out=${1:-${OUT:-/tmp/overlapkit_device}}; fi
+if [ "$part" = ab ]; then dest=${OUT:-/tmp/overlapkit_device}; else dest=${1:-${OUT:-/tmp/overlapkit_device}}; fi
+# Results and logs are written in a work folder outside OUTDIR; OUTDIR only ever holds PART.tgz, packed again after
+# every step, so a call cut at its limit (or a lane that runs long) still returns every step that finished.
+out=$(mktemp -d /tmp/overlapkit_work.XXXXXX)
+mkdir -p "$dest"
 
 # NVLink multicast off (it can take a shared host's GPUs down); overlapkit from this checkout; the wheels of
 # packages the GPU image may lack appended *after* the image's own site-packages, so the image's versions win.
@@ -62,6 +66,19 @@ step() {
   timeout "$limit" "$@" > "$out/logs/$name.log" 2>&1
   local rc=$?
   echo "=== $name rc=$rc"; tail -n 15 "$out/logs/$name.log"
+  pack
+}
+
+# pack: what has finished so far into OUTDIR/PART.tgz, replaced whole (a temporary file, then a rename), one lane at
+# a time. The scripts name a CPU result *_cpu_*; the committed 16-core tables are *_cpu16_*.
+pack() {
+  (
+    command -v flock > /dev/null && flock 9
+    if [ -d "$c" ]; then
+      for f in "$c"/*_cpu_*; do [ -e "$f" ] && mv "$f" "$c/$(basename "$f" | sed 's/_cpu_/_cpu16_/')"; done
+    fi
+    tar czf "$dest/.$part.tgz.part" -C "$out" results logs && mv -f "$dest/.$part.tgz.part" "$dest/$part.tgz"
+  ) 9> "$out/.pack.lock"
 }
 
 checks() {
@@ -337,7 +354,4 @@ compiled) lanes compiled_gpu compiled_cpu16 ;;
 ab) ab "$@" ;;
 *) echo "unknown part $part (checks | h200 | cpu16 | users | infer | infer1 | serve | closing | record | compiled | multi | gemm | probes | calibrate16 | calibrate1 | ab SCRIPT ARGS...)"; exit 2 ;;
 esac
-if [ -d "$c" ]; then  # the scripts name a CPU result *_cpu_*; the committed 16-core tables are *_cpu16_*
-  for f in "$c"/*_cpu_*; do [ -e "$f" ] && mv "$f" "$c/$(basename "$f" | sed 's/_cpu_/_cpu16_/')"; done
-fi
-tar czf "$out/$part.tgz" -C "$out" results logs && rm -rf "$out/results" "$out/logs"
+pack && rm -rf "$out"
