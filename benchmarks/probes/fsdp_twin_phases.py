@@ -9,8 +9,9 @@ time and in instance rather than in calls:
 - two auto models, built side by side and decided one after the other (`auto A`, `auto B`): if both are
   slower than the twins, the residue is auto's; if one is not, it is the instance (where its memory and
   threads landed), not auto;
-- the twin pinned at auto's depths built after the decision (`pinned`) and the fixed model of the same
-  depths built before it (`fixed`, when auto's depths are one number);
+- the twin pinned at auto A's depths built after the decision (`pinned`; `pinned B` too where B decided other
+  depths, as on the 16 cores' first run) and the fixed model of the same depths built before it (`fixed`,
+  when A's depths are one number);
 - each step split into forward + loss, backward, and optimizer step + zero_grad (host clock, all ranks
   lined up before the step only, so the phases overlap as in training), slowest rank per phase;
 - beside each variant, the Python garbage collections a step triggered (by generation, the time they took and
@@ -111,11 +112,12 @@ def _rank_body(gpt: dict, batch: int, rounds: int, warmup: int, threads: int) ->
             step(name)
             n += 1
         decided_after[name] = n
-    plan = prefetch_plan(models["auto A"])
-    depths = (plan.forward_depth, plan.backward_depth)
-    if depths != (prefetch_plan(models["auto B"]).forward_depth, prefetch_plan(models["auto B"]).backward_depth):
-        raise RuntimeError("the two auto models decided different depths: not twins")
+    decided = {n: (prefetch_plan(models[n]).forward_depth, prefetch_plan(models[n]).backward_depth)
+               for n in ("auto A", "auto B")}
+    depths = decided["auto A"]
     models["pinned"] = fresh(depths)
+    if decided["auto B"] != depths:  # the 16 cores' first run: the two decided apart; each gets its own twin
+        models["pinned B"] = fresh(decided["auto B"])
     if depths[0] == depths[1]:
         models["fixed"] = fresh(depths[0])
     names = list(models)
@@ -127,7 +129,7 @@ def _rank_body(gpt: dict, batch: int, rounds: int, warmup: int, threads: int) ->
             got = step(name)
             if i >= warmup:
                 times[name].append(got)
-    return dict(times=times, depths=depths, decided_after=decided_after, threads=threading.active_count())
+    return dict(times=times, depths=decided, decided_after=decided_after, threads=threading.active_count())
 
 
 def _summary(per_rank: list[dict]) -> dict:
@@ -142,8 +144,8 @@ def _summary(per_rank: list[dict]) -> dict:
                        gc_by_generation=[statistics.mean(t[4][k] for r in per_rank for t in r["times"][n]) for k in range(3)],
                        gc_ms_per_step=statistics.mean(t[5] for r in per_rank for t in r["times"][n]),
                        gc_freed_per_step=statistics.mean(t[6] for r in per_rank for t in r["times"][n]), steps=step)
-    ref = rows["pinned"]["steps"]
     for n, row in rows.items():
+        ref = rows["pinned B" if n in ("auto B", "pinned B") and "pinned B" in rows else "pinned"]["steps"]
         ratios = sorted(a / b for a, b in zip(row["steps"], ref))
         row["vs_pinned"] = statistics.median(ratios)
         row["vs_pinned_middle_half"] = (ratios[len(ratios) // 4], ratios[(3 * len(ratios)) // 4])
@@ -157,7 +159,7 @@ def _markdown(result: dict) -> str:
              f"thread(s), GPT {result['gpt']['hidden']} x {result['gpt']['num_layers']}, {result['rounds']} rounds in a "
              f"balanced order; auto decided {result['depths']} (steps to decide: {result['decided_after']}); slowest "
              f"rank, medians; threads alive after: {result['threads']}", "",
-             "| variant | step ms | vs pinned (middle half) | forward ms | backward ms | optimizer ms | gc / step "
+             "| variant | step ms | vs its pinned twin (middle half) | forward ms | backward ms | optimizer ms | gc / step "
              "(gen 0 / 1 / 2) | gc ms / step | freed / step |",
              "|---|---:|---|---:|---:|---:|---:|---:|---:|"]
     for n, r in result["rows"].items():
