@@ -269,6 +269,31 @@ def run(device: str, kind: str, steps: int, overlap: str, timeout_s: float, trac
     return res
 
 
+def reprice(path: str) -> dict:
+    """A committed run's rows priced again by the model as it is now: each row's measured step, compute, idle and
+    host busy time as recorded, the calibration refitted on the traced row. Only for runs without collectives
+    or named GEMMs (the GPU at world size 1), whose rows record everything the fit reads."""
+    from _lib.unexported import Measured, fit, predict_calibrated, terms
+    from overlapkit.costmodel import ModelConfig, preset
+
+    res = json.loads(Path(path).read_text())
+    if any(r["measured_comm"] for r in res["rows"]) or (res["calibration"] or {}).get("gemm_points"):
+        raise SystemExit(f"{path}: rows with collectives or named GEMMs need their traces (--traces) to be repriced")
+    model, cal = ModelConfig(**res["model"]), None
+    for r in res["rows"]:
+        measured = Measured(step_ms=r["measured_ms"], compute_ms=r["terms"]["compute"][0],
+                            idle_ms=r["terms"]["host"][0], device="gpu", host_busy_ms=r["host_busy_ms"])
+        par = par_of((r["tp"], r["pp"], r["dp"], r["micro_batch"], r["micro_batches"]), res["overlap"])
+        if r["traced"]:
+            cal = fit(measured, model, par, preset("h200-sxm"))
+            res["calibration"] = cal.to_dict()
+        p = predict_calibrated(cal, model, par)
+        r.update(predicted_ms=p.step_ms, error_pct=100 * (p.step_ms - r["measured_ms"]) / r["measured_ms"],
+                 terms={k: list(v) for k, v in terms(measured, p).items()})
+    res["summary"], res["repriced_from"] = summary(res), os.path.basename(path)
+    return res
+
+
 def summary(res: dict) -> dict:
     others = [abs(r["error_pct"]) for r in res["rows"][1:]] or [float("nan")]
     return {"mean_abs_pct": statistics.mean(others), "max_abs_pct": max(others),
@@ -282,7 +307,9 @@ def markdown(res: dict) -> str:
     out = [f"Calibrated on one traced layout ({traced}), {res['device']}, {res['cores']} cores, world {res['world']}, "
            f"{res['model']['name']} {res['model']['hidden']} wide x {res['model']['num_layers']} layers, seq {res['model']['seq_len']}, "
            f"TP overlap {res['overlap']}, {res['steps']} measured steps per layout: the other layouts' |error| "
-           f"mean {s['mean_abs_pct']:.1f}%, max {s['max_abs_pct']:.1f}% (target: each within {s['target_pct']:.0f}%).", "",
+           f"mean {s['mean_abs_pct']:.1f}%, max {s['max_abs_pct']:.1f}% (target: each within {s['target_pct']:.0f}%)."
+           + (f" Repriced without a run: {res['repriced_from']}'s recorded rows, calibrated again and predicted by "
+              "the model as it is now." if res.get("repriced_from") else ""), "",
            "Per term, measured / predicted ms: compute; exposed communication (the pipeline's aside); the pipeline "
            "(bubble and exposed pipeline transfers); host (idle, and exposed kinds the model has no counterpart for).", "",
            "| layout | tp | pp | dp | micro-batch x count | measured ms | predicted ms | error % | compute | exposed | "
@@ -321,6 +348,8 @@ def main(argv=None) -> int:
                     help="wall-clock limit per layout, s (0: none); a layout past it is killed and recorded as failed")
     ap.add_argument("--traces", metavar="DIR", help="keep each layout's traces in DIR/<layout>; a layout whose "
                     "folder already holds traces is not run again (re-analysis)")
+    ap.add_argument("--reprice", metavar="JSON", help="price a committed GPU world-size-1 run's recorded rows "
+                    "again with the model as it is now (no run); writes <its name>_repriced.{json,md}")
     ap.add_argument("--only", help=argparse.SUPPRESS)  # one layout's traces into --into (measure_limited)
     ap.add_argument("--into", help=argparse.SUPPRESS)
     add_out_arg(ap)
@@ -331,6 +360,13 @@ def main(argv=None) -> int:
         return 2
     kind = "smoke" if args.smoke else args.device
     steps = args.steps or (2 if args.smoke else 5)
+    if args.reprice:
+        res, stem = reprice(args.reprice), Path(args.reprice).stem + "_repriced"
+        out = Path(out_dir(args))
+        (out / f"{stem}.json").write_text(json.dumps(res, indent=1))
+        (out / f"{stem}.md").write_text(markdown(res))
+        print(markdown(res))
+        return 0
     if args.only:
         layout = plan_of(args.device, kind, args.model, world)[args.only]
         measure(SIZES[kind], layout, steps, args.overlap, args.device, args.timeout, args.into, args.model)

@@ -235,17 +235,18 @@ def test_a_gpu_hosts_dispatch_is_read_off_its_busy_time_and_the_rest_of_the_idle
     """An H100 trace at micro-batch 4 showed 2.5 ms idle a step that did not change with the micro-batch
     (2.6 ms at 2, 2.4 ms at 8): the step's edges, not dispatch. Fitted as dispatch outlasting each layer, it
     priced micro-batch 1 at +66 %. With the host's own time read off the trace, the dispatch is measured
-    wherever the GPU did not wait, and the idle it does not explain is priced once per step."""
+    wherever the GPU did not wait, and the idle it does not explain is priced once per step. The host was busy
+    through that idle too (its per-step work): that part of its busy time is not the layers' dispatch."""
     truth = replace(preset("h200-sxm"), host_us_per_op=20.0)
     fixed = 2.5
     small, large = ParallelConfig(micro_batch=1, global_batch=1), ParallelConfig(micro_batch=8, global_batch=8)
     measured, r = _gpu_trace(truth, large)
     assert r.host_ms == 0  # the GPU never waited for a layer's dispatch here
-    busy = 20.0 * 1e-3 * ops_per_step(MODEL, large)
+    busy = 20.0 * 1e-3 * ops_per_step(MODEL, large) + fixed
     traced = replace(measured, step_ms=measured.step_ms + fixed, idle_ms=fixed, host_busy_ms=busy)
     cal = fit(traced, MODEL, large, preset("h200-sxm"))
     assert cal.host_us_per_op == pytest.approx(20.0) and cal.host_step_ms == pytest.approx(fixed)
-    assert any("busy" in n and "once per step" in n for n in cal.notes)
+    assert any("busy" in n and "per-step work" in n for n in cal.notes)
     want = predict(MODEL, small, truth)
     assert want.host_ms > 0  # the small micro-batch is dispatch-bound on the machine
     got = predict_calibrated(cal, MODEL, small)

@@ -136,12 +136,18 @@ def test_eager_runs_memory_bound_ops_unfused_and_dispatches_more_ops():
 
 
 def test_host_dispatch_bounds_a_small_layer():
+    """Layers whose work is shorter than their dispatch make the GPU wait for the host: at least by how far the
+    layers' dispatch outruns their work over the step, at most by each layer's shortfall summed (no lead carried
+    from one layer to the next: the LM head's long work lets the host get ahead before the backward)."""
     tiny = ModelConfig(hidden=256, ffn_hidden=1024, num_layers=4, num_heads=4, seq_len=128, vocab_size=1024,
                        gated_mlp=False)
     r = predict(tiny, ParallelConfig(eager=True), H200)
     host = HOST_OPS_PER_LAYER[True] * H200.host_us_per_op * 1e-3
-    assert r.layer_fwd.wall_ms < host and r.layer_fwd.host_ms == pytest.approx(host - r.layer_fwd.wall_ms)
-    assert r.host_ms == pytest.approx(4 * (r.layer_fwd.host_ms + r.layer_bwd.host_ms))
+    f, b = r.layer_fwd.wall_ms, r.layer_bwd.wall_ms
+    assert f < host
+    per_layer = 4 * (max(0.0, host - f) + max(0.0, 2 * host - b))
+    assert 4 * 3 * host - 4 * (f + b) - r.head_fwd.wall_ms - r.head_bwd.wall_ms <= r.host_ms + 1e-9
+    assert r.host_ms <= per_layer + 1e-9
     assert r.step_ms == pytest.approx(r.compute_ms + r.exposed_ms + r.bubble_ms + r.host_ms)
     big = predict(L8, ParallelConfig(dp=8), H200)
     assert big.host_ms == 0.0  # large kernels hide their dispatch

@@ -25,8 +25,6 @@ class Block:
     """Exposed time per kind."""
     rows: list = field(default_factory=list)
     """Report rows, one per GEMM/site/op."""
-    host_ms: float = 0.0
-    """Time the GPU waits for the host's dispatch (one layer; not in wall_ms)."""
 
     def add_compute(self, name: str, ms: float) -> None:
         self.compute_ms += ms

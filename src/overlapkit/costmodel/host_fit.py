@@ -28,16 +28,31 @@ def ops_per_step(model: ModelConfig, par: ParallelConfig) -> int:
 def measured_dispatch(host_busy_ms: float, idle_ms: float, model: ModelConfig, traced: ParallelConfig, hw: Hardware,
                       notes: list) -> tuple[float, float]:
     """(dispatch µs per op, fixed ms per step) on a GPU whose trace shows the host's own time. The dispatch is
-    read off the host side (its busy time over the ops it dispatched), not inferred from where the GPU
-    waited: a trace in which the GPU never waited for a layer says only that dispatch was faster than the
-    GPU there, and an idle time that does not change with the work (the step's edges) is not dispatch. The
-    model's wait at that dispatch time is what the layers explain of the traced idle; the rest is per step."""
-    us = 1e3 * host_busy_ms / ops_per_step(model, traced)
-    wait = predict(model, traced, replace(hw, host_us_per_op=us)).host_ms
-    notes.append(f"the host was busy {host_busy_ms:.3g} ms per step: {us:.3g} us per dispatched op; the "
-                 f"layers' dispatch explains {min(wait, idle_ms):.3g} ms of the GPU's {idle_ms:.3g} ms idle, the rest "
-                 f"is priced once per step")
-    return us, max(0.0, idle_ms - wait)
+    read off the host side, not inferred from where the GPU waited: a trace in which the GPU never waited for a
+    layer says only that dispatch was faster than the GPU there, and an idle time that does not change with the
+    work (the step's edges) is not dispatch. The host's busy time holds both: the layers' dispatch, and the
+    per-step work the GPU sat idle through (the idle the layers' dispatch does not explain, priced once per
+    step). So the dispatch is the busy time less that per-step part, over the ops dispatched; and the per-step
+    part is the idle less the model's wait at that dispatch time: solved together (bisected: the busy time they
+    add up to grows with the dispatch time)."""
+    ops = ops_per_step(model, traced)
+
+    def wait_ms(us: float) -> float:
+        return predict(model, traced, replace(hw, host_us_per_op=us)).host_ms
+
+    def busy_ms(us: float) -> float:  # the busy time a dispatch of `us` per op implies, with its per-step part
+        return 1e-3 * us * ops + max(0.0, idle_ms - wait_ms(us))
+
+    lo, hi = 0.0, 1e3 * host_busy_ms / ops
+    for _ in range(FIT_STEPS):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if busy_ms(mid) <= host_busy_ms else (lo, mid)
+    wait = wait_ms(lo)
+    fixed = max(0.0, idle_ms - wait)
+    notes.append(f"the host was busy {host_busy_ms:.3g} ms per step: {1e-3 * lo * ops:.3g} ms dispatching the "
+                 f"layers' ops ({lo:.3g} us per op) and {fixed:.3g} ms of per-step work the GPU sat idle through; the "
+                 f"layers' dispatch explains {min(wait, idle_ms):.3g} ms of the GPU's {idle_ms:.3g} ms idle")
+    return lo, fixed
 
 
 def bisected_dispatch(idle_ms: float, model: ModelConfig, traced: ParallelConfig, hw: Hardware, preset_us: float,

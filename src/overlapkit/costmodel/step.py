@@ -20,6 +20,7 @@ from . import _validate as v
 from .block import Block
 from .collectives import Collectives, Group
 from .hardware import DTYPE_BYTES, Hardware
+from .host_queue import queue_wait_ms
 from .layer import Ctx, embedding_backward_ms, grad_accumulation_ms, layer, lm_head
 from .params import rank_params, shards, stage_params  # noqa: F401 (stage_params re-exported)
 from .reduction import MIB, data_parallel, dp_group, expert_dp_group, grad_reduction  # noqa: F401 (re-exported)
@@ -33,7 +34,7 @@ FP16_UNSCALE_BYTES_PER_PARAM = 8
 """fp16 loss scaling: the fp32 gradients read and written once more to unscale and check for inf/nan."""
 HOST_OPS_PER_LAYER = {False: 20, True: 45}
 """Framework ops the host dispatches for one layer's forward (fused, eager); backward twice as many.
-While the GPU's work per layer is shorter than their dispatch, the GPU waits for the host."""
+Where their dispatch falls behind the GPU's work over the step so far, the GPU waits for the host (host_queue)."""
 
 
 @dataclass
@@ -137,16 +138,6 @@ class StepReport:
             "recommendations": [vars(r).copy() for r in self.recommendations],
         }
 
-def _host_wait(block: Block, ops: int, host_us: float) -> Block:
-    """The layer's wall time when the host's dispatch of its ops outlasts the GPU's work."""
-    host = ops * host_us * 1e-3
-    if host > block.wall_ms:
-        block.rows.append({"op": f"host dispatch of {ops} ops (GPU waits)", "time_ms": host - block.wall_ms,
-                           "gemm_ms": 0.0})
-        block.host_ms = host - block.wall_ms
-    return block
-
-
 def predict(model: ModelConfig, par: ParallelConfig, hw: Hardware, coll: Collectives | None = None,
             gpus: int | None = None) -> StepReport:
     """Predict one training step; raises ConfigError (naming the field) on sizes that don't fit."""
@@ -157,8 +148,6 @@ def predict(model: ModelConfig, par: ParallelConfig, hw: Hardware, coll: Collect
     coll = coll or Collectives(hw)
     ctx = Ctx(model, par, hw, coll)
     layer_f, layer_b = layer(ctx, Block)
-    ops = HOST_OPS_PER_LAYER[par.eager]
-    layer_f, layer_b = _host_wait(layer_f, ops, hw.host_us_per_op), _host_wait(layer_b, 2 * ops, hw.host_us_per_op)
     head_f, head_b = lm_head(ctx, Block)
     emb = Block()
     emb.add_compute("embedding gradient (dense, fp32 accumulate)", embedding_backward_ms(ctx))
@@ -174,9 +163,21 @@ def predict(model: ModelConfig, par: ParallelConfig, hw: Hardware, coll: Collect
         stages.append((f, b))
     slowest = max(range(par.pp), key=lambda i: stages[i][0].wall_ms + stages[i][1].wall_ms)
     fwd, bwd = stages[slowest]
-    host_layer = layer_f.host_ms + layer_b.host_ms
-    times = [f.wall_ms + b.wall_ms + n * host_layer for (f, b), n in zip(stages, layers)]
     m = par.micro_batches
+    ops = HOST_OPS_PER_LAYER[par.eager]
+    dispatch = ops * hw.host_us_per_op * 1e-3  # one layer's forward; its backward launches twice as many
+
+    def launches(i: int, micro_batches: int) -> list[tuple[float, float, int]]:
+        """Stage i's units in launch order, (host ms, GPU ms, ops): its layers forward, the head, backward."""
+        last = i == par.pp - 1
+        head = [(0.0, head_f.wall_ms, 0), (0.0, head_b.wall_ms, 0)] if last else []
+        rest = stages[i][1].wall_ms - layers[i] * layer_b.wall_ms - (head_b.wall_ms if last else 0.0)  # embedding, accumulation
+        one = ([(dispatch, layer_f.wall_ms, ops)] * layers[i] + head
+               + [(2 * dispatch, layer_b.wall_ms, 2 * ops)] * layers[i] + ([(0.0, rest, 0)] if rest > 0 else []))
+        return one * micro_batches
+
+    waits = [queue_wait_ms(launches(i, 1)) for i in range(par.pp)]
+    times = [f.wall_ms + b.wall_ms + w for (f, b), w in zip(stages, waits)]
     step = (fwd + bwd).scaled(m)
     notes: list[str] = []
     # 1F1B: the slowest stage runs m micro-batches; the others' fill and drain add their own times
@@ -191,7 +192,7 @@ def predict(model: ModelConfig, par: ParallelConfig, hw: Hardware, coll: Collect
     per_param = ADAM_BYTES_PER_PARAM + GRAD_NORM_BYTES_PER_PARAM + (FP16_UNSCALE_BYTES_PER_PARAM if par.dtype == "fp16" else 0)
     stepped = ranks[slowest].dense / dense_dp + ranks[slowest].expert / expert_dp
     optimizer = stepped * per_param / (hw.memory.elementwise_gbps * 1e6)
-    host = m * host_layer * layers[slowest]
+    host = queue_wait_ms(launches(slowest, m))
     compute = step.compute_ms + optimizer
     exposed = sum(step.exposed.values())
     report = StepReport(model, par, hw.name, compute + exposed + bubble + host, compute, sum(step.comm.values()),
