@@ -192,14 +192,14 @@ def _rank_body(cfg_kw: dict, names: list[str], rounds: int, warmup: int, tp: int
         peak[name] = _state_bytes(models[name], opts[name]) + _step_peak_bytes(lambda: step(name), device)
     out = dict(times=times, first_s=first_s, loss0=loss0, peak=peak)
     if ep:
-        from _lib.common import comm_share
+        from _lib.common import EXPERT_EXCHANGES, comm_share
         from _lib.hf_moe import expert_bytes
 
         out["expert_bytes"] = {n: expert_bytes(models[n]) for n in names}
         out["all_to_all"] = {}
         for name in names:  # one profiled step each, after the timed ones
             line_up(device)
-            out["all_to_all"][name] = comm_share(lambda: step(name))
+            out["all_to_all"][name] = comm_share(lambda: step(name), EXPERT_EXCHANGES)
         out["expert_bytes_whole"] = whole_experts
         out["chunks"] = {path: m.__dict__["_overlapkit_experts"][0].chunk_choice.decided
                          for n in names for path, m in models[n].named_modules() if "_overlapkit_experts" in m.__dict__}

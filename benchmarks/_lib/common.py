@@ -211,6 +211,8 @@ def pipeline_args(description: str) -> argparse.ArgumentParser:
 
 
 ALL_TO_ALL = ("all_to_all", "alltoall")
+EXPERT_EXCHANGES = ALL_TO_ALL + ("gloo:send", "gloo:recv", "nccl:send", "nccl:recv")
+"""An expert layer's token exchanges: all-to-alls, and the pairwise sends and receives of `chunks="ranks"`."""
 COLLECTIVES = ("all_reduce", "allreduce", "all_gather", "allgather", "reduce_scatter", "wait_tensor")
 """Words naming the ranges of a transfer in a CPU profiler trace (gloo's ranges, c10d's and the functional ops)."""
 

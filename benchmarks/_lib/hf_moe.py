@@ -138,7 +138,8 @@ def moe_markdown(result: dict) -> str:
              f"whole experts {result['expert_mib_whole']:.2f} MiB (each rank holds 1/ep)",
              f"chunks `auto` kept per experts module (ok_ep, rank 0): {result['ok_ep_chunks']}"]
     if result.get("all_to_all"):
-        notes.append("all-to-all time in one profiled step (the union of its ranges, slowest rank; profiled, so "
+        notes.append("token exchange time (all-to-alls, and the pairwise sends and receives of chunks=\"ranks\") "
+                     "in one profiled step (the union of their ranges, slowest rank; profiled, so "
                      "slower than the timed step): " + "; ".join(
                          f"{n} {ms:.1f} of {step:.1f} ms ({100 * ms / step:.1f} %)"
                          for n, (step, ms) in result["all_to_all"].items())
