@@ -16,7 +16,7 @@
 #           hand loop -- and the entry checks' share of a tp 4 step
 #   serve   infer and calibrate1 in the GPU lane beside, on the other cores, infer's tp 2/4/8 and the fixed-cost
 #           twins (ep 4 chunks="auto", ZeRO-3 auto at 8 ranks, PP 1F1B vs Schedule1F1B): one call's worth
-#   next    what the open issues still lack (the GPU serving row, MoE vs grouped GEMM, ep 4 / pp 4, compiled tp 4)
+#   next    what the open issues still lack (GPU calibration after the host queue, the ZeRO twin probe, calibrate16)
 #   after   the two calibrations (GPU across micro-batches; the 13-core gloo job, GPT then HF Llama) in lanes (< 560 s)
 #   closing serve's GPU lane beside, on the other cores, serving at tp 4 and the user's path at ep 4 and pp 4 (< 560 s)
 #   infer1  infer_step on the GPU at world size 1 alone (the shortest call that measures issue 39's GPU row)
@@ -138,24 +138,23 @@ users() {
       --heads 16 --out "$c"
 }
 
-# next: what the open issues still lack after 2026-12-07, in two lanes, by priority (under 560 s). GPU lane: the
-# MoE layer beside transformers' grouped-GEMM MoE, the GPU calibration with launch-queue waits set apart, the
-# serving row at ws 1 after tp 1 lost its sequence-parallel hooks (plain / ok / ok_graphs); gloo lane: issue 37's
-# user steps (ep 4, pp 4), the ZeRO-3 twin probe (now with the GC's time and generations), the compiled tp 4 step.
+# next: what the open issues still lack after the third call of 2026-12-07, in two lanes, by priority (the call may
+# be cut at its limit: every step that finished comes back). GPU lane: the GPU calibration after the host-queue
+# model (a run the model was not designed on), the serving row at ws 1 (batch 1's prefill moved 1.05 -> 1.25x
+# between two calls). gloo lane: the ZeRO-3 twin probe (what each variant leaves for the cyclic collector), the
+# 16 cores' calibration (GPT, then HF Llama), never run after its fixes.
 next_gpu() {
-  mkdir -p "$g"
-  step moe_vs_grouped 120 "${PIN[@]}" python3 benchmarks/probes/moe_vs_grouped_moe.py --device cuda --out "$g"
   calibrate_cuda 170 40
   infer_gpu_row 200 3 plain,ok,ok_graphs
 }
 next_cpu() {
-  USERS_THREADS=3 users37
   mkdir -p "$c"
-  step fsdp_twin_phases 100 "${PIN[@]}" python3 benchmarks/probes/fsdp_twin_phases.py --world 8 --threads 1 \
+  step fsdp_twin_phases 110 "${PIN[@]}" python3 benchmarks/probes/fsdp_twin_phases.py --world 8 --threads 1 \
       --rounds 20 --out "$c"
-  step user_tp4_compiled 180 "${PIN[@]}" python3 benchmarks/user_step.py --world 4 --preset cpu16 --threads 3 \
-      --set compiled --rounds 3 --warmup 1 --budget-s 30 \
-      --variants torch_tp_compiled,ok_auto_compiled --out "$c"
+  step calibrate_cpu_gpt 250 "${PIN[@]}" python3 benchmarks/probes/calibrate_validation.py --device cpu --model gpt \
+      --layout-limit 45 --out "$c"
+  step calibrate_cpu_llama 230 "${PIN[@]}" python3 benchmarks/probes/calibrate_validation.py --device cpu \
+      --model llama --layout-limit 45 --out "$c"
 }
 
 # users37: issue 37's two user steps still unmeasured, on all 16 cores, in under 260 s (MoE at ep 4; the HF Llama at
