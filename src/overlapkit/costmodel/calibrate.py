@@ -63,7 +63,8 @@ class Measured:
     """Ranks read."""
     device: str = "cpu"
     """Where the job computed: 'cpu' (the host that dispatches also computes, so its time per op adds to the
-    step) or 'gpu' (the host dispatches ahead; the GPU waits only where a layer's dispatch outlasts its work)."""
+    step) or 'gpu' (the host dispatches ahead through the launch queue; the GPU waits only where the dispatch
+    has fallen behind its work over the step so far: costmodel.host_queue)."""
     host_busy_ms: float | None = None
     """On a GPU, the host's own time per step: the step less the time its threads sat in a synchronization
     with the GPU. What dispatch took whether or not the GPU waited for it (None: the trace cannot tell)."""
@@ -115,7 +116,7 @@ class Calibration:
     """The job's matrix rate relative to the base hardware's (from the named GEMMs; compute_scale without)."""
     device: str = "cpu"
     """Measured.device: 'cpu' adds host_us_per_op per op to the step; 'gpu' puts it in the hardware's
-    dispatch time per op, which the GPU waits for only where a layer's dispatch outlasts its work."""
+    dispatch time per op, which the GPU waits for only where the dispatch falls behind its work (host_queue)."""
     engine_exposed: dict = field(default_factory=dict)
     """Engine kind the model has no counterpart for -> exposed ms per step at the traced layout."""
     host_step_ms: float = 0.0

@@ -1,7 +1,7 @@
 """The host term of a calibration on a GPU: the dispatch time per op (and the idle it does not explain).
 
-On a GPU the host dispatches ahead and the GPU waits only where a layer's dispatch outlasts its work
-(costmodel.step). `measured_dispatch` reads the dispatch off the host's own busy time in the trace;
+On a GPU the host dispatches ahead and the GPU waits only where the dispatch has fallen behind its work over the
+step so far (costmodel.host_queue). `measured_dispatch` reads the dispatch off the host's own busy time in the trace;
 `bisected_dispatch`, for a trace without it, sets the dispatch at which the model's wait is the traced idle.
 """
 
