@@ -53,6 +53,7 @@ import torch.distributed as dist  # noqa: E402
 from _lib.common import (add_out_arg, add_smoke_arg, balanced_orders, device_label, line_up, out_dir,  # noqa: E402
                          print_message, run_ranks, write_results)
 from _lib.hf_llama import MODES, PRESETS, build_variant  # noqa: E402
+from _lib.memory import held_peak_bytes, storages  # noqa: E402
 
 def _state_bytes(model, opt) -> int:
     """This rank's bytes of parameters and optimizer state (local shards)."""
@@ -64,13 +65,14 @@ def _state_bytes(model, opt) -> int:
     return n
 
 
-def _step_peak_bytes(step, device: torch.device) -> int:
+def _step_peak_bytes(step, device: torch.device, exclude: set[int] = frozenset()) -> int:
     """The most one step allocates beyond what was allocated before it.
 
     CUDA: the allocator's peak. CPU has no allocator statistics (and a profiler with memory events
-    costs seconds a step to read back at these sizes): there it is what autograd holds at the end
-    of the forward — every tensor saved for backward (storages counted once) — the activation
-    memory in which TP implementations differ; transients inside an op are not seen.
+    costs seconds a step to read back at these sizes): there it is the most autograd holds for backward
+    at once (`_lib.memory.held_peak_bytes`: storages counted once, those in `exclude` — the parameters and
+    optimizer state `_state_bytes` already counts — left out), the activation memory in which TP
+    implementations differ; transients inside an op are not seen.
     """
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -79,20 +81,7 @@ def _step_peak_bytes(step, device: torch.device) -> int:
         step()
         torch.cuda.synchronize(device)
         return torch.cuda.max_memory_allocated(device) - before
-    seen: dict[int, int] = {}
-
-    def pack(t: torch.Tensor):
-        local = t.to_local() if hasattr(t, "to_local") else t
-        # A collective's result still in flight (torch 2.13 saves DTensor locals so) is a wrapper with no
-        # storage of its own: its bytes are those of the tensor it wraps.
-        local = getattr(local, "elem", local) if type(local).__name__ == "AsyncCollectiveTensor" else local
-        storage = local.untyped_storage()
-        seen[storage.data_ptr()] = storage.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        step()
-    return sum(seen.values())
+    return held_peak_bytes(step, exclude)
 
 
 def _rank_body(cfg_kw: dict, names: list[str], rounds: int, warmup: int, tp: int, dp: int, threads: int,
@@ -189,7 +178,9 @@ def _rank_body(cfg_kw: dict, names: list[str], rounds: int, warmup: int, tp: int
     peak = {}
     for name in names:  # after timing, so the profiler never runs beside a timed step
         line_up(device)
-        peak[name] = _state_bytes(models[name], opts[name]) + _step_peak_bytes(lambda: step(name), device)
+        state = [t for st in opts[name].state.values() for t in st.values()]
+        peak[name] = _state_bytes(models[name], opts[name]) + _step_peak_bytes(
+            lambda: step(name), device, storages(models[name].parameters(), state))
     out = dict(times=times, first_s=first_s, loss0=loss0, peak=peak)
     if ep:
         from _lib.common import EXPERT_EXCHANGES, comm_share

@@ -224,3 +224,29 @@ def test_every_result_the_docs_cite_exists():
                 if not any(c in line for c in "{*<") and not target.exists() and not list(target.parent.glob(target.name + "*")):
                     missing.append(f"{path.relative_to(ROOT)}:{i}: results/{name}")
     assert not missing, "cited but not in benchmarks/results:\n" + "\n".join(missing)
+
+
+def test_the_memory_column_counts_what_a_step_holds_at_once_not_what_it_saved():
+    """A pipeline holds several micro-batches' activations at once and frees each as its backward runs: the CPU
+    memory column is the peak of what is alive, parameters (counted in the state) left out."""
+    import torch
+
+    sys.path.insert(0, str(BENCH))
+    try:
+        memory = importlib.import_module("_lib.memory")
+    finally:
+        sys.path.remove(str(BENCH))
+    lin, x = torch.nn.Linear(16, 16), torch.randn(8, 16, requires_grad=True)
+
+    def one_by_one():  # each micro-batch's backward before the next forward
+        for _ in range(2):
+            torch.relu(lin(x)).sum().backward()
+
+    def all_forwards_first():
+        sum(torch.relu(lin(x)).sum() for _ in range(2)).backward()
+
+    skip = memory.storages(lin.parameters())
+    one, two = memory.held_peak_bytes(one_by_one, skip), memory.held_peak_bytes(all_forwards_first, skip)
+    assert one == 2 * 8 * 16 * 4  # what the linear saves (x) and the relu (its output); the weight left out
+    assert two == one + 8 * 16 * 4  # the second micro-batch's relu output held beside the first's; x once
+    assert memory.held_peak_bytes(one_by_one) > one  # the weight counts when not left out

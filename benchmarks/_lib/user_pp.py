@@ -26,6 +26,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from _lib.common import device_label, out_dir, pipeline_args, run_ranks, time_variants, write_results  # noqa: E402
+from _lib.memory import held_peak_bytes, storages  # noqa: E402
 from _lib.ratios import per_round, text, verdict  # noqa: E402
 
 TORCH = {"1f1b": "Schedule1F1B", "interleaved-1f1b": "ScheduleInterleaved1F1B",
@@ -104,7 +105,12 @@ def _rank_body(preset: dict, schedules: list[str], m: int, steps: int, warmup: i
 
     names = list(runs)
     times = time_variants(step, names, steps, warmup, torch.device("cpu"))
-    return dict(times=times, first_loss=first_loss, tokens=ids.numel())
+    peak = {}
+    for name in names:  # after the timed steps: the parameters, their gradients and the activations held at once
+        params = [p for c in chunks_of_variant[name] for p in c.parameters()]
+        state = sum(p.numel() * p.element_size() * (2 if p.grad is not None else 1) for p in params)
+        peak[name] = state + held_peak_bytes(lambda n=name: step(n), storages(params))
+    return dict(times=times, first_loss=first_loss, tokens=ids.numel(), peak=peak)
 
 
 def summarize(per_rank: list[dict], schedules: list[str]) -> dict:
@@ -114,7 +120,8 @@ def summarize(per_rank: list[dict], schedules: list[str]) -> dict:
                for n in names}
     tokens = per_rank[0]["tokens"]
     rows = {n: dict(step_ms=statistics.median(slowest[n]), tokens_per_s=tokens / statistics.median(slowest[n]) * 1e3,
-                    first_loss=per_rank[0]["first_loss"][n]) for n in names}
+                    first_loss=per_rank[0]["first_loss"][n], peak_gib=max(r["peak"][n] for r in per_rank) / 2**30)
+            for n in names}
     ratios = {}
     for s in schedules:
         peer = f"torch {TORCH[s]}"
@@ -129,9 +136,12 @@ def markdown(result: dict) -> str:
     out = [f"# HF Llama at pp {result['pp']}: overlapkit.pipeline() beside torch.distributed.pipelining",
            "", f"{result['device']}, {result['threads']} threads a rank, m={result['m']}, preset {result['preset']}; "
            f"first losses agree within {result['summary']['loss_spread']:.1e}", "",
-           "| variant | step ms | tokens/s | first loss |", "|---|---|---|---|"]
+           "| variant | step ms | tokens/s | peak GiB/rank | first loss |", "|---|---|---|---|---|"]
     for name, row in result["summary"]["rows"].items():
-        out.append(f"| {name} | {row['step_ms']:.1f} | {row['tokens_per_s']:.0f} | {row['first_loss']:.5f} |")
+        out.append(f"| {name} | {row['step_ms']:.1f} | {row['tokens_per_s']:.0f} | {row['peak_gib']:.3f} | "
+                   f"{row['first_loss']:.5f} |")
+    out += ["", "peak GiB/rank: the most loaded rank's parameters and gradients plus the most its step holds for "
+            "backward at once (every saved storage counted once while alive; CPU has no allocator peak)."]
     out += ["", f"| schedule | overlapkit / torch (median, middle half) | target <= {TARGET} |", "|---|---|---|"]
     for s, r in result["summary"]["ratios"].items():
         out.append(f"| {s} vs {r['peer']} | {text(r['ratio'])} | {r['verdict']} |")
