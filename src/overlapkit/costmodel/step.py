@@ -171,7 +171,8 @@ def predict(model: ModelConfig, par: ParallelConfig, hw: Hardware, coll: Collect
         """Stage i's units in launch order, (host ms, GPU ms, ops): its layers forward, the head, backward."""
         last = i == par.pp - 1
         head = [(0.0, head_f.wall_ms, 0), (0.0, head_b.wall_ms, 0)] if last else []
-        rest = stages[i][1].wall_ms - layers[i] * layer_b.wall_ms - (head_b.wall_ms if last else 0.0)  # embedding, accumulation
+        # what the stage's backward holds beside its layers and the head: the embedding, gradient accumulation
+        rest = stages[i][1].wall_ms - layers[i] * layer_b.wall_ms - (head_b.wall_ms if last else 0.0)
         one = ([(dispatch, layer_f.wall_ms, ops)] * layers[i] + head
                + [(2 * dispatch, layer_b.wall_ms, 2 * ops)] * layers[i] + ([(0.0, rest, 0)] if rest > 0 else []))
         return one * micro_batches
