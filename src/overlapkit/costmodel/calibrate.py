@@ -22,7 +22,7 @@ from .collectives import Collectives, Group
 from .hardware import Hardware
 from .model import ModelConfig
 from .parallel import MODES, Overlap, ParallelConfig
-from .host_fit import FIT_STEPS, bisected_dispatch, measured_dispatch, ops_per_step
+from .host_fit import bisect, bisected_dispatch, measured_dispatch, ops_per_step
 from .step import StepReport, predict
 from .transformer import layer_gemms
 
@@ -255,10 +255,8 @@ def _memory_rate(target_ms: float, model: ModelConfig, traced: ParallelConfig, b
         rate = math.exp(log_rate)
         return predict(model, traced, rescaled(base, matmul or rate, rate, points)).compute_ms
 
-    lo, hi = math.log(1e-12), math.log(1e6)  # predicted compute falls as the rate rises
-    for _ in range(FIT_STEPS):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if compute_ms(mid) > target_ms else (lo, mid)
+    # predicted compute falls as the rate rises
+    lo, hi = bisect(lambda log_rate: compute_ms(log_rate) > target_ms, math.log(1e-12), math.log(1e6))
     return math.exp((lo + hi) / 2)
 
 

@@ -19,6 +19,14 @@ FIT_STEPS = 60
 over 0..1e5 µs): 60 halvings leave a relative error below 1e-7."""
 
 
+def bisect(ok, lo: float, hi: float) -> tuple[float, float]:
+    """(lo, hi) after FIT_STEPS halvings of [lo, hi] that keep `ok(lo)` true and `ok(hi)` false (`ok` monotone)."""
+    for _ in range(FIT_STEPS):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if ok(mid) else (lo, mid)
+    return lo, hi
+
+
 def ops_per_step(model: ModelConfig, par: ParallelConfig) -> int:
     """Framework ops the slowest stage's host dispatches in one step (forward and twice that backward)."""
     layers = max(par.stage_layers(model.num_layers))
@@ -43,10 +51,7 @@ def measured_dispatch(host_busy_ms: float, idle_ms: float, model: ModelConfig, t
     def busy_ms(us: float) -> float:  # the busy time a dispatch of `us` per op implies, with its per-step part
         return 1e-3 * us * ops + max(0.0, idle_ms - wait_ms(us))
 
-    lo, hi = 0.0, 1e3 * host_busy_ms / ops
-    for _ in range(FIT_STEPS):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if busy_ms(mid) <= host_busy_ms else (lo, mid)
+    lo, _ = bisect(lambda us: busy_ms(us) <= host_busy_ms, 0.0, 1e3 * host_busy_ms / ops)
     wait = wait_ms(lo)
     fixed = max(0.0, idle_ms - wait)
     notes.append(f"the host was busy {host_busy_ms:.3g} ms per step: {1e-3 * lo * ops:.3g} ms dispatching the "
@@ -64,10 +69,7 @@ def bisected_dispatch(idle_ms: float, model: ModelConfig, traced: ParallelConfig
     def wait_ms(us: float) -> float:
         return predict(model, traced, replace(hw, host_us_per_op=us)).host_ms
 
-    lo, hi = 0.0, 1e5  # µs per op; the wait grows with it
-    for _ in range(FIT_STEPS):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if wait_ms(mid) <= idle_ms else (lo, mid)
+    lo, _ = bisect(lambda us: wait_ms(us) <= idle_ms, 0.0, 1e5)  # µs per op; the wait grows with it
     if idle_ms > 0 and wait_ms(lo) > 0:
         notes.append(f"the GPU waited {idle_ms:.3g} ms per step for its host: {lo:.3g} us per dispatched op")
         return lo
