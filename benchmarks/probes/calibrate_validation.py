@@ -34,7 +34,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: _lib
-from _lib.common import SMOKE_HELP, add_out_arg, out_dir  # noqa: E402
+from _lib.common import SMOKE_HELP, add_out_arg, out_dir, write_results  # noqa: E402
 
 SIZES = {"smoke": dict(hidden=64, num_heads=8, ffn_hidden=256, num_layers=2, seq_len=32, vocab_size=256, batch=4),
          "cpu": dict(hidden=512, num_heads=8, ffn_hidden=2048, num_layers=4, seq_len=256, vocab_size=4096, batch=8),
@@ -361,11 +361,8 @@ def main(argv=None) -> int:
     kind = "smoke" if args.smoke else args.device
     steps = args.steps or (2 if args.smoke else 5)
     if args.reprice:
-        res, stem = reprice(args.reprice), Path(args.reprice).stem + "_repriced"
-        out = Path(out_dir(args))
-        (out / f"{stem}.json").write_text(json.dumps(res, indent=1))
-        (out / f"{stem}.md").write_text(markdown(res))
-        print(markdown(res))
+        write_results(reprice(args.reprice), os.path.join(out_dir(args), Path(args.reprice).stem + "_repriced"),
+                      markdown)
         return 0
     if args.only:
         layout = plan_of(args.device, kind, args.model, world)[args.only]
