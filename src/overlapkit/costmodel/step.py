@@ -154,13 +154,14 @@ def predict(model: ModelConfig, par: ParallelConfig, hw: Hardware, coll: Collect
     layers = par.stage_layers(model.num_layers)
     ranks = [rank_params(model, par, i) for i in range(par.pp)]
     params = [r.total for r in ranks]
-    stages = []
+    stages, tails = [], []  # tails: what a stage's backward does after its layers (embedding, accumulation), ms
     for i, n in enumerate(layers):
         f = layer_f.scaled(n) + (head_f if i == par.pp - 1 else Block())
         b = layer_b.scaled(n) + (head_b if i == par.pp - 1 else Block()) + (emb if i == 0 else Block())
         if acc := grad_accumulation_ms(ctx, params[i]):
             b.add_compute(f"gradient accumulation ({par.grad_accumulation})", acc)
         stages.append((f, b))
+        tails.append((emb.wall_ms if i == 0 else 0.0) + acc)
     slowest = max(range(par.pp), key=lambda i: stages[i][0].wall_ms + stages[i][1].wall_ms)
     fwd, bwd = stages[slowest]
     m = par.micro_batches
@@ -171,10 +172,8 @@ def predict(model: ModelConfig, par: ParallelConfig, hw: Hardware, coll: Collect
         """Stage i's units in launch order, (host ms, GPU ms, ops): its layers forward, the head, backward."""
         last = i == par.pp - 1
         head = [(0.0, head_f.wall_ms, 0), (0.0, head_b.wall_ms, 0)] if last else []
-        # what the stage's backward holds beside its layers and the head: the embedding, gradient accumulation
-        rest = stages[i][1].wall_ms - layers[i] * layer_b.wall_ms - (head_b.wall_ms if last else 0.0)
         one = ([(dispatch, layer_f.wall_ms, ops)] * layers[i] + head
-               + [(2 * dispatch, layer_b.wall_ms, 2 * ops)] * layers[i] + ([(0.0, rest, 0)] if rest > 0 else []))
+               + [(2 * dispatch, layer_b.wall_ms, 2 * ops)] * layers[i] + ([(0.0, tails[i], 0)] if tails[i] > 0 else []))
         return one * micro_batches
 
     waits = [queue_wait_ms(launches(i, 1)) for i in range(par.pp)]
