@@ -16,8 +16,9 @@ time and in instance rather than in calls:
   lined up before the step only, so the phases overlap as in training), slowest rank per phase;
 - beside each variant, the Python garbage collections a step triggered (by generation, the time they took and
   the objects they freed, from `gc.callbacks`) and the threads alive after it;
-- after the rounds, what a step of each variant leaves that only the cyclic collector frees, by type (the
-  decided autos collected ~15x as often as the twin on the 16 cores: this names what they leave).
+- after the rounds, what a step of each variant leaves that only the cyclic collector frees, by type, and what
+  it leaves reachable that was not before (a growing list or cache), by type (the decided autos collected ~15x
+  as often as the twin on the 16 cores under torch 2.11: this names what they leave).
 
     python benchmarks/probes/fsdp_twin_phases.py --world 8 --threads 1 --rounds 30
 
@@ -131,6 +132,7 @@ def _rank_body(gpt: dict, batch: int, rounds: int, warmup: int, threads: int) ->
             got = step(name)
             if i >= warmup:
                 times[name].append(got)
+    _cyclic_garbage(lambda: step(names[-1]))  # untimed: the probe's own first use leaves ~10 objects reachable
     return dict(times=times, depths=decided, decided_after=decided_after, threads=threading.active_count(),
                 garbage={n: _cyclic_garbage(lambda n=n: step(n)) for n in names})
 
@@ -145,6 +147,7 @@ def _cyclic_garbage(step) -> dict:
 
     counts: Counter = Counter()
     gc.collect()
+    before = Counter(type(o).__qualname__ for o in gc.get_objects())
     gc.set_debug(gc.DEBUG_SAVEALL)
     try:
         for _ in range(GARBAGE_STEPS):
@@ -155,8 +158,16 @@ def _cyclic_garbage(step) -> dict:
     finally:
         gc.set_debug(0)
         gc.garbage.clear()
+    gc.collect()
+    # What stays reachable: a list or cache that grows a step (a leak the cyclic count cannot see, and one
+    # that would make the collector run more often: each step's new objects push generation 0 over its threshold).
+    grown = Counter(type(o).__qualname__ for o in gc.get_objects())
+    grown.subtract(before)
+    grown = Counter({k: v for k, v in grown.items() if v > 0})
     return {"total": sum(counts.values()) / GARBAGE_STEPS,
-            "types": {k: v / GARBAGE_STEPS for k, v in counts.most_common(8)}}
+            "types": {k: v / GARBAGE_STEPS for k, v in counts.most_common(8)},
+            "grown": sum(grown.values()) / GARBAGE_STEPS,
+            "grown_types": {k: v / GARBAGE_STEPS for k, v in grown.most_common(8)}}
 
 
 def _summary(per_rank: list[dict]) -> dict:
@@ -200,6 +211,9 @@ def _markdown(result: dict) -> str:
               "between two full collections; its 8 most common types):", ""]
     lines += [f"- {n}: {g['total']:.0f} objects" + (": " + ", ".join(f"{k} {v:.0f}" for k, v in g["types"].items())
                                                       if g["types"] else "") for n, g in result["garbage"].items()]
+    lines += ["", "Still reachable after those steps that was not before them (objects the collector tracks, a step):", ""]
+    lines += [f"- {n}: {g['grown']:.1f} objects" + (": " + ", ".join(f"{k} {v:.1f}" for k, v in g["grown_types"].items())
+                                                       if g["grown_types"] else "") for n, g in result["garbage"].items()]
     return "\n".join(lines) + "\n"
 
 
