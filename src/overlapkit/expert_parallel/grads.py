@@ -11,6 +11,8 @@ wrong result.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
@@ -52,10 +54,12 @@ def average_data_parallel_grads(model: nn.Module, dp_group, ep_group) -> None:
         g.div_(dp)
 
 
-def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0, group=None) -> torch.Tensor:
     """`torch.nn.utils.clip_grad_norm_` for parameters that live on several meshes (dense ones on the TP
     mesh, experts `Shard(0)` on the EP mesh), which torch's refuses (it stacks their norms): each mesh's
-    norm made whole first, then one total norm and one coefficient for all. Returns the total norm."""
+    norm made whole first, then one total norm and one coefficient for all. `group`: the pipeline's group,
+    whose ranks each hold other parameters (their stages): the norms are combined over it, so every stage
+    clips by the whole model's norm. Returns the total norm."""
     params = [p for p in parameters if p.grad is not None]
     by_mesh: dict = {}
     for p in params:
@@ -64,10 +68,25 @@ def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0) -> torc
     for grads in by_mesh.values():
         n = torch.nn.utils.get_total_norm(grads, norm_type)
         norms.append(n.full_tensor() if hasattr(n, "full_tensor") else n)
-    if not norms:
+    if group is None and not norms:
         return torch.tensor(0.0)
-    total = torch.nn.utils.get_total_norm(norms, norm_type)
+    device = params[0].grad.device if params else torch.device("cpu")
+    total = torch.nn.utils.get_total_norm(norms, norm_type) if norms else torch.zeros((), device=device)
+    if group is not None:  # a stage with no gradients still joins the collective
+        total = _over_group(total.float().to(device), norm_type, group)
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for p in params:
         _local(p.grad).mul_(coef.to(_local(p.grad).device))
     return total
+
+
+def _over_group(norm: torch.Tensor, norm_type: float, group) -> torch.Tensor:
+    """The norm of the parameters of every rank of `group`, from each rank's own norm."""
+    import torch.distributed as dist
+
+    if math.isinf(norm_type):
+        dist.all_reduce(norm, op=dist.ReduceOp.MAX, group=group)
+        return norm
+    powered = norm.pow(norm_type)
+    dist.all_reduce(powered, group=group)
+    return powered.pow(1.0 / norm_type)
