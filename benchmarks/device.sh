@@ -140,7 +140,7 @@ users() {
 
 # next: what the open issues still lack after the third call of 2026-12-07, in two lanes, by priority (the call may
 # be cut at its limit: every step that finished comes back). GPU lane: the GPU calibration after the host-queue
-# model (a run the model was not designed on), the serving row at ws 1 (batch 1's prefill moved 1.05 -> 1.25x
+# model (a run the model was not designed on; each layout now steps AdamW with clipping, as the model prices), the serving row at ws 1 (batch 1's prefill moved 1.05 -> 1.25x
 # between two calls). gloo lane: the ZeRO-3 twin probe (what each variant leaves for the cyclic collector), the
 # 16 cores' calibration (GPT, then HF Llama), never run after its fixes.
 next_gpu() {
