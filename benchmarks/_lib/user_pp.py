@@ -1,6 +1,7 @@
 """A Hugging Face Llama in pipeline stages, side by side in one run: `overlapkit.pipeline()` (its cut from
 the config's base_model_pp_plan, the model's own labels= loss) under each schedule, and
-torch.distributed.pipelining's schedule of the same name driving the very same chunks.
+torch.distributed.pipelining's schedule of the same name driving the very same chunks; each step a user's
+(the schedule's forward, loss and backward, then clipping by the whole model's norm and AdamW).
 
 Variants take turns step by step in a balanced order (each in every position of a round), so load
 that comes and goes hits them alike; a step's time is the slowest rank's, the table gives the median,
@@ -97,11 +98,19 @@ def _rank_body(preset: dict, schedules: list[str], m: int, steps: int, warmup: i
         runs[f"torch {TORCH[schedule]}"] = run
         chunks_of_variant[f"torch {TORCH[schedule]}"] = theirs.chunks
 
-    def step(name: str) -> None:
+    from overlapkit.expert_parallel import clip_grad_norm_
+
+    opts = {n: torch.optim.AdamW([p for c in cs for p in c.parameters()], lr=1e-4, foreach=True)
+            for n, cs in chunks_of_variant.items()}
+
+    def step(name: str) -> None:  # a user's step: zero_grad, the schedule (forward, loss, backward), clip, AdamW
         for c in chunks_of_variant[name]:
             c.zero_grad(set_to_none=False)
         loss = runs[name]()
         first_loss.setdefault(name, float(loss))
+        # every stage clips by the whole model's norm (torch's clip on a stage's parameters would use the stage's)
+        clip_grad_norm_(opts[name].param_groups[0]["params"], 1.0, group=groups.pp)
+        opts[name].step()
 
     names = list(runs)
     times = time_variants(step, names, steps, warmup, torch.device("cpu"))
