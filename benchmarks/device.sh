@@ -16,6 +16,7 @@
 #           hand loop -- and the entry checks' share of a tp 4 step
 #   serve   infer and calibrate1 in the GPU lane beside, on the other cores, infer's tp 2/4/8 and the fixed-cost
 #           twins (ep 4 chunks="auto", ZeRO-3 auto at 8 ranks, PP 1F1B vs Schedule1F1B): one call's worth
+#   short   next's first step of each lane (the GPU calibration, the ZeRO-3 twin probe), for under 300 s of device time
 #   next    what the open issues still lack (GPU calibration after the host queue, the ZeRO twin probe, calibrate16)
 #   after   the two calibrations (GPU across micro-batches; the 13-core gloo job, GPT then HF Llama) in lanes (< 560 s)
 #   closing serve's GPU lane beside, on the other cores, serving at tp 4 and the user's path at ep 4 and pp 4 (< 560 s)
@@ -39,7 +40,7 @@
 # so far (packed again after each). Results of the 16 cores are named *_cpu16_* as committed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-part=${1:?"part: checks | h200 | cpu16 | users | users37 | infer | infer1 | serve | closing | next | after | record | compiled | multi | gemm | probes | calibrate16 | calibrate1 | ab SCRIPT ARGS..."}; shift
+part=${1:?"part: checks | h200 | cpu16 | users | users37 | infer | infer1 | serve | closing | next | short | after | record | compiled | multi | gemm | probes | calibrate16 | calibrate1 | ab SCRIPT ARGS..."}; shift
 if [ "$part" = ab ]; then dest=${OUT:-/tmp/overlapkit_device}; else dest=${1:-${OUT:-/tmp/overlapkit_device}}; fi
 # Results and logs are written in a work folder outside OUTDIR; OUTDIR only ever holds PART.tgz, packed again after
 # every step, so a call cut at its limit (or a lane that runs long) still returns every step that finished.
@@ -155,6 +156,15 @@ next_cpu() {
       --layout-limit 45 --out "$c"
   step calibrate_cpu_llama 230 "${PIN[@]}" python3 benchmarks/probes/calibrate_validation.py --device cpu \
       --model llama --layout-limit 45 --out "$c"
+}
+
+# short: next's first step of each lane, for a call with under 300 s of device time left (the GPU calibration after
+# the host-queue model, with AdamW; the ZeRO-3 twin probe at 8 ranks).
+short_gpu() { calibrate_cuda 170 40; }
+short_cpu() {
+  mkdir -p "$c"
+  step fsdp_twin_phases 110 "${PIN[@]}" python3 benchmarks/probes/fsdp_twin_phases.py --world 8 --threads 1 \
+      --rounds 16 --out "$c"
 }
 
 # users37: issue 37's two user steps still unmeasured, on all 16 cores, in under 260 s (MoE at ep 4; the HF Llama at
@@ -345,6 +355,7 @@ checks | h200 | cpu16 | users | users37 | infer | multi | probes | calibrate16 |
 serve) lanes serve_gpu serve_cpu ;;
 closing) lanes closing_gpu closing_cpu ;;
 next) lanes next_gpu next_cpu ;;
+short) lanes short_gpu short_cpu ;;
 after) lanes after_gpu after_cpu ;;
 infer1) infer_gpu_row 200 2 ;;
 gemm) mkdir -p "$g"; step bench_gemm 240 python3 -m overlapkit bench gemm --out "$g/h200_measured.json" ;;
