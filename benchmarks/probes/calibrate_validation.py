@@ -113,10 +113,13 @@ def run_rank(sizes: dict, layout: tuple, steps: int, trace_dir: str, overlap: st
         if dp > 1:
             model = DataParallel(model, groups.dp, sequence_parallel_group=groups.tp if tp > 1 else None)
         chunks, params = [model], list(model.parameters())
-    # What the cost model prices a step's optimizer as (step.ADAM_BYTES_PER_PARAM, GRAD_NORM_BYTES_PER_PARAM) and
-    # what a user runs: AdamW and clipping by the whole model's norm. (Plain SGD moved a third of those bytes,
-    # so a fit to its trace took the optimizer's fixed cost into the rate of every memory-bound op.)
-    opt = torch.optim.AdamW(optim_param_groups(params), lr=1e-4, foreach=True)
+    # What the cost model prices a step's optimizer as (step.ADAM_BYTES_PER_PARAM, GRAD_NORM_BYTES_PER_PARAM: one
+    # pass over the states, as Megatron's and Apex's fused Adam make) and what a user runs: fused AdamW and clipping
+    # by the whole model's norm. The optimizer is a fixed cost per step, which a fit on one traced layout cannot
+    # tell from the per-sample work: plain SGD moved a third of the priced bytes, foreach AdamW (a pass per
+    # elementwise op) about three times them (+17 ms a step on the H100, 2026-12-07), and each time the fit
+    # folded the difference into every memory-bound op's rate.
+    opt = torch.optim.AdamW(optim_param_groups(params), lr=1e-4, fused=True)
     from overlapkit.expert_parallel import clip_grad_norm_
     gen = torch.Generator().manual_seed(1)
     path = os.path.join(trace_dir, f"rank{groups.rank}.json")
