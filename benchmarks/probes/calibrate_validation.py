@@ -265,6 +265,8 @@ def run(device: str, kind: str, steps: int, overlap: str, timeout_s: float, trac
             # the host's own time a step (a GPU trace): the same ops at every micro-batch, so a busy time that
             # grows with the GPU's work is waiting the reader did not set apart
             "host_busy_ms": measured.host_busy_ms,
+            # the optimizer step's compute a step (torch's Optimizer.step range), set apart from the fitted rates
+            "optimizer_ms": measured.optimizer_ms, "predicted_optimizer_ms": r.optimizer_ms,
             # term -> [measured ms, predicted ms]: where a miss comes from
             "terms": {k: list(v) for k, v in terms(measured, r).items()},
             # kind -> [comm ms, exposed ms, calls] per step
@@ -290,7 +292,8 @@ def reprice(path: str) -> dict:
     model, cal = ModelConfig(**res["model"]), None
     for r in res["rows"]:
         measured = Measured(step_ms=r["measured_ms"], compute_ms=r["terms"]["compute"][0],
-                            idle_ms=r["terms"]["host"][0], device="gpu", host_busy_ms=r["host_busy_ms"])
+                            idle_ms=r["terms"]["host"][0], device="gpu", host_busy_ms=r["host_busy_ms"],
+                            optimizer_ms=r.get("optimizer_ms"))  # rows recorded before it was read: None
         par = par_of((r["tp"], r["pp"], r["dp"], r["micro_batch"], r["micro_batches"]), res["overlap"])
         if r["traced"]:
             cal = fit(measured, model, par, preset("h200-sxm"))

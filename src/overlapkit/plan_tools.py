@@ -48,12 +48,14 @@ def read_measured(trace_dir: str):
             gemm[key][1] += 1
     comm = {r.kind: (r.comm_ms / n, (r.exposed_ms or 0.0) / n, r.count / n, r.nbytes // max(1, r.count))
             for r in rank.by_kind}
+    optimizer = sum(s.duration_ms for s in spans if s.is_compute and s.phase == "optimizer") / n
     device = next(t.device for t in traces if t.rank == rank.rank)
     return Measured(step_ms=step_ms, compute_ms=sum(t.compute_ms for t in times) / n,
                     idle_ms=sum(t.idle_ms for t in times) / n,
                     gemm={k: (ms, calls / n) for k, (ms, calls) in gemm.items()}, comm=comm, steps=n,
                     ranks=len(report.ranks), device=device,
-                    host_busy_ms=host_busy_ms([t for t in traces if t.rank == rank.rank]) if device == "gpu" else None)
+                    host_busy_ms=host_busy_ms([t for t in traces if t.rank == rank.rank]) if device == "gpu" else None,
+                    optimizer_ms=optimizer or None)
 
 
 def host_busy_ms(traces) -> float | None:

@@ -68,6 +68,9 @@ class Measured:
     host_busy_ms: float | None = None
     """On a GPU, the host's own time per step: the step less the time its threads sat in a synchronization
     with the GPU. What dispatch took whether or not the GPU waited for it (None: the trace cannot tell)."""
+    optimizer_ms: float | None = None
+    """Compute a step launched inside torch's `Optimizer.step#...` range (None: no such range): set apart from
+    the per-sample work the rates are fitted to."""
 
     def __post_init__(self) -> None:
         v.positive("Measured", "step_ms", self.step_ms)
@@ -122,6 +125,9 @@ class Calibration:
     host_step_ms: float = 0.0
     """On a GPU: the traced idle that the layers' dispatch does not explain (the step's edges: the optimizer's
     launches, a loss read back), added once per step at every layout."""
+    optimizer_factor: float = 1.0
+    """The traced optimizer step's time / the model's at the fitted rates (foreach or fused, SGD or Adam: the
+    trace says); each layout's optimizer is the model's times this."""
 
     @property
     def collectives(self) -> Collectives:
@@ -137,7 +143,7 @@ class Calibration:
                 "engine_exposed": dict(self.engine_exposed),
                 "comm_factors": dict(self.comm_factors),
                 "exposed_fraction": dict(self.exposed_fraction), "host_us_per_op": self.host_us_per_op,
-                "host_step_ms": self.host_step_ms,
+                "host_step_ms": self.host_step_ms, "optimizer_factor": self.optimizer_factor,
                 "gemm_points": [list(p) for p in self.gemm_points], "notes": list(self.notes)}
 
     def summary(self) -> str:
@@ -249,11 +255,13 @@ def _matmul_rate(points: tuple, base: Hardware) -> float | None:
 
 
 def _memory_rate(target_ms: float, model: ModelConfig, traced: ParallelConfig, base: Hardware, matmul,
-                 points: tuple) -> float:
-    """The memory rate (bisected) at which the traced layout's predicted compute is `target_ms`."""
+                 points: tuple, without_optimizer: bool = False) -> float:
+    """The memory rate (bisected) at which the traced layout's predicted compute (less its optimizer step where
+    `without_optimizer`: the trace measured it) is `target_ms`."""
     def compute_ms(log_rate: float) -> float:
         rate = math.exp(log_rate)
-        return predict(model, traced, rescaled(base, matmul or rate, rate, points)).compute_ms
+        r = predict(model, traced, rescaled(base, matmul or rate, rate, points))
+        return r.compute_ms - (r.optimizer_ms if without_optimizer else 0.0)
 
     # predicted compute falls as the rate rises
     lo, hi = bisect(lambda log_rate: compute_ms(log_rate) > target_ms, math.log(1e-12), math.log(1e6))
@@ -309,12 +317,18 @@ def fit(measured: Measured, model: ModelConfig, traced: ParallelConfig, base: Ha
     waiting = 0.0
     if matmul is not None:
         waiting = min(max(0.0, measured.compute_ms - base_report.compute_ms), sum(hidden.values()))
-    target = measured.compute_ms - waiting
-    scale = matmul if matmul is not None and abs(base_report.compute_ms - target) <= 1e-9 * target else \
-        _memory_rate(target, model, traced, base, matmul, points)
+    # The optimizer's step, where marked, is set apart: one layout's rates cannot tell a fixed cost from per-sample work
+    opt = measured.optimizer_ms if 0 < (measured.optimizer_ms or 0) < measured.compute_ms - waiting else None
+    target = measured.compute_ms - waiting - (opt or 0.0)
+    scale = matmul if matmul is not None and not opt and abs(base_report.compute_ms - target) <= 1e-9 * target \
+        else _memory_rate(target, model, traced, base, matmul, points, opt is not None)
     hw = rescaled(base, matmul or scale, scale, points)
     r = predict(model, traced, hw)
-    if abs(r.compute_ms - target) > 0.01 * target:
+    factor = opt / r.optimizer_ms if opt and r.optimizer_ms > 0 else 1.0
+    if opt:
+        notes.append(f"the optimizer's step measured {opt:.3g} ms per step against the model's {r.optimizer_ms:.3g} "
+                     f"ms at the fitted rates: priced x{factor:.3g} at every layout, apart from the fitted rates")
+    if abs(r.compute_ms - (r.optimizer_ms if opt else 0.0) - target) > 0.01 * target:
         notes.append(f"the traced compute ({target:.3g} ms) cannot be met by the memory rate beside the named "
                      f"GEMMs: the fit stops at {scale:.3g}x")
     if waiting > 0:
@@ -338,7 +352,8 @@ def fit(measured: Measured, model: ModelConfig, traced: ParallelConfig, base: Ha
             host_us = bisected_dispatch(idle, model, traced, hw, base.host_us_per_op, notes)
         hw = replace(hw, host_us_per_op=host_us)
     return Calibration(hw, comm_factors, exposed, host_us, scale, traced, points, notes, matmul_scale=matmul or scale,
-                       device=measured.device, engine_exposed=engine_exposed, host_step_ms=host_step)
+                       device=measured.device, engine_exposed=engine_exposed, host_step_ms=host_step,
+                       optimizer_factor=factor)
 
 
 def predict_calibrated(cal: Calibration, model: ModelConfig, par: ParallelConfig) -> StepReport:
@@ -347,6 +362,8 @@ def predict_calibrated(cal: Calibration, model: ModelConfig, par: ParallelConfig
     of traced engine kinds the model lacks (where that engine runs, per layer and micro-batch) and the host
     time per op."""
     r = predict(model, par, cal.hardware, cal.collectives)
+    optimizer = r.optimizer_ms * cal.optimizer_factor
+    r.compute_ms, r.optimizer_ms = r.compute_ms + optimizer - r.optimizer_ms, optimizer
     exposed = {k: (c * cal.exposed_fraction[k] if k in cal.exposed_fraction else r.exposed_by_kind.get(k, 0.0))
                for k, c in r.comm_by_kind.items()}
     per_op = ops_per_step(model, par) / ops_per_step(model, cal.traced)
