@@ -90,17 +90,20 @@ def _rank_body(gpt: dict, batch: int, rounds: int, warmup: int, threads: int) ->
     collector = _Collections()
     gc.callbacks.append(collector)
 
-    def step(name: str) -> tuple:
+    def step(name: str, mark=_unmarked) -> tuple:
         model = models[name]
         if name not in opts:  # once: setdefault would build (and drop) an optimizer every step
             opts[name] = torch.optim.AdamW(model.parameters(), lr=1e-4)
         opt = opts[name]
         collector.reset()
         t0 = time.perf_counter()
+        mark("forward")
         loss = lm_loss(model(idx[:, :-1]), idx[:, 1:])
         t1 = time.perf_counter()
+        mark("backward")
         loss.backward()
         t2 = time.perf_counter()
+        mark("optimizer")
         opt.step()
         opt.zero_grad(set_to_none=True)
         t3 = time.perf_counter()
@@ -134,7 +137,55 @@ def _rank_body(gpt: dict, batch: int, rounds: int, warmup: int, threads: int) ->
                 times[name].append(got)
     _cyclic_garbage(lambda: step(names[-1]))  # untimed: the probe's own first use leaves ~10 objects reachable
     return dict(times=times, depths=decided, decided_after=decided_after, threads=threading.active_count(),
-                garbage={n: _cyclic_garbage(lambda n=n: step(n)) for n in names})
+                garbage={n: _cyclic_garbage(lambda n=n: step(n)) for n in names},
+                misses={n: _propagation_misses(lambda mark, n=n: step(n, mark)) for n in names})
+
+
+def _unmarked(_phase: str) -> None:
+    pass
+
+
+def _cache_counters() -> dict:
+    """Counters of DTensor's propagation caches that this torch has (names -> a function reading each): the
+    sharding cache's misses (a Python LRU under torch 2.11; 2.13 caches in C++ before it), the tensor-meta LRU's
+    misses (128 entries: more distinct ops a step thrash it), FakeTensor's dispatch cache size (what a miss
+    propagates through; it grew by 9 entries a step in the first auto under torch 2.11)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed.tensor import DTensor
+
+    prop = DTensor._op_dispatcher.sharding_propagator
+    out = {}
+    if hasattr(sharding := prop.__dict__.get("propagate_op_sharding"), "cache_info"):
+        out["sharding misses"] = lambda: sharding.cache_info().misses
+    if hasattr(meta := getattr(type(prop), "_propagate_tensor_meta_cached", None), "cache_info"):
+        out["tensor-meta misses"] = lambda: meta.cache_info().misses
+    if isinstance(getattr(FakeTensorMode, "cache", None), dict):
+        out["fake dispatch cache size"] = lambda: len(FakeTensorMode.cache)
+    return out
+
+
+def _propagation_misses(step) -> dict:
+    """What a step (over `GARBAGE_STEPS` steps) added to each of `_cache_counters()`, per phase: an op whose
+    cache key changes every step (a per-step scalar, a spec that differs) propagates again every step."""
+    from collections import Counter
+
+    counters = _cache_counters()
+    if not counters:
+        return {"per_step": {}, "unavailable": "none of the caches this probe reads exists in this torch"}
+    added = Counter()
+    state = {"phase": None, "at": {}}
+
+    def mark(p):  # what the counters gained since the last mark belongs to the phase that ran
+        now = {k: f() for k, f in counters.items()}
+        if state["phase"] is not None:
+            for k, v in now.items():
+                added[f"{state['phase']} {k}"] += v - state["at"][k]
+        state.update(phase=p, at=now)
+
+    for _ in range(GARBAGE_STEPS):
+        step(mark)
+        mark(None)
+    return {"per_step": {k: c / GARBAGE_STEPS for k, c in added.items() if c}}
 
 
 GARBAGE_STEPS = 3
@@ -188,7 +239,7 @@ def _summary(per_rank: list[dict]) -> dict:
         row["vs_pinned"] = statistics.median(ratios)
         row["vs_pinned_middle_half"] = (ratios[len(ratios) // 4], ratios[(3 * len(ratios)) // 4])
     return dict(rows=rows, depths=per_rank[0]["depths"], decided_after=per_rank[0]["decided_after"],
-                garbage=per_rank[0]["garbage"],
+                garbage=per_rank[0]["garbage"], misses=per_rank[0]["misses"],
                 threads=max(r["threads"] for r in per_rank), rounds=rounds)
 
 
@@ -211,6 +262,9 @@ def _markdown(result: dict) -> str:
               "between two full collections; its 8 most common types):", ""]
     lines += [f"- {n}: {g['total']:.0f} objects" + (": " + ", ".join(f"{k} {v:.0f}" for k, v in g["types"].items())
                                                       if g["types"] else "") for n, g in result["garbage"].items()]
+    lines += ["", "What a step added to DTensor's propagation caches (misses, entries; rank 0), by phase:", ""]
+    lines += [f"- {n}: " + (", ".join(f"{k} {c:.1f}" for k, c in m["per_step"].items()) if m["per_step"]
+                            else m.get("unavailable", "none")) for n, m in result["misses"].items()]
     lines += ["", "Still reachable after those steps that was not before them (objects the collector tracks, a step):", ""]
     lines += [f"- {n}: {g['grown']:.1f} objects" + (": " + ", ".join(f"{k} {v:.1f}" for k, v in g["grown_types"].items())
                                                        if g["grown_types"] else "") for n, g in result["garbage"].items()]
