@@ -256,8 +256,7 @@ def _matmul_rate(points: tuple, base: Hardware) -> float | None:
 
 def _memory_rate(target_ms: float, model: ModelConfig, traced: ParallelConfig, base: Hardware, matmul,
                  points: tuple, without_optimizer: bool = False) -> float:
-    """The memory rate (bisected) at which the traced layout's predicted compute (less its optimizer step where
-    `without_optimizer`: the trace measured it) is `target_ms`."""
+    """The memory rate (bisected) at which the traced layout's compute (less its optimizer step) is `target_ms`."""
     def compute_ms(log_rate: float) -> float:
         rate = math.exp(log_rate)
         r = predict(model, traced, rescaled(base, matmul or rate, rate, points))
@@ -314,12 +313,13 @@ def fit(measured: Measured, model: ModelConfig, traced: ParallelConfig, base: Ha
     base_report = predict(model, traced, rescaled(base, matmul or 1.0, matmul or 1.0, points))
     by_kind, unmatched, engine_exposed = _traced_comm(measured, base_report.comm_by_kind, notes)
     hidden = {k: max(0.0, c - e) for k, (c, e) in by_kind.items()}
-    waiting = 0.0
-    if matmul is not None:
-        waiting = min(max(0.0, measured.compute_ms - base_report.compute_ms), sum(hidden.values()))
     # The optimizer's step, where marked, is set apart: one layout's rates cannot tell a fixed cost from per-sample work
-    opt = measured.optimizer_ms if 0 < (measured.optimizer_ms or 0) < measured.compute_ms - waiting else None
-    target = measured.compute_ms - waiting - (opt or 0.0)
+    opt = measured.optimizer_ms if 0 < (measured.optimizer_ms or 0) < measured.compute_ms else None
+    waiting, fitted = 0.0, measured.compute_ms - (opt or 0.0)
+    if matmul is not None:  # the compute beyond the GEMMs' rate's, the optimizer's step on both sides set apart
+        waiting = min(max(0.0, fitted - base_report.compute_ms + (base_report.optimizer_ms if opt else 0.0)),
+                      sum(hidden.values()))
+    target = fitted - waiting
     scale = matmul if matmul is not None and not opt and abs(base_report.compute_ms - target) <= 1e-9 * target \
         else _memory_rate(target, model, traced, base, matmul, points, opt is not None)
     hw = rescaled(base, matmul or scale, scale, points)
