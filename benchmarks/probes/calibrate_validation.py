@@ -113,13 +113,13 @@ def run_rank(sizes: dict, layout: tuple, steps: int, trace_dir: str, overlap: st
         if dp > 1:
             model = DataParallel(model, groups.dp, sequence_parallel_group=groups.tp if tp > 1 else None)
         chunks, params = [model], list(model.parameters())
-    # What the cost model prices a step's optimizer as (step.ADAM_BYTES_PER_PARAM, GRAD_NORM_BYTES_PER_PARAM: one
-    # pass over the states, as Megatron's and Apex's fused Adam make) and what a user runs: fused AdamW and clipping
-    # by the whole model's norm. The optimizer is a fixed cost per step, which a fit on one traced layout cannot
-    # tell from the per-sample work: plain SGD moved a third of the priced bytes, foreach AdamW (a pass per
-    # elementwise op) about three times them (+17 ms a step on the H100, 2026-12-07), and each time the fit
-    # folded the difference into every memory-bound op's rate.
-    opt = torch.optim.AdamW(optim_param_groups(params), lr=1e-4, fused=True)
+    # What the cost model prices a step's optimizer as (step.ADAM_BYTES_PER_PARAM, GRAD_NORM_BYTES_PER_PARAM: the
+    # one pass of a fused Adam) and what a user runs: AdamW, clipping by the whole model's norm. A fixed cost a
+    # step, which one traced layout cannot tell from per-sample work: SGD moved a third of the priced bytes, foreach
+    # AdamW ~3x (+17 ms a step on the H100, 2026-12-07), each folded into every op's fitted rate. The fit now reads
+    # the optimizer's step off the trace; the CPU keeps foreach (fused over DTensors not run under torch 2.11 here).
+    opt = torch.optim.AdamW(optim_param_groups(params), lr=1e-4, **({"fused": True} if device == "cuda" else
+                                                                     {"foreach": True}))
     from overlapkit.expert_parallel import clip_grad_norm_
     gen = torch.Generator().manual_seed(1)
     path = os.path.join(trace_dir, f"rank{groups.rank}.json")
