@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..runtime import comm
+from ..runtime.entry import check_device
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -71,7 +72,7 @@ def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0, group=N
         norms.append(n.full_tensor() if hasattr(n, "full_tensor") else n)
     if group is None and not norms:
         return torch.tensor(0.0)
-    device = params[0].grad.device if params else _group_device(group)
+    device = params[0].grad.device if params else check_device(group)  # NCCL needs the GPU
     total = torch.nn.utils.get_total_norm(norms, norm_type) if norms else torch.zeros((), device=device)
     if group is not None:  # a stage with no gradients still joins the collective
         total = _over_group(total.float().to(device), norm_type, group)
@@ -89,10 +90,3 @@ def _over_group(norm: torch.Tensor, norm_type: float, group) -> torch.Tensor:
     powered = norm.pow(norm_type)
     dist.all_reduce(powered, group=group)
     return powered.pow(1.0 / norm_type)
-
-
-def _group_device(group) -> torch.device:
-    """Where a rank without gradients keeps its share of a collective over `group` (NCCL needs the GPU)."""
-    if group is not None and dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
