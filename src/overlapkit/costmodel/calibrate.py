@@ -69,8 +69,7 @@ class Measured:
     """On a GPU, the host's own time per step: the step less the time its threads sat in a synchronization
     with the GPU. What dispatch took whether or not the GPU waited for it (None: the trace cannot tell)."""
     optimizer_ms: float | None = None
-    """Compute a step launched inside torch's `Optimizer.step#...` range (None: no such range): set apart from
-    the per-sample work the rates are fitted to."""
+    """Compute a step launched inside torch's `Optimizer.step#...` range (None: none), set apart from the rates."""
 
     def __post_init__(self) -> None:
         v.positive("Measured", "step_ms", self.step_ms)
@@ -126,8 +125,7 @@ class Calibration:
     """On a GPU: the traced idle that the layers' dispatch does not explain (the step's edges: the optimizer's
     launches, a loss read back), added once per step at every layout."""
     optimizer_factor: float = 1.0
-    """The traced optimizer step's time / the model's at the fitted rates (foreach or fused, SGD or Adam: the
-    trace says); each layout's optimizer is the model's times this."""
+    """Traced optimizer step's time / the model's at the fitted rates; each layout's is the model's times it."""
 
     @property
     def collectives(self) -> Collectives:
@@ -254,13 +252,17 @@ def _matmul_rate(points: tuple, base: Hardware) -> float | None:
     return math.exp(sum(math.log(plain.gemm_ms(m, k, n) / ms) for m, k, n, ms in points) / len(points))
 
 
+def _fitted_ms(report: StepReport, optimizer_measured) -> float:
+    """Predicted compute less the optimizer's step where measured: a fixed cost one layout cannot tell from the rest."""
+    return report.compute_ms - (report.optimizer_ms if optimizer_measured else 0.0)
+
+
 def _memory_rate(target_ms: float, model: ModelConfig, traced: ParallelConfig, base: Hardware, matmul,
                  points: tuple, without_optimizer: bool = False) -> float:
-    """The memory rate (bisected) at which the traced layout's compute (less its optimizer step) is `target_ms`."""
+    """The memory rate (bisected) at which the traced layout's `_fitted_ms` is `target_ms`."""
     def compute_ms(log_rate: float) -> float:
         rate = math.exp(log_rate)
-        r = predict(model, traced, rescaled(base, matmul or rate, rate, points))
-        return r.compute_ms - (r.optimizer_ms if without_optimizer else 0.0)
+        return _fitted_ms(predict(model, traced, rescaled(base, matmul or rate, rate, points)), without_optimizer)
 
     # predicted compute falls as the rate rises
     lo, hi = bisect(lambda log_rate: compute_ms(log_rate) > target_ms, math.log(1e-12), math.log(1e6))
@@ -313,22 +315,20 @@ def fit(measured: Measured, model: ModelConfig, traced: ParallelConfig, base: Ha
     base_report = predict(model, traced, rescaled(base, matmul or 1.0, matmul or 1.0, points))
     by_kind, unmatched, engine_exposed = _traced_comm(measured, base_report.comm_by_kind, notes)
     hidden = {k: max(0.0, c - e) for k, (c, e) in by_kind.items()}
-    # The optimizer's step, where marked, is set apart: one layout's rates cannot tell a fixed cost from per-sample work
     opt = measured.optimizer_ms if 0 < (measured.optimizer_ms or 0) < measured.compute_ms else None
     waiting, fitted = 0.0, measured.compute_ms - (opt or 0.0)
-    if matmul is not None:  # the compute beyond the GEMMs' rate's, the optimizer's step on both sides set apart
-        waiting = min(max(0.0, fitted - base_report.compute_ms + (base_report.optimizer_ms if opt else 0.0)),
-                      sum(hidden.values()))
+    if matmul is not None:  # the compute beyond the GEMMs' rate's, the optimizer's step set apart on both sides
+        waiting = min(max(0.0, fitted - _fitted_ms(base_report, opt)), sum(hidden.values()))
     target = fitted - waiting
-    scale = matmul if matmul is not None and not opt and abs(base_report.compute_ms - target) <= 1e-9 * target \
-        else _memory_rate(target, model, traced, base, matmul, points, opt is not None)
+    scale = matmul if matmul is not None and abs(_fitted_ms(base_report, opt) - target) <= 1e-9 * target else \
+        _memory_rate(target, model, traced, base, matmul, points, opt is not None)
     hw = rescaled(base, matmul or scale, scale, points)
     r = predict(model, traced, hw)
     factor = opt / r.optimizer_ms if opt and r.optimizer_ms > 0 else 1.0
     if opt:
         notes.append(f"the optimizer's step measured {opt:.3g} ms per step against the model's {r.optimizer_ms:.3g} "
                      f"ms at the fitted rates: priced x{factor:.3g} at every layout, apart from the fitted rates")
-    if abs(r.compute_ms - (r.optimizer_ms if opt else 0.0) - target) > 0.01 * target:
+    if abs(_fitted_ms(r, opt) - target) > 0.01 * target:
         notes.append(f"the traced compute ({target:.3g} ms) cannot be met by the memory rate beside the named "
                      f"GEMMs: the fit stops at {scale:.3g}x")
     if waiting > 0:
