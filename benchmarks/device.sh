@@ -139,32 +139,35 @@ users() {
       --heads 16 --out "$c"
 }
 
-# next: what the open issues still lack after the third call of 2026-12-07, in two lanes, by priority (the call may
-# be cut at its limit: every step that finished comes back). GPU lane: the GPU calibration after the host-queue
-# model (a run the model was not designed on; each layout now steps AdamW with clipping, as the model prices), the serving row at ws 1 (batch 1's prefill moved 1.05 -> 1.25x
-# between two calls). gloo lane: the ZeRO-3 twin probe (what each variant leaves for the cyclic collector), the
-# 16 cores' calibration (GPT, then HF Llama), never run after its fixes.
+# next: what the open issues still lack, in two lanes, by priority (the call may be cut at its limit: every step
+# that finished comes back). GPU lane: the GPU calibration after the host-queue model (each layout steps fused AdamW
+# with clipping, as the model prices), the serving row at ws 1. gloo lane: ZeRO-3 auto vs its pinned twin with
+# AdamW's foreach path in every variant (the single-tensor default let the variant first at each step count pay
+# FakeTensor's propagation for the others: auto, ahead by its deciding steps, paid it every step), the twin probe
+# likewise, then the 16 cores' calibration of our GPT (HF Llama's is in `calibrate16`).
 next_gpu() {
   calibrate_cuda 170 40
   infer_gpu_row 200 3 plain,ok,ok_graphs
 }
+fsdp_ws8_twin() {
+  step fsdp_ws8 110 "${PIN[@]}" python3 benchmarks/fsdp_overlap.py --world 8 --threads 1 --variants fsdp2,1,2,auto \
+      --total-s 95 --budget-s 70 --steps 40 --warmup 1 --recorded 0 --out "$c"
+}
 next_cpu() {
   mkdir -p "$c"
-  step fsdp_twin_phases 110 "${PIN[@]}" python3 benchmarks/probes/fsdp_twin_phases.py --world 8 --threads 1 \
-      --rounds 20 --out "$c"
+  fsdp_ws8_twin
+  step fsdp_twin_phases 100 "${PIN[@]}" python3 benchmarks/probes/fsdp_twin_phases.py --world 8 --threads 1 \
+      --rounds 16 --out "$c"
   step calibrate_cpu_gpt 250 "${PIN[@]}" python3 benchmarks/probes/calibrate_validation.py --device cpu --model gpt \
       --layout-limit 45 --out "$c"
-  step calibrate_cpu_llama 230 "${PIN[@]}" python3 benchmarks/probes/calibrate_validation.py --device cpu \
-      --model llama --layout-limit 45 --out "$c"
 }
 
 # short: next's first step of each lane, for a call with under 300 s of device time left (the GPU calibration after
-# the host-queue model, with AdamW; the ZeRO-3 twin probe at 8 ranks).
+# the host-queue model, with AdamW; ZeRO-3 auto vs its twin at 8 ranks).
 short_gpu() { calibrate_cuda 170 40; }
 short_cpu() {
   mkdir -p "$c"
-  step fsdp_twin_phases 110 "${PIN[@]}" python3 benchmarks/probes/fsdp_twin_phases.py --world 8 --threads 1 \
-      --rounds 16 --out "$c"
+  fsdp_ws8_twin
 }
 
 # users37: issue 37's two user steps still unmeasured, on all 16 cores, in under 260 s (MoE at ep 4; the HF Llama at
@@ -216,8 +219,7 @@ closing_gpu() {  # by priority: a call cut short by the device time left keeps w
 serve_cpu() {
   THREADS2=6 THREADS4=3 THREADS8=1 infer_cpu16
   step ep_ws4 60 "${PIN[@]}" python3 benchmarks/ep_overlap.py --world 4 --threads 3 --out "$c"
-  step fsdp_ws8 110 "${PIN[@]}" python3 benchmarks/fsdp_overlap.py --world 8 --threads 1 --variants fsdp2,1,2,auto \
-      --total-s 95 --budget-s 70 --steps 40 --warmup 1 --recorded 0 --out "$c"
+  fsdp_ws8_twin
   step pp_ws4 90 "${PIN[@]}" python3 benchmarks/pp_overlap.py --world 4 --threads 3 --schedules 1f1b,interleaved \
       --steps 16 --warmup 2 --recorded 1 --out "$c"
 }

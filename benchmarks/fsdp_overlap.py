@@ -44,8 +44,8 @@ import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
-from _lib.common import (add_common_args, balanced_orders, device_label, line_up, lm_train_step, out_dir,
-                         print_message, run_ranks, time_variants, world_size, write_results)
+from _lib.common import (adamw_options, add_common_args, balanced_orders, device_label, line_up, lm_train_step,
+                         out_dir, print_message, run_ranks, time_variants, world_size, write_results)
 from _lib.presets import FSDP_PRESETS, SMOKE_GPT
 from _lib.unexported import measure, prefetch_wall_ms
 from overlapkit.data_parallel import DataParallel, ShardedOptimizer, fully_shard, layer_report, prefetch_plan
@@ -125,7 +125,7 @@ def _rank_body(device_type: str, preset: dict, steps: int, warmup: int, recorded
         models["torch DDP"] = DistributedDataParallel(fresh(), process_group=group,
                                                       device_ids=[device.index] if device.type == "cuda" else None)
     for k, m in models.items():
-        opts.setdefault(k, torch.optim.AdamW(m.parameters(), lr=1e-4))
+        opts.setdefault(k, torch.optim.AdamW(m.parameters(), lr=1e-4, **adamw_options(device_type)))
     step = lm_train_step(models, opts, cfg.vocab_size, preset["batch"], cfg.seq_len, 1 + rank, device)
 
     t0 = time.perf_counter()
@@ -145,7 +145,7 @@ def _rank_body(device_type: str, preset: dict, steps: int, warmup: int, recorded
     auto_plan = prefetch_plan(models[AUTO])
     for name in (PINNED, PINNED2):
         models[name] = fully_shard(fresh(), mesh, prefetch=(auto_plan.forward_depth, auto_plan.backward_depth))
-        opts[name] = torch.optim.AdamW(models[name].parameters(), lr=1e-4)
+        opts[name] = torch.optim.AdamW(models[name].parameters(), lr=1e-4, **adamw_options(device_type))
         for _ in range(warmup):
             step(name)  # as warm as the others before the round they all share
     variants = tuple(v for k in variants for v in ((k, PINNED, PINNED2) if k == AUTO else (k,)))  # rows under auto's

@@ -50,8 +50,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from _lib.common import (add_out_arg, add_smoke_arg, balanced_orders, device_label, line_up, out_dir,  # noqa: E402
-                         print_message, run_ranks, write_results)
+from _lib.common import (adamw_options, add_out_arg, add_smoke_arg, balanced_orders, device_label, line_up,  # noqa: E402
+                         out_dir, print_message, run_ranks, write_results)
 from _lib.hf_llama import MODES, PRESETS, build_variant  # noqa: E402
 from _lib.memory import held_peak_bytes, storages  # noqa: E402
 
@@ -124,10 +124,7 @@ def _rank_body(cfg_kw: dict, names: list[str], rounds: int, warmup: int, tp: int
             models[name], ctxs[name] = build_moe_variant(name, base, groups), contextlib.nullcontext
         else:
             models[name], ctxs[name] = build_variant(name, base, groups, dp, compile_mode)
-        # fused on a GPU (what users run there); foreach on CPU, where the single-tensor default would
-        # pay DTensor dispatch per parameter and op (the parallelized variants only)
-        fused = dict(fused=True) if device_type == "cuda" else dict(foreach=True)
-        opts[name] = torch.optim.AdamW(models[name].parameters(), lr=1e-4, **fused)
+        opts[name] = torch.optim.AdamW(models[name].parameters(), lr=1e-4, **adamw_options(device_type))
     del base
 
     def step(name: str) -> float:

@@ -127,6 +127,16 @@ def time_variants(step: Callable[[str], None], variants: list[str], steps: int, 
     return times
 
 
+def adamw_options(device_type: str) -> dict:
+    """AdamW's keyword arguments for a step compared across variants: fused on a GPU (what users run there), foreach
+    on CPU. Never torch's default over DTensor parameters there (the single-tensor path): besides paying DTensor
+    dispatch per parameter and op, under torch 2.11 each of its ops is keyed in FakeTensor's dispatch cache by the
+    step's scalars (the bias corrections), so in one process only the variant that first reaches a step count pays
+    the propagation and those behind it hit its entries -- a decided `auto`, ahead by its deciding steps, paid it
+    for every twin (probes/fsdp_twin_phases.py --optimizer single shows it)."""
+    return dict(fused=True) if device_type == "cuda" else dict(foreach=True)
+
+
 def lm_train_step(models: dict, opts: dict, vocab_size: int, batch: int, seq_len: int, seed: int,
                   device: torch.device) -> Callable[[str], None]:
     """step(name): one training step of models[name] on a fixed batch of this rank's tokens.

@@ -46,6 +46,11 @@ from overlapkit.data_parallel import fully_shard, prefetch_plan
 from overlapkit.models import GPT, GPTConfig, lm_loss
 
 PHASES = ("forward", "backward", "optimizer")
+OPTIMIZERS = {"foreach": dict(foreach=True), "single": {}}
+OPTIMIZERS_HELP = ("AdamW's foreach path (default), or 'single': torch's default over DTensor parameters, the "
+                   "single-tensor path. Under torch 2.11 its per-step scalars key FakeTensor's dispatch cache, so in "
+                   "one process only the model that first reaches each step count pays the propagation and the "
+                   "others hit its entries: the decided autos, ahead by their deciding steps, paid it for the twins")
 MAX_DECIDE_STEPS = 30
 
 
@@ -72,7 +77,7 @@ class _Collections:
         return sum(self.by_gen), list(self.by_gen), self.ms, self.freed
 
 
-def _rank_body(gpt: dict, batch: int, rounds: int, warmup: int, threads: int) -> dict:
+def _rank_body(gpt: dict, batch: int, rounds: int, warmup: int, threads: int, optimizer: str) -> dict:
     torch.set_num_threads(threads)
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -93,7 +98,7 @@ def _rank_body(gpt: dict, batch: int, rounds: int, warmup: int, threads: int) ->
     def step(name: str, mark=_unmarked) -> tuple:
         model = models[name]
         if name not in opts:  # once: setdefault would build (and drop) an optimizer every step
-            opts[name] = torch.optim.AdamW(model.parameters(), lr=1e-4)
+            opts[name] = torch.optim.AdamW(model.parameters(), lr=1e-4, **OPTIMIZERS[optimizer])
         opt = opts[name]
         collector.reset()
         t0 = time.perf_counter()
@@ -246,7 +251,8 @@ def _summary(per_rank: list[dict]) -> dict:
 def _markdown(result: dict) -> str:
     a = result["args"]
     lines = [f"ZeRO-3 auto beside its twins, phase by phase: {result['device']}, {a['world']} ranks x {a['threads']} "
-             f"thread(s), GPT {result['gpt']['hidden']} x {result['gpt']['num_layers']}, {result['rounds']} rounds in a "
+             f"thread(s), GPT {result['gpt']['hidden']} x {result['gpt']['num_layers']}, AdamW "
+             f"{a.get('optimizer', 'single')}, {result['rounds']} rounds in a "
              f"balanced order; auto decided {result['depths']} (steps to decide: {result['decided_after']}); slowest "
              f"rank, medians; threads alive after: {result['threads']}", "",
              "| variant | step ms | vs its pinned twin (middle half) | forward ms | backward ms | optimizer ms | gc / step "
@@ -278,6 +284,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--batch", type=int, default=FSDP_PRESETS["cpu"]["batch"])
+    ap.add_argument("--optimizer", choices=tuple(OPTIMIZERS), default="foreach", help=OPTIMIZERS_HELP)
     args = ap.parse_args(argv)
     if args.device != "cpu":
         print("fsdp_twin_phases: CPU (gloo) only: the gap it looks for was measured on the 16 cores", file=sys.stderr)
@@ -286,14 +293,16 @@ def main(argv=None) -> int:
     if args.smoke:
         args.rounds, args.warmup = 2, 1
     world = world_size(args)
-    per_rank = run_ranks(_rank_body, world, gpt, args.batch, args.rounds, args.warmup, args.threads,
+    per_rank = run_ranks(_rank_body, world, gpt, args.batch, args.rounds, args.warmup, args.threads, args.optimizer,
                          timeout_s=600.0, on_message=print_message)
     result = dict(device=device_label(args.device), gpt=gpt, args=dict(world=world, threads=args.threads,
-                                                                        rounds=args.rounds, batch=args.batch),
+                                                                        rounds=args.rounds, batch=args.batch,
+                                                                        optimizer=args.optimizer),
                   **_summary(per_rank))
     for row in result["rows"].values():
         row.pop("steps")
-    stem = f"fsdp_twin_phases_{args.device}_ws{world}" + ("_smoke" if args.smoke else "")
+    stem = (f"fsdp_twin_phases_{args.device}_ws{world}" + ("_single" if args.optimizer == "single" else "")
+            + ("_smoke" if args.smoke else ""))
     write_results(result, os.path.join(out_dir(args), stem), _markdown)
     return 0
 
