@@ -16,6 +16,8 @@
 #           hand loop -- and the entry checks' share of a tp 4 step
 #   serve   infer and calibrate1 in the GPU lane beside, on the other cores, infer's tp 2/4/8 and the fixed-cost
 #           twins (ep 4 chunks="auto", ZeRO-3 auto at 8 ranks, PP 1F1B vs Schedule1F1B): one call's worth
+#   final   in sequence: the GPU calibration alone on the machine, then on 16 cores ZeRO-3 auto vs its twin, PP 1F1B
+#           vs Schedule1F1B and HF Llama's calibration
 #   short   next's first step of each lane (the GPU calibration, the ZeRO-3 twin probe), for under 300 s of device time
 #   next    what the open issues still lack (GPU calibration after the host queue, the ZeRO twin probe, calibrate16)
 #   after   the two calibrations (GPU across micro-batches; the 13-core gloo job, GPT then HF Llama) in lanes (< 560 s)
@@ -40,7 +42,7 @@
 # so far (packed again after each). Results of the 16 cores are named *_cpu16_* as committed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-part=${1:?"part: checks | h200 | cpu16 | users | users37 | infer | infer1 | serve | closing | next | short | after | record | compiled | multi | gemm | probes | calibrate16 | calibrate1 | ab SCRIPT ARGS..."}; shift
+part=${1:?"part: checks | h200 | cpu16 | users | users37 | infer | infer1 | serve | closing | next | short | final | after | record | compiled | multi | gemm | probes | calibrate16 | calibrate1 | ab SCRIPT ARGS..."}; shift
 if [ "$part" = ab ]; then dest=${OUT:-/tmp/overlapkit_device}; else dest=${1:-${OUT:-/tmp/overlapkit_device}}; fi
 # Results and logs are written in a work folder outside OUTDIR; OUTDIR only ever holds PART.tgz, packed again after
 # every step, so a call cut at its limit (or a lane that runs long) still returns every step that finished.
@@ -168,6 +170,20 @@ short_gpu() { calibrate_cuda 170 40; }
 short_cpu() {
   mkdir -p "$c"
   fsdp_ws8_twin
+}
+
+# final: one call in sequence, no lanes: the GPU calibration alone on the machine (the host's busy time was not flat
+# beside the gloo lane in the two calls before, so the host-queue model has had no clean run), then on all 16 cores
+# ZeRO-3 auto vs its twin again (a second reading after the optimizer fix), PP 1F1B vs torch's Schedule1F1B, and
+# the 16 cores' calibration of HF Llama (never run).
+final() {
+  calibrate_cuda 150 40
+  mkdir -p "$c"
+  fsdp_ws8_twin
+  step pp_ws4 90 python3 benchmarks/pp_overlap.py --world 4 --threads 3 --schedules 1f1b,interleaved \
+      --steps 16 --warmup 2 --recorded 1 --out "$c"
+  step calibrate_cpu_llama 200 python3 benchmarks/probes/calibrate_validation.py --device cpu --model llama \
+      --layout-limit 40 --out "$c"
 }
 
 # users37: issue 37's two user steps still unmeasured, on all 16 cores, in under 260 s (MoE at ep 4; the HF Llama at
@@ -353,7 +369,7 @@ lanes() {
 }
 
 case "$part" in
-checks | h200 | cpu16 | users | users37 | infer | multi | probes | calibrate16 | calibrate1) "$part" ;;
+checks | h200 | cpu16 | users | users37 | infer | multi | probes | calibrate16 | calibrate1 | final) "$part" ;;
 serve) lanes serve_gpu serve_cpu ;;
 closing) lanes closing_gpu closing_cpu ;;
 next) lanes next_gpu next_cpu ;;
