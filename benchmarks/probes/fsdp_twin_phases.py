@@ -20,6 +20,10 @@ time and in instance rather than in calls:
   it leaves reachable that was not before (a growing list or cache), by type (the decided autos collected ~15x
   as often as the twin on the 16 cores under torch 2.11: this names what they leave).
 
+Found (2026-12-07, torch 2.11): the residue was AdamW's single-tensor path over DTensors, whose per-step scalars
+key FakeTensor's process-wide dispatch cache, so only the model first at each step count paid the propagation
+(`--optimizer single` shows it; the default, foreach, is what the benchmarks now step).
+
     python benchmarks/probes/fsdp_twin_phases.py --world 8 --threads 1 --rounds 30
 
 Writes benchmarks/results/fsdp_twin_phases_<device>_ws<N>.{json,md}.
