@@ -23,6 +23,8 @@ Memory: on CUDA the peak allocated during one step of each variant alone; on CPU
 parameters, gradients and optimizer state a rank holds after a step, plus (ZeRO-3) the
 gathered parameters that the prefetch depth holds ahead. The cost model's prediction for each
 depth (`costmodel.fsdp.prefetch_wall_ms` from auto's probe) sits beside the measurement.
+Every variant steps AdamW on its foreach path (fused on CUDA; `_lib/common.adamw_options` says why the
+single-tensor default would let the variant ahead in steps pay for the rest).
 
     python benchmarks/fsdp_overlap.py --world 4 --threads 2        # CPU, gloo
     python benchmarks/fsdp_overlap.py --world 8 --threads 2 --budget-s 120 --variants fsdp2,0,1,2,auto
