@@ -28,6 +28,15 @@ def test_max_connections_advice(monkeypatch, value, needle):
     assert any("FSDP" in line and "unset or > 1" in line for line in lines)
 
 
+@pytest.mark.parametrize("version,warned", [("2.11.0+cu130", True), ("2.12.1", True), ("2.13.0+cpu", False),
+                                             ("2.14.1", False)])
+def test_single_tensor_optimizer_advice_before_torch_2_13(version, warned):
+    info = facts()
+    info["torch"] = version
+    assert any("single-tensor path over DTensor parameters" in line and "foreach=True" in line
+               for line in advice(info)) is warned
+
+
 def test_bulk_warning_only_on_cuda_without_one(monkeypatch):
     state.reset()  # the once-per-process advice is kept in the registry
     assert comm.warn_if_max_connections_unsuited("cpu") is False

@@ -12,6 +12,7 @@ import platform
 
 import torch
 import torch.distributed as dist
+from torch.torch_version import TorchVersion
 
 from .runtime.comm import max_connections_meaning
 
@@ -72,6 +73,13 @@ def advice(info: dict) -> list[str]:
         out.append("Some GPU pairs lack peer access: the symm_mem transport cannot run between them; use transport='p2p'.")
     if info["env"]["NCCL_NVLS_ENABLE"] not in (None, "0"):
         out.append("NCCL_NVLS_ENABLE is on: NVLink multicast is in use.")
+    if TorchVersion(info["torch"]) < (2, 13):
+        # Seen under 2.11, gone under 2.13 (docs/data_parallel.md): the single-tensor path's ops carry the step's
+        # scalars, which key FakeTensor's process-wide dispatch cache, so every step propagates them again.
+        out.append(f"torch {info['torch']} is older than 2.13: an optimizer on its default single-tensor path over "
+                   "DTensor parameters (fully_shard, FSDP2, parallelize) re-propagates each op every step under "
+                   "torch 2.11 (~2.4 ms a parameter shape, and a cache that grows every step); pass foreach=True "
+                   "or fused=True, with overlapkit.optim_param_groups where plain and DTensor parameters mix.")
     return out
 
 
