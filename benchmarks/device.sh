@@ -18,8 +18,8 @@
 #           twins (ep 4 chunks="auto", ZeRO-3 auto at 8 ranks, PP 1F1B vs Schedule1F1B): one call's worth
 #   final   in sequence: the GPU calibration alone on the machine, then on 16 cores ZeRO-3 auto vs its twin, PP 1F1B
 #           vs Schedule1F1B and HF Llama's calibration
-#   short   next's first step of each lane (the GPU calibration, the ZeRO-3 twin probe), for under 300 s of device time
-#   next    what the open issues still lack (GPU calibration after the host queue, the ZeRO twin probe, calibrate16)
+#   short   next's first step of each lane (the GPU calibration, ZeRO-3 auto vs its twin), for under 300 s of device time
+#   next    what the open issues still lack (GPU calibration, ZeRO-3 auto vs its twin and its probe, our GPT's calibrate16)
 #   after   the two calibrations (GPU across micro-batches; the 13-core gloo job, GPT then HF Llama) in lanes (< 560 s)
 #   closing serve's GPU lane beside, on the other cores, serving at tp 4 and the user's path at ep 4 and pp 4 (< 560 s)
 #   infer1  infer_step on the GPU at world size 1 alone (the shortest call that measures issue 39's GPU row)
@@ -121,8 +121,7 @@ cpu16() {
       --threads 3 --rounds 6 --warmup 1 --budget-s 20 --out "$c"
   step user_tiny 30 "${PIN[@]}" python3 benchmarks/user_step.py --world 1 --threads 2 --rounds 8 --budget-s 12 --out "$c"
   step dp_ws4 95 "${PIN[@]}" python3 benchmarks/dp_overlap.py --world 4 --threads 3 --budget-s 60 --out "$c"
-  step pp_ws4 90 "${PIN[@]}" python3 benchmarks/pp_overlap.py --world 4 --threads 3 --schedules 1f1b,interleaved \
-      --steps 16 --warmup 2 --recorded 1 --out "$c"
+  pp_ws4
   step ep_ws4 60 "${PIN[@]}" python3 benchmarks/ep_overlap.py --world 4 --threads 3 --out "$c"
   step cp_ws4 45 "${PIN[@]}" python3 benchmarks/cp_overlap.py --world 4 --threads 3 --out "$c"
   step fsdp_ws8 90 "${PIN[@]}" python3 benchmarks/fsdp_overlap.py --world 8 --threads 1 --variants fsdp2,1,2,auto \
@@ -150,6 +149,10 @@ users() {
 next_gpu() {
   calibrate_cuda 170 40
   infer_gpu_row 200 3 plain,ok,ok_graphs
+}
+pp_ws4() {  # PP 1F1B and interleaved beside torch's schedules at pp 4
+  step pp_ws4 90 "${PIN[@]}" python3 benchmarks/pp_overlap.py --world 4 --threads 3 --schedules 1f1b,interleaved \
+      --steps 16 --warmup 2 --recorded 1 --out "$c"
 }
 fsdp_ws8_twin() {
   step fsdp_ws8 110 "${PIN[@]}" python3 benchmarks/fsdp_overlap.py --world 8 --threads 1 --variants fsdp2,1,2,auto \
@@ -180,8 +183,7 @@ final() {
   calibrate_cuda 150 40
   mkdir -p "$c"
   fsdp_ws8_twin
-  step pp_ws4 90 python3 benchmarks/pp_overlap.py --world 4 --threads 3 --schedules 1f1b,interleaved \
-      --steps 16 --warmup 2 --recorded 1 --out "$c"
+  pp_ws4
   step calibrate_cpu_llama 200 python3 benchmarks/probes/calibrate_validation.py --device cpu --model llama \
       --layout-limit 40 --out "$c"
 }
@@ -236,8 +238,7 @@ serve_cpu() {
   THREADS2=6 THREADS4=3 THREADS8=1 infer_cpu16
   step ep_ws4 60 "${PIN[@]}" python3 benchmarks/ep_overlap.py --world 4 --threads 3 --out "$c"
   fsdp_ws8_twin
-  step pp_ws4 90 "${PIN[@]}" python3 benchmarks/pp_overlap.py --world 4 --threads 3 --schedules 1f1b,interleaved \
-      --steps 16 --warmup 2 --recorded 1 --out "$c"
+  pp_ws4
 }
 
 multi() {

@@ -34,7 +34,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: _lib
-from _lib.common import SMOKE_HELP, add_out_arg, out_dir, write_results  # noqa: E402
+from _lib.common import SMOKE_HELP, adamw_options, add_out_arg, out_dir, write_results  # noqa: E402
 
 SIZES = {"smoke": dict(hidden=64, num_heads=8, ffn_hidden=256, num_layers=2, seq_len=32, vocab_size=256, batch=4),
          "cpu": dict(hidden=512, num_heads=8, ffn_hidden=2048, num_layers=4, seq_len=256, vocab_size=4096, batch=8),
@@ -118,8 +118,7 @@ def run_rank(sizes: dict, layout: tuple, steps: int, trace_dir: str, overlap: st
     # step, which one traced layout cannot tell from per-sample work: SGD moved a third of the priced bytes, foreach
     # AdamW ~3x (+17 ms a step on the H100, 2026-12-07), each folded into every op's fitted rate. The fit now reads
     # the optimizer's step off the trace; the CPU keeps foreach (fused over DTensors not run under torch 2.11 here).
-    opt = torch.optim.AdamW(optim_param_groups(params), lr=1e-4, **({"fused": True} if device == "cuda" else
-                                                                     {"foreach": True}))
+    opt = torch.optim.AdamW(optim_param_groups(params), lr=1e-4, **adamw_options(device))
     from overlapkit.expert_parallel import clip_grad_norm_
     gen = torch.Generator().manual_seed(1)
     path = os.path.join(trace_dir, f"rank{groups.rank}.json")
