@@ -195,12 +195,15 @@ def model_json(sizes: dict, arch: str = "gpt") -> dict:
             "tied_embeddings": False, "name": "HF Llama" if llama else "overlapkit GPT"}
 
 
-def par_of(layout: tuple, overlap: str):
+def par_of(layout: tuple, overlap: str, device: str = "cuda"):
+    """The layout, stepped as run_rank steps it: eager, gradients kept (zero_grad(set_to_none=False)), fp32
+    parameters under autocast on the GPU (the CPU runs fp32 alone: the fitted rates absorb bf16's ratio)."""
     from overlapkit.costmodel import Overlap, ParallelConfig
 
     tp, pp, dp, mb, m = layout
     return ParallelConfig(tp=tp, pp=pp, dp=dp, micro_batch=mb, global_batch=mb * m * dp, sp=tp > 1,
-                          overlap=Overlap(tp=overlap, dp="bulk", pp="bulk"))
+                          overlap=Overlap(tp=overlap, dp="bulk", pp="bulk"), eager=True, grad_accumulation="kept",
+                          weights="autocast" if device == "cuda" else "master")
 
 
 def cores() -> int:
@@ -248,7 +251,7 @@ def run(device: str, kind: str, steps: int, overlap: str, timeout_s: float, trac
             print(f"{name}: FAILED: {why}", flush=True)
             on_row(res)
             continue
-        par = par_of(layout, overlap)
+        par = par_of(layout, overlap, device)
         if i == 0:
             cal = fit(measured, model, par, preset("h200-sxm"))
             res["calibration"] = cal.to_dict()
@@ -293,7 +296,7 @@ def reprice(path: str) -> dict:
         measured = Measured(step_ms=r["measured_ms"], compute_ms=r["terms"]["compute"][0],
                             idle_ms=r["terms"]["host"][0], device="gpu", host_busy_ms=r["host_busy_ms"],
                             optimizer_ms=r.get("optimizer_ms"))  # rows recorded before it was read: None
-        par = par_of((r["tp"], r["pp"], r["dp"], r["micro_batch"], r["micro_batches"]), res["overlap"])
+        par = par_of((r["tp"], r["pp"], r["dp"], r["micro_batch"], r["micro_batches"]), res["overlap"], res["device"])
         if r["traced"]:
             cal = fit(measured, model, par, preset("h200-sxm"))
             res["calibration"] = cal.to_dict()

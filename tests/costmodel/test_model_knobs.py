@@ -1,5 +1,6 @@
 """Each setting a published run needs (issue 13): a test that fails if the model ignored it."""
 
+import dataclasses
 import json
 import math
 
@@ -296,3 +297,31 @@ def test_interleaved_dp_reduction_starts_at_each_chunks_last_backward():
     two = predict(L70, ParallelConfig(**kw, vpp=2), H100)
     assert one.comm_by_kind["dp_reduce_scatter"] == pytest.approx(two.comm_by_kind["dp_reduce_scatter"], rel=0.01)
     assert two.exposed_by_kind["dp_reduce_scatter"] < 0.7 * one.exposed_by_kind["dp_reduce_scatter"]
+
+
+def test_autocast_weights_cast_each_gemm_weight_both_ways_and_keep_fp32_gradients():
+    # fp32 parameters under torch.autocast (plain PyTorch, HF Trainer): every GEMM weight read in fp32 and
+    # written in bf16 before its GEMM, its gradient read in bf16 and written in fp32 after, each micro-batch;
+    # the input embedding's table is looked up, not cast; Adam has no master copy (28 B, not 30); torch's
+    # clip_grad_norm_ scales every gradient (8 B).
+    model = dataclasses.replace(GPT, tied_embeddings=False)
+    kw = dict(dp=1, global_batch=2, sp=False)
+    master, amp = (predict(model, ParallelConfig(**kw, weights=w), H100) for w in ("master", "autocast"))
+    mem = H100.for_training().memory
+    params = model.params
+    cast = params - model.vocab_size * model.hidden
+    want = mem.elementwise_ms(cast, 12, 1) * 2 + mem.elementwise_ms(params, 8 - 2, 1)
+    assert amp.compute_ms - master.compute_ms == pytest.approx(want, rel=1e-6)
+    assert amp.optimizer_ms - master.optimizer_ms == pytest.approx(-mem.elementwise_ms(params, 2, 1), rel=1e-6)
+    # kept gradients (zero_grad(set_to_none=False)) take the fp32 add on every micro-batch, the first too
+    kept, auto = (predict(model, ParallelConfig(**kw, weights="autocast", grad_accumulation=g), H100)
+                  for g in ("kept", "autograd"))
+    assert kept.compute_ms - amp.compute_ms == pytest.approx(mem.elementwise_ms(params, 12, 1) * 2, rel=1e-6)
+    assert auto.compute_ms - amp.compute_ms == pytest.approx(mem.elementwise_ms(params, 12, 1), rel=1e-6)
+    # memory: fp32 weights and gradients, Adam's two moments, and the bf16 copies the GEMMs keep for backward
+    parts = amp.memory["parts_gib"]
+    assert parts["weights"] == pytest.approx(params * 4 / 2**30, rel=1e-3)
+    assert parts["optimizer"] == pytest.approx(params * 8 / 2**30, rel=1e-3)
+    assert parts["weight casts"] == pytest.approx(params * 2 / 2**30, rel=1e-3)
+    with pytest.raises(ConfigError, match="weights='fp32'"):
+        ParallelConfig(weights="fp32")

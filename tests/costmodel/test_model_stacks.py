@@ -96,3 +96,14 @@ def test_the_harness_and_the_command_give_the_same_step(mvp, tmp_path, capsys):
         d = json.loads(capsys.readouterr().out)
         assert d["step_time_s"] == row["predicted_s"] and d["assumptions"]
         assert row["command"].startswith("overlapkit plan --model MODEL.json")
+
+
+def test_the_pytorch_amp_stack_prices_fp32_parameters_under_autocast():
+    par = plan_inputs(parse_plan_args(BASE + ["--stack", "pytorch-amp"])).par
+    assert (par.weights, par.grad_bytes, par.grad_accumulation, par.eager) == ("autocast", 4, "autograd", True)
+    # torch DDP reduces in the parameters' dtype: fp32 under autocast, whatever the compute dtype
+    assert plan_inputs(parse_plan_args(BASE + ["--weights", "autocast", "--stack", "deepspeed-2022"])).par.grad_bytes == 4
+    by = {a["setting"]: a for a in plan_json(BASE + ["--stack", "pytorch-amp"])["assumptions"]}
+    assert by["weights"] == {"setting": "weights", "value": "autocast", "from": "stack pytorch-amp",
+                             "why": load_stack("pytorch-amp").get("weights").why}
+    assert {a["setting"]: a["value"] for a in plan_json(BASE)["assumptions"]}["weights"] == "master"

@@ -15,7 +15,8 @@ from pathlib import Path
 from ..vocabulary import check_bucket_mb, check_prefetch, positive_int
 from ._validate import ConfigError
 from .flops import CONVENTIONS
-from .parallel import ATTENTION, DTYPES, GRAD_ACCUMULATION, MODES, RECOMPUTE, TRANSPORTS, Overlap, ParallelConfig
+from .parallel import (ATTENTION, DTYPES, GRAD_ACCUMULATION, MODES, RECOMPUTE, TRANSPORTS, WEIGHTS, Overlap,
+                       ParallelConfig)
 from .stacks import Assumption, PlanInputs, assumption_lines, fill_defaults, load_stack, stack_names
 
 
@@ -92,7 +93,11 @@ def register(subparsers, draw=None, calibrate=None) -> None:
     p.add_argument("--bucket-mb", type=float, help="DP gradient bucket size, MiB (default 25)")
     p.add_argument("--grad-accumulation", choices=GRAD_ACCUMULATION,
                    help="how micro-batch gradients accumulate: fused (in the wgrad GEMM), hook (a buffer add every "
-                        "micro-batch: Megatron 2021 local DDP), autograd (in-place into param.grad after the first)")
+                        "micro-batch: Megatron 2021 local DDP), autograd (in-place into param.grad after the first), "
+                        "kept (in place every micro-batch: grads kept by zero_grad(set_to_none=False))")
+    p.add_argument("--weights", choices=WEIGHTS,
+                   help="master (compute-dtype parameters, fp32 copies in the optimizer: Megatron, DeepSpeed; the "
+                        "default) or autocast (fp32 parameters under torch.autocast: plain PyTorch, HF Trainer)")
     p.add_argument("--attention", choices=ATTENTION,
                    help="flash (cuDNN/FA3-class), flash2 (FlashAttention-2-class, 2024 PyTorch SDPA), or unfused "
                         "(scores materialized, softmax + dropout: Megatron before 2022)")
@@ -158,7 +163,7 @@ def _parallel(args) -> ParallelConfig:
                           micro_batch=args.micro_batch, global_batch=args.global_batch or 0, recompute=args.recompute,
                           zero=args.zero, overlap=overlap, tp_transport=args.tp_transport, dtype=args.dtype,
                           grad_bytes=4 if args.grad_dtype == "fp32" else 2, bucket_mib=args.bucket_mb,
-                          grad_accumulation=args.grad_accumulation,
+                          grad_accumulation=args.grad_accumulation, weights=args.weights,
                           attention=args.attention, pp_scatter_gather=args.pp_scatter_gather,
                           dp_in_drain=args.dp_in_drain, first_stage_layers=args.first_stage_layers,
                           last_stage_layers=args.last_stage_layers, eager=args.eager, moe_chunks=args.moe_chunks,

@@ -210,10 +210,25 @@ def grad_accumulation_ms(ctx: Ctx, params: float) -> float:
 
     hook: read the fresh gradient (activation dtype), read and write the buffer (reduction dtype),
     every micro-batch; autograd: param.grad read and written plus the new gradient read, on every
-    micro-batch but the first (spread evenly). ZeRO-3 reduce-scatters each micro-batch's gradient
-    instead, and fused accumulates in the wgrad GEMM's epilogue: no pass."""
+    micro-batch but the first (spread evenly); kept: the same on every micro-batch. ZeRO-3
+    reduce-scatters each micro-batch's gradient instead, and fused accumulates in the wgrad GEMM's
+    epilogue: no pass. Gradients of fp32 parameters under autocast are fp32."""
     par, m = ctx.par, ctx.par.micro_batches
     if par.grad_accumulation == "fused" or par.zero == 3 or (par.grad_accumulation == "autograd" and m == 1):
         return 0.0
-    nbytes = ctx.db + 2 * par.grad_bytes if par.grad_accumulation == "hook" else 3 * ctx.db * (m - 1) / m
+    gb = 4 if par.weights == "autocast" else ctx.db
+    if par.grad_accumulation == "hook":
+        nbytes = gb + 2 * par.grad_bytes
+    else:
+        nbytes = 3 * gb * ((m - 1) / m if par.grad_accumulation == "autograd" else 1.0)
     return params * nbytes / (ctx.hw.memory.elementwise_gbps * 1e6)
+
+
+def weight_cast_ms(ctx: Ctx, params: float) -> tuple[float, float]:
+    """(forward, backward) of one micro-batch's autocast casts of `params` GEMM weights: each fp32 weight
+    read and written in the compute dtype before its GEMM, each gradient read and written back in fp32
+    after its wgrad; (0, 0) for weights held in the compute dtype."""
+    if ctx.par.weights != "autocast":
+        return 0.0, 0.0
+    ms = params * (4 + ctx.db) / (ctx.hw.memory.elementwise_gbps * 1e6)
+    return ms, ms

@@ -34,9 +34,10 @@ def estimate(model, par, hw, prefetch_units: int = 0) -> dict:
             return p.total * bytes_per_param
         return (p.dense / dense_dp + p.expert / expert_dp) * bytes_per_param
 
-    weights = sharded(2, 3)
-    grads = sharded(par.grad_bytes, 2)
-    optimizer = sharded(ADAM_STATE_BYTES, 1)
+    if par.weights == "autocast":  # fp32 parameters and gradients; Adam's moments only (no master copy)
+        weights, grads, optimizer = sharded(4, 3), sharded(4, 2), sharded(ADAM_STATE_BYTES - 4, 1)
+    else:
+        weights, grads, optimizer = sharded(2, 3), sharded(par.grad_bytes, 2), sharded(ADAM_STATE_BYTES, 1)
     s, b, h, t = model.seq_len // par.cp, par.micro_batch, model.hidden, par.tp
     if par.recompute == "full":
         per_layer = 2.0 * s * b * h / (t if par.sp else 1)
@@ -51,7 +52,9 @@ def estimate(model, par, hw, prefetch_units: int = 0) -> dict:
     activations = per_layer * layers * in_flight
     logits = s * b * model.vocab_size / t * 4 * 2  # fp32 logits and their gradient
     prefetch = prefetch_units * par.zero3_wrap * model.layer_params / t * db if par.zero == 3 else 0.0
-    parts = {"weights": weights, "gradients": grads, "optimizer": optimizer, "activations": activations,
+    # autocast's cast copies, kept for backward by the GEMMs that read them
+    casts = p.total * db if par.weights == "autocast" else 0.0
+    parts = {"weights": weights, "weight casts": casts, "gradients": grads, "optimizer": optimizer, "activations": activations,
              "logits": logits, "prefetch": prefetch, "workspace": WORKSPACE_GIB * GIB}
     total = sum(parts.values())
     return {"parts_gib": {k: x / GIB for k, x in parts.items()}, "total_bytes": total, "total_gib": total / GIB,

@@ -28,13 +28,22 @@ torch 2.11's SDPA on our H200); flash2: FlashAttention-2-class kernels (PyTorch 
 of 2024), slower on Hopper (Hardware.flash2_slowdown); unfused: scores materialized, softmax and
 dropout as separate kernels over b·heads·s² elements (Megatron-LM before 2022)."""
 DTYPES = ("bf16", "fp16", "fp8")
-GRAD_ACCUMULATION = ("fused", "hook", "autograd")
+GRAD_ACCUMULATION = ("fused", "hook", "autograd", "kept")
 """How each micro-batch's weight gradient joins the step's gradient. fused: inside the wgrad GEMM's
 epilogue (Megatron-Core's default gradient_accumulation_fusion), no extra pass; hook: the GEMM
 writes a fresh gradient and a backward hook adds it into the reduction buffer, every micro-batch
 (Megatron-LM 2021's local DDP, megatron/model/distributed.py `param.main_grad.add_(param.grad)`);
 autograd: PyTorch's AccumulateGrad keeps the first micro-batch's gradient and adds every later one
-in place into param.grad (torch DDP under no_sync, DeepSpeed's engines)."""
+in place into param.grad (torch DDP under no_sync, DeepSpeed's engines); kept: param.grad stays allocated
+from step to step (zero_grad(set_to_none=False); overlapkit's DataParallel and torch DDP's
+gradient_as_bucket_view keep their buckets' views), so every micro-batch's gradient, the first too, is added
+in place."""
+WEIGHTS = ("master", "autocast")
+"""How parameters meet the GEMMs. master: held in the compute dtype, with fp32 master copies inside the
+optimizer (Megatron, DeepSpeed's bf16 engine, Transformer Engine; FSDP2 with param_dtype=bf16); autocast: held
+in fp32 under torch.autocast (a plain PyTorch loop, HF Trainer's bf16=True, accelerate's mixed_precision):
+every GEMM's weight is cast to the compute dtype in each forward and its gradient cast back to fp32 in
+backward, the gradients are fp32, and torch's clip_grad_norm_ scales every gradient, whatever the norm."""
 MAX_SIZE = 1 << 24
 """Largest split size or micro-batch accepted: beyond it a number is a typo, not a cluster."""
 MAX_GLOBAL_BATCH = 1 << 24
@@ -119,6 +128,9 @@ class ParallelConfig(ParallelSizes):
     grad_accumulation: str = "fused"
     """How micro-batch gradients accumulate: one of GRAD_ACCUMULATION (an extra memory pass over the
     stage's gradients per micro-batch for hook and autograd; none for fused)."""
+    weights: str = "master"
+    """How parameters meet the GEMMs: one of WEIGHTS (autocast adds a cast of every GEMM weight per
+    micro-batch each way, fp32 gradients and the clipping scale)."""
     moe_chunks: int = 4
     """Token chunks the MoE dispatch/combine are split into when EP overlap is on."""
     zero3_prefetch: int = -1
@@ -150,6 +162,7 @@ class ParallelConfig(ParallelSizes):
         v.one_of(o, "grad_bytes", self.grad_bytes, (2, 4))
         v.one_of(o, "attention", self.attention, ATTENTION)
         v.one_of(o, "grad_accumulation", self.grad_accumulation, GRAD_ACCUMULATION)
+        v.one_of(o, "weights", self.weights, WEIGHTS)
         v.finite(o, "bucket_mib", self.bucket_mib)
         if self.bucket_mib > 1 << 20:
             raise v.ConfigError(f"{o}.bucket_mib={self.bucket_mib!r}: must be <= {1 << 20} (1 TiB)")

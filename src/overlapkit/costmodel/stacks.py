@@ -20,7 +20,7 @@ from pathlib import Path
 
 from ..vocabulary import TRANSPORTS, positive_int
 from . import _validate as v
-from .parallel import ATTENTION, GRAD_ACCUMULATION
+from .parallel import ATTENTION, GRAD_ACCUMULATION, WEIGHTS
 
 if TYPE_CHECKING:
     from .model import ModelConfig
@@ -33,8 +33,8 @@ parameter dtype under fp16)."""
 MEGATRON_CORE_BUCKETS = "megatron-core"
 """bucket_mb rule: Megatron-Core DDP's max(40M, 1M x dp) elements at the reduction dtype."""
 
-STACK_FIELDS = ("attention", "pp_scatter_gather", "grad_dtype", "bucket_mb", "grad_accumulation", "dp_in_drain",
-                "eager", "zero3_prefetch", "zero3_wrap", "tp_transport")
+STACK_FIELDS = ("attention", "pp_scatter_gather", "weights", "grad_dtype", "bucket_mb", "grad_accumulation",
+                "dp_in_drain", "eager", "zero3_prefetch", "zero3_wrap", "tp_transport")
 """The plan settings a stack may fill: how the framework computes and communicates, never the split,
 the batch, the recomputation or the overlap switches, which a run states."""
 
@@ -56,6 +56,7 @@ DEFAULTS = (
     ("overlap", "none", "every engine's overlap off unless asked"),
     ("attention", "flash", "fused attention at the rate measured on H200 (cuDNN / FlashAttention-3 class)"),
     ("pp_scatter_gather", False, "pipeline sends carry whole tensors"),
+    ("weights", "master", "parameters in the compute dtype, fp32 master copies in the optimizer"),
     ("grad_dtype", "bf16", "gradients reduced in bf16"),
     ("bucket_mb", 25.0, "PyTorch DDP's default bucket_cap_mb"),
     ("grad_accumulation", "fused", "micro-batch gradients accumulated inside the wgrad GEMM"),
@@ -134,7 +135,7 @@ class Stack:
 
 def _check_value(o: str, field: str, value) -> None:
     choices = {"attention": ATTENTION, "grad_dtype": GRAD_DTYPES, "grad_accumulation": GRAD_ACCUMULATION,
-               "tp_transport": TRANSPORTS}
+               "tp_transport": TRANSPORTS, "weights": WEIGHTS}
     if field in choices:
         v.one_of(o, field, value, choices[field])
     elif field in ("pp_scatter_gather", "dp_in_drain", "eager"):
@@ -201,7 +202,7 @@ def fill_defaults(args, stack: Stack | None) -> list[Assumption]:
         else:
             source = "overlapkit default"
         if field == "grad_dtype":
-            value = _grad_dtype(value, args.dtype)
+            value = _grad_dtype(value, args.dtype, args.weights)
         if field == "bucket_mb" and value == MEGATRON_CORE_BUCKETS:
             value = max(40e6, 1e6 * args.dp) * (4 if args.grad_dtype == "fp32" else 2) / 2**20
         setattr(args, field, value)
@@ -209,10 +210,11 @@ def fill_defaults(args, stack: Stack | None) -> list[Assumption]:
     return filled
 
 
-def _grad_dtype(rule: str, dtype: str) -> str:
-    """The reduction dtype a rule gives under the parameter dtype (fp8 GEMMs keep bf16 parameters)."""
+def _grad_dtype(rule: str, dtype: str, weights: str = "master") -> str:
+    """The reduction dtype a rule gives under the parameter dtype (fp8 GEMMs keep bf16 parameters; autocast's
+    parameters are fp32)."""
     if rule == "params":
-        return "fp16" if dtype == "fp16" else "bf16"
+        return "fp32" if weights == "autocast" else "fp16" if dtype == "fp16" else "bf16"
     if rule == "fp32-for-bf16":
         return "fp16" if dtype == "fp16" else "fp32"
     return rule

@@ -21,7 +21,7 @@ from .block import Block
 from .collectives import Collectives, Group
 from .hardware import DTYPE_BYTES, Hardware
 from .host_queue import queue_wait_ms
-from .layer import Ctx, embedding_backward_ms, grad_accumulation_ms, layer, lm_head
+from .layer import Ctx, embedding_backward_ms, grad_accumulation_ms, layer, lm_head, weight_cast_ms
 from .params import rank_params, shards, stage_params  # noqa: F401 (stage_params re-exported)
 from .reduction import MIB, data_parallel, dp_group, expert_dp_group, grad_reduction  # noqa: F401 (re-exported)
 from .transformer import ModelConfig, ParallelConfig, validate
@@ -30,6 +30,11 @@ ADAM_BYTES_PER_PARAM = 30
 """Optimizer step traffic: fp32 master, m, v read and written (24), fp32 grad read, bf16 param written."""
 GRAD_NORM_BYTES_PER_PARAM = 8
 """Gradient-norm read for clipping (4) and the fp32 gradient buffer zeroed for the next step (4)."""
+ADAM_FP32_PARAMS_BYTES_PER_PARAM = 28
+"""The same step over fp32 parameters (autocast): parameter, gradient, m and v read, the three written."""
+CLIP_SCALE_BYTES_PER_PARAM = 8
+"""torch's clip_grad_norm_ multiplies every gradient by the clipping coefficient, even at 1 (read and write
+fp32); Megatron scales only when the norm exceeds the limit."""
 FP16_UNSCALE_BYTES_PER_PARAM = 8
 """fp16 loss scaling: the fp32 gradients read and written once more to unscale and check for inf/nan."""
 HOST_OPS_PER_LAYER = {False: 20, True: 45}
@@ -154,14 +159,28 @@ def predict(model: ModelConfig, par: ParallelConfig, hw: Hardware, coll: Collect
     layers = par.stage_layers(model.num_layers)
     ranks = [rank_params(model, par, i) for i in range(par.pp)]
     params = [r.total for r in ranks]
-    stages, tails = [], []  # tails: what a stage's backward does after its layers (embedding, accumulation), ms
+    # Per layer, the weights' own passes (autocast's casts, accumulation outside the GEMM) run inline with the
+    # layer's kernels; the rest of a stage's parameters (embedding, head) are done before and after its layers.
+    lp = model.dense_layer_params / par.tp + model.expert_layer_params / (par.tp * par.ep)
+    cast_f, cast_b = weight_cast_ms(ctx, lp)
+    per_layer = (cast_f, cast_b + grad_accumulation_ms(ctx, lp))  # GPU ms a layer adds (forward, backward)
+    stages, heads, tails = [], [], []  # GPU ms a stage adds before and after its layers, each micro-batch
     for i, n in enumerate(layers):
         f = layer_f.scaled(n) + (head_f if i == par.pp - 1 else Block())
         b = layer_b.scaled(n) + (head_b if i == par.pp - 1 else Block()) + (emb if i == 0 else Block())
+        # the input embedding's table is looked up, never cast (F.embedding is not on autocast's list), unless
+        # the LM head on the same rank multiplies by it (tied embeddings, one stage)
+        rest = params[i] - n * lp
+        looked_up = i == 0 and not (model.tied_embeddings and i == par.pp - 1)
+        rest_f, rest_b = weight_cast_ms(ctx, rest - (model.vocab_size * model.hidden / par.tp if looked_up else 0))
         if acc := grad_accumulation_ms(ctx, params[i]):
             b.add_compute(f"gradient accumulation ({par.grad_accumulation})", acc)
+        if cast_f or rest_f:
+            f.add_compute("weight cast to the compute dtype (autocast)", n * cast_f + rest_f)
+            b.add_compute("weight gradient cast to fp32 (autocast)", n * cast_b + rest_b)
         stages.append((f, b))
-        tails.append((emb.wall_ms if i == 0 else 0.0) + acc)
+        heads.append(rest_f)
+        tails.append((emb.wall_ms if i == 0 else 0.0) + grad_accumulation_ms(ctx, rest) + rest_b)
     slowest = max(range(par.pp), key=lambda i: stages[i][0].wall_ms + stages[i][1].wall_ms)
     fwd, bwd = stages[slowest]
     m = par.micro_batches
@@ -172,9 +191,9 @@ def predict(model: ModelConfig, par: ParallelConfig, hw: Hardware, coll: Collect
         """Stage i's units in launch order, (host ms, GPU ms, ops): its layers forward, the head, backward."""
         last = i == par.pp - 1
         head = [(0.0, head_f.wall_ms, 0), (0.0, head_b.wall_ms, 0)] if last else []
-        one = ([(dispatch, layer_f.wall_ms, ops)] * layers[i] + head
-               + [(2 * dispatch, layer_b.wall_ms, 2 * ops)] * layers[i] + ([(0.0, tails[i], 0)] if tails[i] > 0 else []))
-        return one * micro_batches
+        one = ([(0.0, heads[i], 0)] if heads[i] > 0 else []) + [(dispatch, layer_f.wall_ms + per_layer[0], ops)] * layers[i]
+        one += head + [(2 * dispatch, layer_b.wall_ms + per_layer[1], 2 * ops)] * layers[i]
+        return (one + ([(0.0, tails[i], 0)] if tails[i] > 0 else [])) * micro_batches
 
     waits = [queue_wait_ms(launches(i, 1)) for i in range(par.pp)]
     times = [f.wall_ms + b.wall_ms + w for (f, b), w in zip(stages, waits)]
@@ -189,11 +208,17 @@ def predict(model: ModelConfig, par: ParallelConfig, hw: Hardware, coll: Collect
     if par.dp * par.cp > 1:
         zero3 = data_parallel(ctx, step, ranks, stages, slowest, layer_f, layer_b, layers[slowest], notes)
     dense_dp, expert_dp = shards(par) if par.zero else (1, 1)
-    per_param = ADAM_BYTES_PER_PARAM + GRAD_NORM_BYTES_PER_PARAM + (FP16_UNSCALE_BYTES_PER_PARAM if par.dtype == "fp16" else 0)
+    autocast = par.weights == "autocast"
+    per_param = ((ADAM_FP32_PARAMS_BYTES_PER_PARAM if autocast else ADAM_BYTES_PER_PARAM) + GRAD_NORM_BYTES_PER_PARAM
+                 + (FP16_UNSCALE_BYTES_PER_PARAM if par.dtype == "fp16" else 0))
     stepped = ranks[slowest].dense / dense_dp + ranks[slowest].expert / expert_dp
     optimizer = stepped * per_param / (hw.memory.elementwise_gbps * 1e6)
     host = queue_wait_ms(launches(slowest, m))
-    compute = step.compute_ms + optimizer
+    # the clipping scale runs outside the optimizer's step (torch.optim's range), over the whole gradient
+    clip = stepped * CLIP_SCALE_BYTES_PER_PARAM / (hw.memory.elementwise_gbps * 1e6) if autocast else 0.0
+    if clip:
+        notes.append(f"clip_grad_norm_'s scale of every gradient: {clip:.3g} ms")
+    compute = step.compute_ms + optimizer + clip
     exposed = sum(step.exposed.values())
     report = StepReport(model, par, hw.name, compute + exposed + bubble + host, compute, sum(step.comm.values()),
                         exposed, bubble, dict(step.comm), dict(step.exposed), layer_f, layer_b, head_f, head_b,
