@@ -274,6 +274,10 @@ def run(device: str, kind: str, steps: int, overlap: str, timeout_s: float, trac
             # kind -> [comm ms, exposed ms, calls] per step
             "measured_comm": {k: list(v[:3]) for k, v in measured.comm.items()},
             "predicted_comm": {k: [c, r.exposed_by_kind.get(k, 0.0)] for k, c in r.comm_by_kind.items()}})
+        res["rows"][-1]["measured"] = {**vars(measured), "gemm": [[*k, *x] for k, x in measured.gemm.items()]}
+        if device == "cuda":  # the GPU's kernels by time: the per-step work the model may not price, by name
+            from _lib.kernel_table import kernel_table
+            res["rows"][-1]["kernels"] = kernel_table(os.path.join(folder, "rank0.json"), steps + 1)
         print(f"{name}: measured {measured.step_ms:.1f} ms, predicted {r.step_ms:.1f} ms ({err:+.1f}%)", flush=True)
         res["summary"] = summary(res)
         on_row(res)
@@ -282,20 +286,25 @@ def run(device: str, kind: str, steps: int, overlap: str, timeout_s: float, trac
 
 
 def reprice(path: str) -> dict:
-    """A committed run's rows priced again by the model as it is now: each row's measured step, compute, idle and
-    host busy time as recorded, the calibration refitted on the traced row. Only for runs without collectives
-    or named GEMMs (the GPU at world size 1), whose rows record everything the fit reads."""
+    """A committed run's rows priced again by the model as it is now, the calibration refitted on the traced
+    row: from each row's `measured` (what the trace reader gave), or, in runs recorded before it was kept, from
+    the step, compute, idle and host busy time alone (runs without collectives or named GEMMs: the GPU at ws 1)."""
     from _lib.unexported import Measured, fit, predict_calibrated, terms
     from overlapkit.costmodel import ModelConfig, preset
 
     res = json.loads(Path(path).read_text())
-    if any(r["measured_comm"] for r in res["rows"]) or (res["calibration"] or {}).get("gemm_points"):
+    kept = all("measured" in r for r in res["rows"])  # what the trace reader gave, kept since 2026-12-07
+    if not kept and (any(r["measured_comm"] for r in res["rows"]) or (res["calibration"] or {}).get("gemm_points")):
         raise SystemExit(f"{path}: rows with collectives or named GEMMs need their traces (--traces) to be repriced")
     model, cal = ModelConfig(**res["model"]), None
     for r in res["rows"]:
-        measured = Measured(step_ms=r["measured_ms"], compute_ms=r["terms"]["compute"][0],
-                            idle_ms=r["terms"]["host"][0], device="gpu", host_busy_ms=r["host_busy_ms"],
-                            optimizer_ms=r.get("optimizer_ms"))  # rows recorded before it was read: None
+        if kept:
+            m = dict(r["measured"])
+            measured = Measured(**{**m, "gemm": {(g[0], g[1]): tuple(g[2:]) for g in m["gemm"]}})
+        else:
+            measured = Measured(step_ms=r["measured_ms"], compute_ms=r["terms"]["compute"][0],
+                                idle_ms=r["terms"]["host"][0], device="gpu", host_busy_ms=r["host_busy_ms"],
+                                optimizer_ms=r.get("optimizer_ms"))  # rows recorded before it was read: None
         par = par_of((r["tp"], r["pp"], r["dp"], r["micro_batch"], r["micro_batches"]), res["overlap"], res["device"])
         if r["traced"]:
             cal = fit(measured, model, par, preset("h200-sxm"))
