@@ -77,8 +77,12 @@ def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0, group=N
     if group is not None:  # a stage with no gradients still joins the collective
         total = _over_group(total.float().to(device), norm_type, group)
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    by_device: dict = {}  # one multi-tensor kernel per device, as torch's clip does (not a launch per gradient)
     for p in params:
-        _local(p.grad).mul_(coef.to(_local(p.grad).device))
+        g = _local(p.grad)
+        by_device.setdefault(g.device, []).append(g)
+    for device, grads in by_device.items():
+        torch._foreach_mul_(grads, coef.to(device))
     return total
 
 
