@@ -55,19 +55,26 @@ def read_measured(trace_dir: str):
                     gemm={k: (ms, calls / n) for k, (ms, calls) in gemm.items()}, comm=comm, steps=n,
                     ranks=len(report.ranks), device=device,
                     host_busy_ms=host_busy_ms([t for t in traces if t.rank == rank.rank]) if device == "gpu" else None,
-                    optimizer_ms=optimizer or None)
+                    optimizer_ms=optimizer or None,
+                    optimizer_host_ms=host_busy_ms([t for t in traces if t.rank == rank.rank], "optimizer")
+                    if device == "gpu" and optimizer else None)
 
 
-def host_busy_ms(traces) -> float | None:
-    """The host's own time per profiled step of one rank's GPU traces: each ProfilerStep less the time its
-    threads sat in a synchronization with the GPU (cudaStreamSynchronize, a blocking copy, ...) or in a kernel
-    launch waiting for room in the GPU's queue (Trace.launch_waits). None without ProfilerStep ranges."""
+def host_busy_ms(traces, phase: str | None = None) -> float | None:
+    """The host's own time per profiled step of one rank's GPU traces: each ProfilerStep (with `phase`, only
+    its CPU ranges marking that phase: the optimizer's step) less the time its threads sat in a synchronization
+    with the GPU (cudaStreamSynchronize, a blocking copy, ...) or in a kernel launch waiting for room in the
+    GPU's queue (Trace.launch_waits). None without ProfilerStep ranges."""
     from overlapkit.runtime import intervals as iv
 
     busy = []
     for t in traces:
         for a, b in (r for n, r in t.step_ranges.items() if n in t.steps):
-            syncs = iv.union((max(a, x), min(b, y)) for _, x, y in (*t.host_syncs, *getattr(t, "launch_waits", ()))
-                             if x < b and y > a)
-            busy.append((b - a) - iv.length(syncs))
+            clip = lambda xs: iv.union((max(a, x), min(b, y)) for x, y in xs if x < b and y > a)  # noqa: E731
+            syncs = clip((x, y) for _, x, y in (*t.host_syncs, *getattr(t, "launch_waits", ())))
+            if phase is None:
+                busy.append((b - a) - iv.length(syncs))
+                continue
+            marked = clip((x, y) for _, x, y, p in getattr(t, "phase_ranges", ()) if p == phase)
+            busy.append(iv.length(marked) - iv.length(iv.intersect(marked, syncs)))
     return sum(busy) / len(busy) if busy else None

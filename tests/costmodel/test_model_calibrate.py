@@ -267,6 +267,28 @@ def test_host_busy_time_is_each_step_less_its_synchronizations():
     # step 1: 10 - |[2, 6] + [9, 10]| = 5; step 2: 20 - |[10, 12] + [25, 30]| = 13; step 3 was dropped
     assert host_busy_ms([t]) == pytest.approx(9.0)
     assert host_busy_ms([SimpleNamespace(step_ranges={}, steps=[], host_syncs=[])]) is None
+    # the optimizer's step: its marked ranges in each step, less the syncs inside them
+    t.phase_ranges = [(7, 3.0, 8.0, "optimizer"), (7, 0.0, 1.0, "forward"), (7, 26.0, 35.0, "optimizer")]
+    # step 1: |[3, 8]| - |[3, 6]| = 2; step 2: |[26, 30]| - 4 = 0
+    assert host_busy_ms([t], "optimizer") == pytest.approx(1.0)
+
+
+def test_the_hosts_time_in_the_optimizer_step_is_not_dispatch_and_waits_where_it_runs():
+    """The host's busy time holds the optimizer's step too (Python around its kernels, grouping ~100 tensors):
+    at a GPU-bound micro-batch it runs while the GPU still works through the backward. Read as layer dispatch,
+    it overprices a host-bound micro-batch's waits; read off the trace (Measured.optimizer_host_ms), it is
+    priced where it runs, after the backward's launches and before the optimizer's kernels."""
+    truth = replace(preset("h200-sxm"), host_us_per_op=20.0, optimizer_host_ms=2.0)
+    small, large = ParallelConfig(micro_batch=1, global_batch=1), ParallelConfig(micro_batch=8, global_batch=8)
+    measured, r = _gpu_trace(truth, large)
+    assert r.host_ms == 0  # the optimizer's host time hides behind the GPU's backward here
+    busy = 20.0 * 1e-3 * ops_per_step(MODEL, large) + 2.0
+    cal = fit(replace(measured, host_busy_ms=busy, optimizer_host_ms=2.0), MODEL, large, preset("h200-sxm"))
+    assert cal.host_us_per_op == pytest.approx(20.0) and cal.hardware.optimizer_host_ms == 2.0
+    want = predict(MODEL, small, truth).host_ms
+    assert want > 0 and predict_calibrated(cal, MODEL, small).host_ms == pytest.approx(want, rel=0.05)
+    blind = fit(replace(measured, host_busy_ms=busy), MODEL, large, preset("h200-sxm"))
+    assert blind.host_us_per_op > 20.0 and predict_calibrated(blind, MODEL, small).host_ms > 1.05 * want
 
 
 def test_a_traced_optimizer_step_is_priced_apart_from_the_per_sample_rates():
@@ -302,3 +324,4 @@ def test_the_optimizer_step_is_read_off_the_kernels_its_range_launched(tmp_path)
     shutil.copy(DATA / "hta_allreduce_2ranks.json.gz", tmp_path)
     m = read_measured(str(tmp_path))
     assert m.device == "gpu" and 0 < m.optimizer_ms < 0.1 * m.compute_ms
+    assert 0 < m.optimizer_host_ms < m.host_busy_ms  # the host's own time inside those ranges

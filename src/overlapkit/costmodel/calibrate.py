@@ -1,15 +1,13 @@
 """The cost model calibrated on a user's own trace: what one traced layout of a job says about its cluster.
 
-A profiler trace of one layout tells, for that job on that machine, how long its GEMMs took (by name,
-hence by shape), how long the rest of its compute took, how long each kind of collective took at the
-sizes it moved, how much of each kind stayed exposed, and how long the ranks sat idle waiting for the
-host. `fit` turns those into a calibrated `Hardware` (the measured GEMM shapes pinned in its table, the
-rest of its compute rates scaled until the traced layout's compute is the measured compute), per-
-collective time factors, the measured exposed fraction per kind and a host time per dispatched op;
-`predict_calibrated` then prices another layout of the same job with them.
-
-The trace is read by the tools layer (the analyzer's reader), which hands over a plain `Measured`: the
-cost model does not import the analyzer.
+A profiler trace of one layout tells, for that job on that machine, how long its GEMMs took (by name, hence
+by shape), how long the rest of its compute took, how long each kind of collective took at the sizes it
+moved, how much of each kind stayed exposed, and how long the ranks sat idle waiting for the host. `fit`
+turns those into a calibrated `Hardware` (the measured GEMM shapes pinned in its table, the rest of its
+compute rates scaled until the traced layout's compute is the measured compute), per-collective time
+factors, the measured exposed fraction per kind and a host time per dispatched op; `predict_calibrated`
+then prices another layout of the same job with them. The trace is read by the tools layer (the analyzer's
+reader), which hands over a plain `Measured`: the cost model does not import the analyzer.
 """
 
 from __future__ import annotations
@@ -32,8 +30,7 @@ KIND_COLLECTIVE = {"tp_all_gather": "all_gather", "tp_reduce_scatter": "reduce_s
                    "cp_kv": "send_recv"}
 """The collective each communication kind of a prediction runs."""
 PIPELINE_KINDS = ("pp_send", "pp_recv")
-"""Kinds whose exposed time a per-term comparison counts with the pipeline bubble: a trace cannot tell a stage
-waiting for its neighbour's compute from one waiting for the wire."""
+"""Kinds whose exposed time `terms` counts with the bubble: a stage waiting for its neighbour's compute or the wire."""
 TERMS = ("compute", "exposed", "pipeline", "host")
 """The terms a step splits into (`terms`)."""
 GEMM_PHASES = ("fwd", "dgrad", "wgrad")
@@ -70,6 +67,8 @@ class Measured:
     with the GPU. What dispatch took whether or not the GPU waited for it (None: the trace cannot tell)."""
     optimizer_ms: float | None = None
     """Compute a step launched inside torch's `Optimizer.step#...` range (None: none), set apart from the rates."""
+    optimizer_host_ms: float | None = None
+    """On a GPU, the host's own time a step inside that range: not the layers' dispatch (None: not read)."""
 
     def __post_init__(self) -> None:
         v.positive("Measured", "step_ms", self.step_ms)
@@ -347,6 +346,7 @@ def fit(measured: Measured, model: ModelConfig, traced: ParallelConfig, base: Ha
         host_us = 1e3 * idle / ops_per_step(model, traced)
     else:
         if measured.host_busy_ms is not None:
+            hw = replace(hw, optimizer_host_ms=measured.optimizer_host_ms or 0.0)
             host_us, host_step = measured_dispatch(measured.host_busy_ms, idle, model, traced, hw, notes)
         else:
             host_us = bisected_dispatch(idle, model, traced, hw, base.host_us_per_op, notes)

@@ -106,6 +106,9 @@ class Hardware:
     host_us_per_op: float = HOST_US_PER_OP
     """Host time to dispatch one framework op (PyTorch eager, autograd included), microseconds:
     the GPU waits when a layer's kernels are shorter than their dispatch."""
+    optimizer_host_ms: float = 0.0
+    """Host time of the optimizer's step beyond its kernels' dispatch (calibrated from a trace; 0: none): the
+    GPU's optimizer kernels wait for it, after the backward's."""
     source: str = ""
     """Where the numbers come from."""
 
@@ -114,6 +117,7 @@ class Hardware:
         for f in ("bf16_tflops", "fp32_tflops", "hbm_gbps", "hbm_gib"):
             v.positive(o, f, getattr(self, f))
         v.positive(o, "host_us_per_op", self.host_us_per_op, allow_zero=True)
+        v.positive(o, "optimizer_host_ms", self.optimizer_host_ms, allow_zero=True)
         if not 0.3 <= self.sustained_clock <= 1.0:
             raise v.ConfigError(f"{o}.sustained_clock={self.sustained_clock!r}: must be in [0.3, 1]")
         if not 1.0 <= self.flash2_slowdown <= 5.0:

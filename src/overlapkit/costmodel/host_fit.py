@@ -48,14 +48,15 @@ def measured_dispatch(host_busy_ms: float, idle_ms: float, model: ModelConfig, t
     def wait_ms(us: float) -> float:
         return predict(model, traced, replace(hw, host_us_per_op=us)).host_ms
 
-    def busy_ms(us: float) -> float:  # the busy time a dispatch of `us` per op implies, with its per-step part
-        return 1e-3 * us * ops + max(0.0, idle_ms - wait_ms(us))
+    def busy_ms(us: float) -> float:  # the busy time a dispatch of `us` per op implies, with its per-step parts
+        return 1e-3 * us * ops + hw.optimizer_host_ms + max(0.0, idle_ms - wait_ms(us))
 
     lo, _ = bisect(lambda us: busy_ms(us) <= host_busy_ms, 0.0, 1e3 * host_busy_ms / ops)
     wait = wait_ms(lo)
     fixed = max(0.0, idle_ms - wait)
+    opt = f", {hw.optimizer_host_ms:.3g} ms in the optimizer's step" if hw.optimizer_host_ms else ""
     notes.append(f"the host was busy {host_busy_ms:.3g} ms per step: {1e-3 * lo * ops:.3g} ms dispatching the "
-                 f"layers' ops ({lo:.3g} us per op) and {fixed:.3g} ms of per-step work the GPU sat idle through; the "
+                 f"layers' ops ({lo:.3g} us per op){opt} and {fixed:.3g} ms of per-step work the GPU sat idle through; the "
                  f"layers' dispatch explains {min(wait, idle_ms):.3g} ms of the GPU's {idle_ms:.3g} ms idle")
     return lo, fixed
 

@@ -213,7 +213,8 @@ def predict(model: ModelConfig, par: ParallelConfig, hw: Hardware, coll: Collect
                  + (FP16_UNSCALE_BYTES_PER_PARAM if par.dtype == "fp16" else 0))
     stepped = ranks[slowest].dense / dense_dp + ranks[slowest].expert / expert_dp
     optimizer = stepped * per_param / (hw.memory.elementwise_gbps * 1e6)
-    host = queue_wait_ms(launches(slowest, m))
+    # the optimizer's kernels follow the backward's, after the host's own time in its step (calibrated)
+    host = queue_wait_ms(launches(slowest, m) + [(hw.optimizer_host_ms, optimizer, 0)])
     # the clipping scale runs outside the optimizer's step (torch.optim's range), over the whole gradient
     clip = stepped * CLIP_SCALE_BYTES_PER_PARAM / (hw.memory.elementwise_gbps * 1e6) if autocast else 0.0
     if clip:

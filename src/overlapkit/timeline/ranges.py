@@ -23,6 +23,10 @@ class Ranges:
     def add(self, tid, start: float, end: float, value: dict) -> None:
         self._by_tid.setdefault(tid, []).append((start, end, value))
 
+    def rows(self):
+        """Every range as (thread, start, end, value)."""
+        return ((tid, a, b, x) for tid, rows in self._by_tid.items() for a, b, x in rows)
+
     def freeze(self) -> None:
         self._starts, self._parent = {}, {}
         for tid, rows in self._by_tid.items():

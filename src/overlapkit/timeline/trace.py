@@ -10,13 +10,12 @@ the phase (forward/backward/optimizer/pipeline) from `timeline/phases.py`. A col
 FSDP2 issued inside its `FSDP::all_gather` / `FSDP::post_backward_reduce` range is
 `zero_all_gather` / `zero_reduce_scatter`, named by module (`timeline/fsdp2.py`).
 
-An event whose times the reader uses must carry them as real numbers within a day of the others,
-and the trace's rank must lie in its world: anything else is refused in one line naming the event
-and the field (`timeline/validate.py`), never read as 0. A CPU-only trace (gloo) is read by
-`timeline/cpu_trace.py`. Traces of other devices (MTIA) are refused, not misread as CPU traces.
-
-The last `ProfilerStep` is dropped when a trace holds two or more (a profiler usually stops
-inside it), as HolisticTraceAnalysis does; `last_step=True` keeps it.
+An event whose times the reader uses must carry them as real numbers within a day of the others, and the
+trace's rank must lie in its world: anything else is refused in one line naming the event and the field
+(`timeline/validate.py`), never read as 0. A CPU-only trace (gloo) is read by `timeline/cpu_trace.py`.
+Traces of other devices (MTIA) are refused, not misread as CPU traces. The last `ProfilerStep` is dropped
+when a trace holds two or more (a profiler usually stops inside it), as HolisticTraceAnalysis does;
+`last_step=True` keeps it.
 """
 
 from __future__ import annotations
@@ -54,8 +53,7 @@ TAGGED_CATEGORIES = MARKER_CATEGORIES | LAUNCH_CATEGORIES
 _STEP_PREFIX = "ProfilerStep#"
 JOB_ID_KEYS = ("group_trace_id", "mast_job_name", "tw_job", "job_id")
 """Trace metadata naming the job, when the profiler wrote one (first found wins)."""
-TRACE_SUFFIXES = (".json", ".json.gz")
-_INF = math.inf
+TRACE_SUFFIXES, _INF = (".json", ".json.gz"), math.inf
 
 
 class TraceError(ValueError):
@@ -91,8 +89,7 @@ class Trace:
     job_id: str | None = None
     """The job's id from the trace metadata (see JOB_ID_KEYS), when present."""
     issue: list = field(default_factory=list)
-    """Per span (same order as `spans`): (thread, issue ms, launch name) of its launch or issue, or None
-    (compute on a CPU thread; a kernel whose launch is not in the trace)."""
+    """Per span (as `spans`): (thread, issue ms, launch name) of its launch or issue, or None (CPU compute, no launch)."""
     host_syncs: list = field(default_factory=list)
     """(thread, start ms, end ms) of every host call that waited for the GPU (cudaStreamSynchronize, ...)."""
     launch_waits: list = field(default_factory=list)
@@ -105,6 +102,8 @@ class Trace:
     """ProfilerStep number -> (start ms, end ms) of its CPU range."""
     serving_ranges: list = field(default_factory=list)
     """(kind, start ms, end ms) of every serving step's range, prefill or decode (timeline/serving.py's rule)."""
+    phase_ranges: list = field(default_factory=list)
+    """(thread, start ms, end ms, phase) of the CPU ranges that mark a phase (timeline/phases.py): the optimizer's."""
     evidence: dict = field(default_factory=dict)
     """Framework evidence: tag -> how many events carried it (timeline/framework.py)."""
 
@@ -114,9 +113,9 @@ class Trace:
             return
         self.spans = [s.shifted(offset_ms) for s in self.spans]
         self.issue = [None if i is None else (i[0], i[1] - offset_ms, *i[2:]) for i in self.issue]
-        self.host_syncs, self.launch_waits, self.blocked, self.host_ops = (
+        self.host_syncs, self.launch_waits, self.blocked, self.host_ops, self.phase_ranges = (
             [(t, a - offset_ms, b - offset_ms, *n) for t, a, b, *n in v]
-            for v in (self.host_syncs, self.launch_waits, self.blocked, self.host_ops))
+            for v in (self.host_syncs, self.launch_waits, self.blocked, self.host_ops, self.phase_ranges))
         self.step_ranges = {n: (a - offset_ms, b - offset_ms) for n, (a, b) in self.step_ranges.items()}
         self.serving_ranges = [(k, a - offset_ms, b - offset_ms) for k, a, b in self.serving_ranges]
 
@@ -323,7 +322,8 @@ def read_trace(path: str | Path, rank: int | None = None, last_step: bool = Fals
                  issue=[p[1] for p in placed], host_syncs=[(t, ms(a), ms(b)) for t, a, b in syncs],
                  launch_waits=[(t, ms(a), ms(b)) for t, a, b in launch_waits(kernel_launches)],
                  host_ops=[(t, ms(a), ms(b), n) for t, a, b, n in _outermost(ops)],
-                 blocked=[(t, ms(a), ms(b)) for t, a, b in blocked],
+                 blocked=[(t, ms(a), ms(b)) for t, a, b in blocked], phase_ranges=[
+                     (t, ms(a), ms(b), x["phase"]) for t, a, b, x in markers.rows()],
                  step_ranges={n: (ms(a), ms(b)) for a, b, n in steps if n in kept or n == dropped},
                  serving_ranges=[(k, ms(a), ms(b)) for a, b, k in outermost_steps(serving)
                                  if dropped is None or a < steps[-1][0]], evidence=evidence)
