@@ -17,7 +17,7 @@
 #   serve   infer and calibrate1 in the GPU lane beside, on the other cores, infer's tp 2/4/8 and the fixed-cost
 #           twins (ep 4 chunks="auto", ZeRO-3 auto at 8 ranks, PP 1F1B vs Schedule1F1B): one call's worth
 #   final   in sequence: the GPU calibration alone on the machine, then on 16 cores our GPT's and HF Llama's
-#           calibrations, their traces returned for pricing again here
+#           calibrations, their traces returned for pricing again here (FINAL_MODELS=gpt: ours alone, < 360 s)
 #   short   next's first step of each lane (the GPU calibration, ZeRO-3 auto vs its twin), for under 300 s of device time
 #   next    what the open issues still lack (GPU calibration, ZeRO-3 auto vs its twin and its probe, our GPT's calibrate16)
 #   after   the two calibrations (GPU across micro-batches; the 13-core gloo job, GPT then HF Llama) in lanes (< 560 s)
@@ -184,7 +184,7 @@ final() {
   calibrate_cuda 150 40
   mkdir -p "$c"
   local m
-  for m in gpt llama; do
+  for m in ${FINAL_MODELS:-gpt llama}; do
     step "calibrate_cpu_$m" 190 python3 benchmarks/probes/calibrate_validation.py --device cpu --model "$m" \
         --layout-limit 40 --traces "$out/traces/$m" --out "$c"
     keep_traces "$m"
