@@ -124,7 +124,8 @@ class Calibration:
     """On a GPU: the traced idle that the layers' dispatch does not explain (the step's edges: the optimizer's
     launches, a loss read back), added once per step at every layout."""
     optimizer_factor: float = 1.0
-    """Traced optimizer step's time / the model's at the fitted rates; each layout's is the model's times it."""
+    """Traced optimizer step's time / the model's at the fitted rates; each layout's optimizer and other passes
+    over the parameters (StepReport.param_passes_ms) are the model's times it."""
 
     @property
     def collectives(self) -> Collectives:
@@ -171,26 +172,22 @@ def traced_layout(asked: ParallelConfig, spec: str) -> ParallelConfig:
         elif key in names and key != "overlap":
             default = getattr(ParallelConfig(), key)
             try:
-                changes[key] = (value.lower() in ("1", "true", "yes")) if isinstance(default, bool) else \
-                    type(default)(value)
+                changes[key] = (value.lower() in ("1", "true", "yes")) if isinstance(default, bool) else type(default)(value)
             except ValueError:
                 raise v.ConfigError(f"--traced {spec!r}: {key}={value!r} is not a {type(default).__name__}") from None
         else:
-            raise v.ConfigError(f"--traced {spec!r}: unknown field {key!r}; known: "
-                                f"{', '.join(n for n in names if n != 'overlap')}, overlap, overlap_<engine>")
+            raise v.ConfigError(f"--traced {spec!r}: unknown field {key!r}; known: {', '.join(n for n in names if n != 'overlap')}, overlap, overlap_<engine>")
     for mode in overlap.values():
         v.one_of("--traced", "overlap", mode, MODES)
     if overlap:
         changes["overlap"] = replace(asked.overlap, **overlap)
-    if ("dp" in changes or "micro_batch" in changes) and "global_batch" not in changes:
-        m = asked.micro_batches  # keep the micro-batch count per replica unless it is given
-        changes["global_batch"] = changes.get("micro_batch", asked.micro_batch) * changes.get("dp", asked.dp) * m
+    if ("dp" in changes or "micro_batch" in changes) and "global_batch" not in changes:  # keep m per replica
+        changes["global_batch"] = changes.get("micro_batch", asked.micro_batch) * changes.get("dp", asked.dp) * asked.micro_batches
     return replace(asked, **changes)
 
 
 def rescaled(hw: Hardware, matmul: float, memory: float, table: tuple) -> Hardware:
-    """`hw` with its matrix rates (GEMMs, attention) `matmul` times and its memory rates (HBM, memory-bound
-    ops, GEMM operand streaming) `memory` times as fast; launches unchanged; `table` pinned GEMM shapes."""
+    """`hw`, its matrix rates `matmul` and memory rates (HBM, memory-bound ops, GEMM operands) `memory` times as fast."""
     return replace(hw, name=f"{hw.name} (calibrated)", bf16_tflops=hw.bf16_tflops * matmul,
                    fp8_tflops=hw.fp8_tflops * matmul, fp32_tflops=hw.fp32_tflops * matmul, hbm_gbps=hw.hbm_gbps * memory,
                    gemm=replace(hw.gemm, mem_gbps=hw.gemm.mem_gbps * memory, table=table),
@@ -252,8 +249,8 @@ def _matmul_rate(points: tuple, base: Hardware) -> float | None:
 
 
 def _fitted_ms(report: StepReport, optimizer_measured) -> float:
-    """Predicted compute less the optimizer's step where measured: a fixed cost one layout cannot tell from the rest."""
-    return report.compute_ms - (report.optimizer_ms if optimizer_measured else 0.0)
+    """Predicted compute less, where the optimizer's step is measured, it and the other passes over the parameters."""
+    return report.compute_ms - (report.optimizer_ms + report.param_passes_ms if optimizer_measured else 0.0)
 
 
 def _memory_rate(target_ms: float, model: ModelConfig, traced: ParallelConfig, base: Hardware, matmul,
@@ -301,13 +298,12 @@ def _traced_comm(measured: Measured, predicted: dict, notes: list) -> tuple[dict
 def fit(measured: Measured, model: ModelConfig, traced: ParallelConfig, base: Hardware) -> Calibration:
     """Calibrate `base` on one traced layout (see the module docstring).
 
-    The named GEMMs set the job's matrix rate and stay pinned. What the measured compute holds beyond what
-    that rate predicts is either the rest of the compute running slower than the preset's ratio says, or the
-    ranks sitting inside compute ranges while a collective they wait for is in flight (a CPU trace's forward
-    and backward ranges hold the synchronous TP collectives' waits). The second is at most the time the trace
-    shows collectives hidden under compute: that much is counted as exposed time of those collectives (in
-    proportion to each one's hidden time), and the memory rate is bisected to meet the rest. Without named
-    GEMMs one rate scales all compute and nothing is counted as waiting."""
+    The named GEMMs set the job's matrix rate and stay pinned. What the measured compute holds beyond what that
+    rate predicts is either the rest of the compute running slower than the preset's ratio says, or the ranks
+    sitting inside compute ranges while a collective they wait for is in flight (a CPU trace's forward and
+    backward ranges hold the synchronous TP collectives' waits). The second is at most the time the trace shows
+    collectives hidden under compute: counted as exposed time of those collectives (in proportion to each one's
+    hidden time); the memory rate is bisected to meet the rest. Without named GEMMs one rate scales all compute."""
     notes: list[str] = []
     points = gemm_points(measured, model, traced)
     matmul = _matmul_rate(points, base)
@@ -315,7 +311,9 @@ def fit(measured: Measured, model: ModelConfig, traced: ParallelConfig, base: Ha
     by_kind, unmatched, engine_exposed = _traced_comm(measured, base_report.comm_by_kind, notes)
     hidden = {k: max(0.0, c - e) for k, (c, e) in by_kind.items()}
     opt = measured.optimizer_ms if 0 < (measured.optimizer_ms or 0) < measured.compute_ms else None
-    waiting, fitted = 0.0, measured.compute_ms - (opt or 0.0)
+    # the other passes over the parameters run as the optimizer's do (multi-tensor, memory-bound): at its rate
+    passes = opt * base_report.param_passes_ms / base_report.optimizer_ms if opt and base_report.optimizer_ms else 0.0
+    waiting, fitted = 0.0, measured.compute_ms - (opt or 0.0) - passes
     if matmul is not None:  # the compute beyond the GEMMs' rate's, the optimizer's step set apart on both sides
         waiting = min(max(0.0, fitted - _fitted_ms(base_report, opt)), sum(hidden.values()))
     target = fitted - waiting
@@ -326,7 +324,8 @@ def fit(measured: Measured, model: ModelConfig, traced: ParallelConfig, base: Ha
     factor = opt / r.optimizer_ms if opt and r.optimizer_ms > 0 else 1.0
     if opt:
         notes.append(f"the optimizer's step measured {opt:.3g} ms per step against the model's {r.optimizer_ms:.3g} "
-                     f"ms at the fitted rates: priced x{factor:.3g} at every layout, apart from the fitted rates")
+                     f"ms at the fitted rates: it and the other passes over the parameters ({passes:.3g} ms here) priced "
+                     f"x{factor:.3g} at every layout, apart from the fitted rates")
     if abs(_fitted_ms(r, opt) - target) > 0.01 * target:
         notes.append(f"the traced compute ({target:.3g} ms) cannot be met by the memory rate beside the named "
                      f"GEMMs: the fit stops at {scale:.3g}x")
@@ -362,8 +361,9 @@ def predict_calibrated(cal: Calibration, model: ModelConfig, par: ParallelConfig
     of traced engine kinds the model lacks (where that engine runs, per layer and micro-batch) and the host
     time per op."""
     r = predict(model, par, cal.hardware, cal.collectives)
-    optimizer = r.optimizer_ms * cal.optimizer_factor
-    r.compute_ms, r.optimizer_ms = r.compute_ms + optimizer - r.optimizer_ms, optimizer
+    f = cal.optimizer_factor  # the optimizer's measured rate, for it and the other passes over the parameters
+    r.compute_ms += (f - 1) * (r.optimizer_ms + r.param_passes_ms)
+    r.optimizer_ms, r.step_end_ms, r.param_passes_ms = f * r.optimizer_ms, f * r.step_end_ms, f * r.param_passes_ms
     exposed = {k: (c * cal.exposed_fraction[k] if k in cal.exposed_fraction else r.exposed_by_kind.get(k, 0.0))
                for k, c in r.comm_by_kind.items()}
     per_op = ops_per_step(model, par) / ops_per_step(model, cal.traced)

@@ -153,7 +153,7 @@ def step_tasks(report: StepReport, hw: Hardware, coll: Collectives | None = None
             raise AssertionError("1F1B order deadlocked")
     for s in range(pp):  # the step needs every gradient reduced
         last = max(i for i, t in enumerate(tasks) if t.rank == s)
-        lanes[s].compute("optimizer step", report.optimizer_ms, (last,))
+        lanes[s].compute("optimizer step", report.step_end_ms + report.optimizer_ms, (last,))
     return tasks
 
 

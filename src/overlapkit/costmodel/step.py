@@ -77,7 +77,12 @@ class StepReport:
     layers_per_stage: int
     """Layers on each pipeline rank (all its virtual stages)."""
     optimizer_ms: float = 0.0
-    """The optimizer step (part of compute_ms)."""
+    """The optimizer's step itself, what torch.optim's `Optimizer.step` range holds (part of compute_ms)."""
+    step_end_ms: float = 0.0
+    """Around it: the clipping norm, the gradients zeroed, torch's clipping scale (part of compute_ms)."""
+    param_passes_ms: float = 0.0
+    """Every pass over the parameters a step but the optimizer's: step_end_ms, autocast's casts, gradient
+    accumulation outside the GEMM (part of compute_ms; a calibration prices them at the optimizer's rate)."""
     host_ms: float = 0.0
     """Time the GPU waits for the host to dispatch kernels (small layers, eager PyTorch)."""
     stage_ms: tuple = ()
@@ -126,7 +131,7 @@ class StepReport:
                                     "world": self.par.world},
             "step_time_s": self.step_ms * s, "compute_s": self.compute_ms * s, "comm_s": self.comm_ms * s,
             "exposed_comm_s": self.exposed_ms * s, "bubble_s": self.bubble_ms * s, "host_s": self.host_ms * s,
-            "optimizer_s": self.optimizer_ms * s,
+            "optimizer_s": self.optimizer_ms * s, "step_end_s": self.step_end_ms * s,
             "throughput": throughput(self.model, self.par, self.step_ms * s, self.peak_tflops, self.flops_convention),
             "memory": dict(self.memory),
             "pipeline": self.pipeline() if self.par.pp > 1 else {},
@@ -165,6 +170,7 @@ def predict(model: ModelConfig, par: ParallelConfig, hw: Hardware, coll: Collect
     cast_f, cast_b = weight_cast_ms(ctx, lp)
     per_layer = (cast_f, cast_b + grad_accumulation_ms(ctx, lp))  # GPU ms a layer adds (forward, backward)
     stages, heads, tails = [], [], []  # GPU ms a stage adds before and after its layers, each micro-batch
+    passes = []  # GPU ms of a stage's passes over its parameters, each micro-batch
     for i, n in enumerate(layers):
         f = layer_f.scaled(n) + (head_f if i == par.pp - 1 else Block())
         b = layer_b.scaled(n) + (head_b if i == par.pp - 1 else Block()) + (emb if i == 0 else Block())
@@ -179,6 +185,7 @@ def predict(model: ModelConfig, par: ParallelConfig, hw: Hardware, coll: Collect
             f.add_compute("weight cast to the compute dtype (autocast)", n * cast_f + rest_f)
             b.add_compute("weight gradient cast to fp32 (autocast)", n * cast_b + rest_b)
         stages.append((f, b))
+        passes.append(acc + n * (cast_f + cast_b) + rest_f + rest_b)
         heads.append(rest_f)
         tails.append((emb.wall_ms if i == 0 else 0.0) + grad_accumulation_ms(ctx, rest) + rest_b)
     slowest = max(range(par.pp), key=lambda i: stages[i][0].wall_ms + stages[i][1].wall_ms)
@@ -209,21 +216,23 @@ def predict(model: ModelConfig, par: ParallelConfig, hw: Hardware, coll: Collect
         zero3 = data_parallel(ctx, step, ranks, stages, slowest, layer_f, layer_b, layers[slowest], notes)
     dense_dp, expert_dp = shards(par) if par.zero else (1, 1)
     autocast = par.weights == "autocast"
-    per_param = ((ADAM_FP32_PARAMS_BYTES_PER_PARAM if autocast else ADAM_BYTES_PER_PARAM) + GRAD_NORM_BYTES_PER_PARAM
+    per_param = ((ADAM_FP32_PARAMS_BYTES_PER_PARAM if autocast else ADAM_BYTES_PER_PARAM)
                  + (FP16_UNSCALE_BYTES_PER_PARAM if par.dtype == "fp16" else 0))
     stepped = ranks[slowest].dense / dense_dp + ranks[slowest].expert / expert_dp
     optimizer = stepped * per_param / (hw.memory.elementwise_gbps * 1e6)
+    # outside torch.optim's step range (what a trace's Optimizer.step holds): the norm, the zeroing, and under
+    # autocast torch's clipping scale over the whole gradient
+    end_bytes = GRAD_NORM_BYTES_PER_PARAM + (CLIP_SCALE_BYTES_PER_PARAM if autocast else 0)
+    step_end = stepped * end_bytes / (hw.memory.elementwise_gbps * 1e6)
+    if autocast:
+        notes.append(f"clip_grad_norm_'s scale of every gradient: {step_end * CLIP_SCALE_BYTES_PER_PARAM / end_bytes:.3g} ms")
     # the optimizer's kernels follow the backward's, after the host's own time in its step (calibrated)
-    host = queue_wait_ms(launches(slowest, m) + [(hw.optimizer_host_ms, optimizer, 0)])
-    # the clipping scale runs outside the optimizer's step (torch.optim's range), over the whole gradient
-    clip = stepped * CLIP_SCALE_BYTES_PER_PARAM / (hw.memory.elementwise_gbps * 1e6) if autocast else 0.0
-    if clip:
-        notes.append(f"clip_grad_norm_'s scale of every gradient: {clip:.3g} ms")
-    compute = step.compute_ms + optimizer + clip
+    host = queue_wait_ms(launches(slowest, m) + [(hw.optimizer_host_ms, step_end + optimizer, 0)])
+    compute = step.compute_ms + optimizer + step_end
     exposed = sum(step.exposed.values())
     report = StepReport(model, par, hw.name, compute + exposed + bubble + host, compute, sum(step.comm.values()),
                         exposed, bubble, dict(step.comm), dict(step.exposed), layer_f, layer_b, head_f, head_b,
-                        layers[slowest], optimizer, notes=notes, host_ms=host, stage_ms=tuple(times),
+                        layers[slowest], optimizer, step_end, passes[slowest] * m + step_end, notes=notes, host_ms=host, stage_ms=tuple(times),
                         stage_layers=tuple(layers), zero3=zero3, peak_tflops=hw.peak_tflops(par.dtype))
     for name in ("step_ms", "compute_ms", "comm_ms", "exposed_ms", "bubble_ms", "host_ms"):
         if not math.isfinite(getattr(report, name)):
