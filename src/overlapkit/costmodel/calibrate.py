@@ -21,14 +21,10 @@ from .hardware import Hardware
 from .model import ModelConfig
 from .parallel import MODES, Overlap, ParallelConfig
 from .host_fit import bisect, bisected_dispatch, measured_dispatch, ops_per_step
+from .traced_comm import KIND_COLLECTIVE, engine_of, model_kind, traced_comm
 from .step import StepReport, predict
 from .transformer import layer_gemms
 
-KIND_COLLECTIVE = {"tp_all_gather": "all_gather", "tp_reduce_scatter": "reduce_scatter", "tp_all_reduce": "all_reduce",
-                   "dp_all_reduce": "all_reduce", "dp_reduce_scatter": "reduce_scatter",
-                   "zero_all_gather": "all_gather", "pp_send": "send_recv", "ep_all_to_all": "all_to_all",
-                   "cp_kv": "send_recv"}
-"""The collective each communication kind of a prediction runs."""
 PIPELINE_KINDS = ("pp_send", "pp_recv")
 """Kinds whose exposed time `terms` counts with the bubble: a stage waiting for its neighbour's compute or the wire."""
 TERMS = ("compute", "exposed", "pipeline", "host")
@@ -220,26 +216,6 @@ def gemm_points(measured: Measured, model: ModelConfig, traced: ParallelConfig) 
     return tuple((*shape, t / c) for shape, (t, c) in sorted(merged.items()))
 
 
-ENGINE_OF = {"tp_": "tp", "dp_": "dp", "zero_": "dp", "pp_": "pp", "ep_": "ep", "cp_": "cp"}
-"""An overlapkit kind's prefix -> the layout's degree its collectives need (> 1) to run at all."""
-
-
-def _engine(kind: str) -> str | None:
-    return next((e for prefix, e in ENGINE_OF.items() if kind.startswith(prefix)), None)
-
-
-def _model_kind(kind: str, predicted: dict, measured_kinds=()) -> str | None:
-    """The prediction's kind for a measured one: the same name, or the one kind ending in _<collective>. A
-    collective named only by the trace (`all_gather`) in a trace where overlapkit named its own is other code's
-    (a pipeline's per-step shape check, a metric's reduction): none."""
-    if kind in KIND_COLLECTIVE:
-        return kind
-    if _engine(kind) is None and any(_engine(k) is not None for k in measured_kinds):
-        return None
-    matches = [k for k in predicted if k.endswith("_" + kind)]
-    return matches[0] if len(matches) == 1 else None
-
-
 def _matmul_rate(points: tuple, base: Hardware) -> float | None:
     """The job's matrix rate against `base`: the named GEMMs' geometric-mean speed against its curve."""
     if not points:
@@ -265,36 +241,6 @@ def _memory_rate(target_ms: float, model: ModelConfig, traced: ParallelConfig, b
     return math.exp((lo + hi) / 2)
 
 
-def _traced_comm(measured: Measured, predicted: dict, notes: list) -> tuple[dict, float, dict]:
-    """({the model's kind: [comm ms, exposed ms]} measured per step, exposed ms of kinds the model lacks that no
-    engine names, {engine kind the model lacks: exposed ms per step})."""
-    by_kind: dict[str, list[float]] = {}
-    unmatched, engine_exposed = 0.0, {}
-    for kind, (comm_ms, exposed_ms, _calls, _nbytes) in measured.comm.items():
-        ours = _model_kind(kind, predicted, measured.comm)
-        if ours is None or predicted.get(ours, 0.0) <= 0 or comm_ms <= 0:
-            if _engine(kind) is not None:
-                # e.g. the vocabulary-parallel loss's and the sequence-parallel norms' TP all-reduces: they run
-                # where that engine runs, as often as its layers and micro-batches, not once per host op
-                notes.append(f"traced {kind} ({comm_ms:.3g} ms per step, {exposed_ms:.3g} exposed) has no counterpart "
-                             f"in the model: its exposed time is priced wherever {_engine(kind)} > 1, per layer and "
-                             f"micro-batch")
-                engine_exposed[kind] = engine_exposed.get(kind, 0.0) + exposed_ms
-                continue
-            notes.append(f"traced {kind} ({comm_ms:.3g} ms per step, {exposed_ms:.3g} exposed) has no counterpart "
-                         f"in the model of this layout: its exposed time counts as host time")
-            unmatched += exposed_ms
-            continue
-        got = by_kind.setdefault(ours, [0.0, 0.0])
-        got[0] += comm_ms
-        got[1] += exposed_ms
-    for kind, ms in predicted.items():
-        if kind not in by_kind and ms > 0:
-            notes.append(f"the traced layout's model has {kind} ({ms:.3g} ms per step) that the trace does not show: "
-                         f"priced as the model does (does --traced describe the traces?)")
-    return by_kind, unmatched, engine_exposed
-
-
 def fit(measured: Measured, model: ModelConfig, traced: ParallelConfig, base: Hardware) -> Calibration:
     """Calibrate `base` on one traced layout (see the module docstring).
 
@@ -308,7 +254,7 @@ def fit(measured: Measured, model: ModelConfig, traced: ParallelConfig, base: Ha
     points = gemm_points(measured, model, traced)
     matmul = _matmul_rate(points, base)
     base_report = predict(model, traced, rescaled(base, matmul or 1.0, matmul or 1.0, points))
-    by_kind, unmatched, engine_exposed = _traced_comm(measured, base_report.comm_by_kind, notes)
+    by_kind, unmatched, engine_exposed = traced_comm(measured, base_report.comm_by_kind, notes)
     hidden = {k: max(0.0, c - e) for k, (c, e) in by_kind.items()}
     opt = measured.optimizer_ms if 0 < (measured.optimizer_ms or 0) < measured.compute_ms else None
     # the other passes over the parameters run as the optimizer's do (multi-tensor, memory-bound): at its rate
@@ -368,8 +314,8 @@ def predict_calibrated(cal: Calibration, model: ModelConfig, par: ParallelConfig
                for k, c in r.comm_by_kind.items()}
     per_op = ops_per_step(model, par) / ops_per_step(model, cal.traced)
     for kind, ms in cal.engine_exposed.items():
-        if getattr(par, _engine(kind)) > 1:
-            exposed[kind] = exposed.get(kind, 0.0) + ms * (1.0 if _engine(kind) == "dp" else per_op)
+        if getattr(par, engine_of(kind)) > 1:
+            exposed[kind] = exposed.get(kind, 0.0) + ms * (1.0 if engine_of(kind) == "dp" else per_op)
     r.exposed_by_kind, r.exposed_ms = exposed, sum(exposed.values())
     if cal.device == "cpu":  # on a GPU the model's own host wait stands, at the fitted dispatch time
         r.host_ms = cal.host_us_per_op * 1e-3 * ops_per_step(model, par)
@@ -390,7 +336,7 @@ def terms(measured: Measured, report: StepReport) -> dict:
     for kind, (_comm, exp, _calls, _nbytes) in measured.comm.items():
         if kind in PIPELINE_KINDS:
             pipeline += exp
-        elif _engine(kind) is not None or _model_kind(kind, report.comm_by_kind, measured.comm) is not None:
+        elif engine_of(kind) is not None or model_kind(kind, report.comm_by_kind, measured.comm) is not None:
             exposed += exp
         else:
             other += exp
