@@ -187,3 +187,13 @@ def test_our_fresh_ddp_trace_with_a_straggler(tmp_path):
     assert best["question"] == "rank 1 as fast as the median of the others" and best["saving_ms"] > 20.0, a.what_if
     by = {c["check"]: c for c in checks}
     assert "GPU" not in by["topology and grouping"]["try"] and "rank 1" in by["critical path"]["try"]
+
+
+def test_a_member_starting_after_the_collective_ended_elsewhere_keeps_the_path_in_time():
+    """Plain DDP on a loaded machine: rank 1's span of the step-1 broadcast ended at 40.04 ms, and rank 0, its
+    last member by the ranks' clocks, started it at 39.73 and ran on to 40.53 before the path came back to
+    rank 1 at 40.04 — 0.49 ms counted twice. A path never holds a moment twice, nor goes forward in time."""
+    traces = read_traces([str(DATA / "timeline" / "ddp_skewed_members")])
+    a, checks = _analyze([DATA / "timeline" / "ddp_skewed_members" / f"rank{r}.json.gz" for r in (0, 1)])
+    check_rules(a, checks)  # contiguous, and the path explains the whole step
+    assert len(traces) == 2 and any("waiting for rank 1" in s.why for p in a.paths for s in p.segments)

@@ -117,6 +117,8 @@ class _Walk:
 
     def emit(self, rank, op, a, b, why, kind=""):
         a = max(a, self.start)
+        if self.out:  # the walk goes back in time: nothing after what the path already holds (a member that
+            b = min(b, self.out[-1].start_ms)  # a rank's clock shows starting after the collective ended there)
         if b <= a:
             return
         if self.mark is not None and self.mark[0] == rank and b > self.mark[1] and why != "exposed comm":
