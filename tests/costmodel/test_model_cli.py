@@ -108,7 +108,8 @@ def test_every_new_flag_reaches_the_prediction(capsys):
     ref = plan_json(base, capsys)["step_time_s"]
     for extra in (["--cp", "2"], ["--attention", "unfused"], ["--eager"], ["--recompute", "op"],
                   ["--grad-dtype", "fp32"], ["--seq-len", "4096"], ["--bucket-mb", "1"],
-                  ["--grad-accumulation", "hook"], ["--no-gradient-accumulation-fusion"]):
+                  ["--grad-accumulation", "hook"], ["--no-gradient-accumulation-fusion"], ["--weights", "autocast"],
+                  ["--grad-accumulation", "kept"], ["--stack", "pytorch-amp"]):
         d = plan_json(base + extra, capsys)
         assert d["step_time_s"] != ref, extra
     pp = ["--model", "llama3-8b", "--tp", "8", "--pp", "4", "--dp", "2", "--global-batch", "16", "--no-sp"]
