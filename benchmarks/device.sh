@@ -17,7 +17,7 @@
 #   serve   infer and calibrate1 in the GPU lane beside, on the other cores, infer's tp 2/4/8 and the fixed-cost
 #           twins (ep 4 chunks="auto", ZeRO-3 auto at 8 ranks, PP 1F1B vs Schedule1F1B): one call's worth
 #   final   in sequence: the GPU calibration alone on the machine, then on 16 cores our GPT's and HF Llama's
-#           calibrations, their traces returned for pricing again here (FINAL_MODELS=gpt: ours alone, < 360 s)
+#           calibrations, repriceable here (FINAL_MODELS=gpt: ours alone, < 360 s; FINAL_MODELS=" ": the GPU alone)
 #   short   next's first step of each lane (the GPU calibration, ZeRO-3 auto vs its twin), for under 300 s of device time
 #   next    what the open issues still lack (GPU calibration, ZeRO-3 auto vs its twin and its probe, our GPT's calibrate16)
 #   after   the two calibrations (GPU across micro-batches; the 13-core gloo job, GPT then HF Llama) in lanes (< 560 s)
@@ -177,24 +177,16 @@ short_cpu() {
 
 # final: one call in sequence, no lanes, for issue 43 alone: the GPU calibration alone on the machine (the host's
 # busy time was not flat beside the gloo lane in the two calls before, so the host-queue model has had no clean
-# run), then on all 16 cores the calibration of our GPT and of HF Llama, each keeping its traces; those come back
-# as OUTDIR/traces_MODEL.tgz (when under 15 MB), so the 16 cores' rows can be priced again here with the model as
-# it changes (`calibrate_validation.py --device cpu --traces DIR`: traced layouts are read, not run again).
+# run), then on all 16 cores the calibration of our GPT and of HF Llama. Each result keeps what the trace reader
+# gave every layout, so its rows can be priced again here as the model changes (`calibrate_validation.py --reprice`).
 final() {
   calibrate_cuda 150 40
   mkdir -p "$c"
   local m
   for m in ${FINAL_MODELS:-gpt llama}; do
     step "calibrate_cpu_$m" 190 python3 benchmarks/probes/calibrate_validation.py --device cpu --model "$m" \
-        --layout-limit 40 --traces "$out/traces/$m" --out "$c"
-    keep_traces "$m"
+        --layout-limit 40 --out "$c"
   done
-}
-keep_traces() {  # MODEL: its traces into OUTDIR/traces_MODEL.tgz, unless over the 16 MB a returned file may have
-  [ -d "$out/traces/$1" ] || return 0
-  tar czf "$out/traces_$1.tgz" -C "$out/traces" "$1"
-  if [ "$(stat -c %s "$out/traces_$1.tgz")" -lt 15000000 ]; then mv "$out/traces_$1.tgz" "$dest/"
-  else echo "traces_$1.tgz: $(stat -c %s "$out/traces_$1.tgz") bytes, over the limit: not returned"; fi
 }
 
 # users37: issue 37's two user steps still unmeasured, on all 16 cores, in under 260 s (MoE at ep 4; the HF Llama at

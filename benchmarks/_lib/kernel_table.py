@@ -9,8 +9,7 @@ from pathlib import Path
 
 def kernel_table(path: str | Path, steps: int, top: int = 40) -> list[list]:
     """[[kernel name (its first 200 characters: the functor, not the argument list), ms a step, launches a
-    step], ...] of the `top` kernels by
-    time in the Chrome trace at `path`, which holds `steps` steps."""
+    step], ...] of the `top` kernels by time in the Chrome trace at `path`, which holds `steps` steps."""
     events = json.loads(Path(path).read_text()).get("traceEvents", [])
     by: dict[str, list[float]] = {}
     for e in events:

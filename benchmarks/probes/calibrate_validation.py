@@ -371,8 +371,8 @@ def main(argv=None) -> int:
                     help="wall-clock limit per layout, s (0: none); a layout past it is killed and recorded as failed")
     ap.add_argument("--traces", metavar="DIR", help="keep each layout's traces in DIR/<layout>; a layout whose "
                     "folder already holds traces is not run again (re-analysis)")
-    ap.add_argument("--reprice", metavar="JSON", help="price a committed GPU world-size-1 run's recorded rows "
-                    "again with the model as it is now (no run); writes <its name>_repriced.{json,md}")
+    ap.add_argument("--reprice", metavar="JSON", help="price a committed run's recorded rows again with the model "
+                    "as it is now (no run; older runs: the GPU at world size 1 only); writes <its name>_repriced.{json,md}")
     ap.add_argument("--only", help=argparse.SUPPRESS)  # one layout's traces into --into (measure_limited)
     ap.add_argument("--into", help=argparse.SUPPRESS)
     add_out_arg(ap)

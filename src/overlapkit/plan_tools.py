@@ -49,15 +49,14 @@ def read_measured(trace_dir: str):
     comm = {r.kind: (r.comm_ms / n, (r.exposed_ms or 0.0) / n, r.count / n, r.nbytes // max(1, r.count))
             for r in rank.by_kind}
     optimizer = sum(s.duration_ms for s in spans if s.is_compute and s.phase == "optimizer") / n
-    device = next(t.device for t in traces if t.rank == rank.rank)
+    mine = [t for t in traces if t.rank == rank.rank]
+    device = mine[0].device
     return Measured(step_ms=step_ms, compute_ms=sum(t.compute_ms for t in times) / n,
                     idle_ms=sum(t.idle_ms for t in times) / n,
                     gemm={k: (ms, calls / n) for k, (ms, calls) in gemm.items()}, comm=comm, steps=n,
                     ranks=len(report.ranks), device=device,
-                    host_busy_ms=host_busy_ms([t for t in traces if t.rank == rank.rank]) if device == "gpu" else None,
-                    optimizer_ms=optimizer or None,
-                    optimizer_host_ms=host_busy_ms([t for t in traces if t.rank == rank.rank], "optimizer")
-                    if device == "gpu" and optimizer else None)
+                    host_busy_ms=host_busy_ms(mine) if device == "gpu" else None, optimizer_ms=optimizer or None,
+                    optimizer_host_ms=host_busy_ms(mine, "optimizer") if device == "gpu" and optimizer else None)
 
 
 def host_busy_ms(traces, phase: str | None = None) -> float | None:
@@ -69,12 +68,13 @@ def host_busy_ms(traces, phase: str | None = None) -> float | None:
 
     busy = []
     for t in traces:
+        all_syncs = iv.union((x, y) for _, x, y in (*t.host_syncs, *getattr(t, "launch_waits", ())))
+        all_marked = iv.union((x, y) for _, x, y, p in getattr(t, "phase_ranges", ()) if p == phase) if phase else []
         for a, b in (r for n, r in t.step_ranges.items() if n in t.steps):
-            clip = lambda xs: iv.union((max(a, x), min(b, y)) for x, y in xs if x < b and y > a)  # noqa: E731
-            syncs = clip((x, y) for _, x, y in (*t.host_syncs, *getattr(t, "launch_waits", ())))
+            syncs = iv.clip(all_syncs, a, b)
             if phase is None:
                 busy.append((b - a) - iv.length(syncs))
                 continue
-            marked = clip((x, y) for _, x, y, p in getattr(t, "phase_ranges", ()) if p == phase)
+            marked = iv.clip(all_marked, a, b)
             busy.append(iv.length(marked) - iv.length(iv.intersect(marked, syncs)))
     return sum(busy) / len(busy) if busy else None

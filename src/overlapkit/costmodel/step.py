@@ -168,7 +168,8 @@ def predict(model: ModelConfig, par: ParallelConfig, hw: Hardware, coll: Collect
     # layer's kernels; the rest of a stage's parameters (embedding, head) are done before and after its layers.
     lp = model.dense_layer_params / par.tp + model.expert_layer_params / (par.tp * par.ep)
     cast_f, cast_b = weight_cast_ms(ctx, lp)
-    per_layer = (cast_f, cast_b + grad_accumulation_ms(ctx, lp))  # GPU ms a layer adds (forward, backward)
+    acc_layer = grad_accumulation_ms(ctx, lp)
+    per_layer = (cast_f, cast_b + acc_layer)  # GPU ms a layer adds (forward, backward)
     stages, heads, tails = [], [], []  # GPU ms a stage adds before and after its layers, each micro-batch
     passes = []  # GPU ms of a stage's passes over its parameters, each micro-batch
     for i, n in enumerate(layers):
@@ -179,7 +180,8 @@ def predict(model: ModelConfig, par: ParallelConfig, hw: Hardware, coll: Collect
         rest = params[i] - n * lp
         looked_up = i == 0 and not (model.tied_embeddings and i == par.pp - 1)
         rest_f, rest_b = weight_cast_ms(ctx, rest - (model.vocab_size * model.hidden / par.tp if looked_up else 0))
-        if acc := grad_accumulation_ms(ctx, params[i]):
+        acc_rest = grad_accumulation_ms(ctx, rest)
+        if acc := n * acc_layer + acc_rest:
             b.add_compute(f"gradient accumulation ({par.grad_accumulation})", acc)
         if cast_f or rest_f:
             f.add_compute("weight cast to the compute dtype (autocast)", n * cast_f + rest_f)
@@ -187,7 +189,7 @@ def predict(model: ModelConfig, par: ParallelConfig, hw: Hardware, coll: Collect
         stages.append((f, b))
         passes.append(acc + n * (cast_f + cast_b) + rest_f + rest_b)
         heads.append(rest_f)
-        tails.append((emb.wall_ms if i == 0 else 0.0) + grad_accumulation_ms(ctx, rest) + rest_b)
+        tails.append((emb.wall_ms if i == 0 else 0.0) + acc_rest + rest_b)
     slowest = max(range(par.pp), key=lambda i: stages[i][0].wall_ms + stages[i][1].wall_ms)
     fwd, bwd = stages[slowest]
     m = par.micro_batches
@@ -219,13 +221,14 @@ def predict(model: ModelConfig, par: ParallelConfig, hw: Hardware, coll: Collect
     per_param = ((ADAM_FP32_PARAMS_BYTES_PER_PARAM if autocast else ADAM_BYTES_PER_PARAM)
                  + (FP16_UNSCALE_BYTES_PER_PARAM if par.dtype == "fp16" else 0))
     stepped = ranks[slowest].dense / dense_dp + ranks[slowest].expert / expert_dp
-    optimizer = stepped * per_param / (hw.memory.elementwise_gbps * 1e6)
+    ms_per_byte = stepped / (hw.memory.elementwise_gbps * 1e6)  # a pass of one byte over each stepped parameter
+    optimizer = per_param * ms_per_byte
     # outside torch.optim's step range (what a trace's Optimizer.step holds): the norm, the zeroing, and under
     # autocast torch's clipping scale over the whole gradient
-    end_bytes = GRAD_NORM_BYTES_PER_PARAM + (CLIP_SCALE_BYTES_PER_PARAM if autocast else 0)
-    step_end = stepped * end_bytes / (hw.memory.elementwise_gbps * 1e6)
-    if autocast:
-        notes.append(f"clip_grad_norm_'s scale of every gradient: {step_end * CLIP_SCALE_BYTES_PER_PARAM / end_bytes:.3g} ms")
+    clip = CLIP_SCALE_BYTES_PER_PARAM * ms_per_byte if autocast else 0.0
+    step_end = GRAD_NORM_BYTES_PER_PARAM * ms_per_byte + clip
+    if clip:
+        notes.append(f"clip_grad_norm_'s scale of every gradient: {clip:.3g} ms")
     # the optimizer's kernels follow the backward's, after the host's own time in its step (calibrated)
     host = queue_wait_ms(launches(slowest, m) + [(hw.optimizer_host_ms, step_end + optimizer, 0)])
     compute = step.compute_ms + optimizer + step_end
