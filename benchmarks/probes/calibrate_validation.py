@@ -230,7 +230,7 @@ def run(device: str, kind: str, steps: int, overlap: str, timeout_s: float, trac
     plan = plan_of(device, kind, arch, world)
     traces = traces or tempfile.mkdtemp(prefix="calibrate_validation_")
     res = {"failed": [], "device": device, "kind": kind, "arch": arch, "model": model_json(sizes, arch),
-           "steps": steps, "overlap": overlap, "world": world, "cores": cores(), "calibration": None,
+           "steps": steps, "overlap": overlap, "world": 1 if device == "cuda" else world, "cores": cores(), "calibration": None,
            "rows": []}
     cal = None
     for i, (name, layout) in enumerate(plan.items()):
