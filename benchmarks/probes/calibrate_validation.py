@@ -230,8 +230,8 @@ def run(device: str, kind: str, steps: int, overlap: str, timeout_s: float, trac
     plan = plan_of(device, kind, arch, world)
     traces = traces or tempfile.mkdtemp(prefix="calibrate_validation_")
     res = {"failed": [], "device": device, "kind": kind, "arch": arch, "model": model_json(sizes, arch),
-           "steps": steps, "overlap": overlap, "world": 1 if device == "cuda" else world, "cores": cores(), "calibration": None,
-           "rows": []}
+           "steps": steps, "overlap": overlap, "world": 1 if device == "cuda" else world, "cores": cores(),
+           "calibration": None, "rows": []}
     cal = None
     for i, (name, layout) in enumerate(plan.items()):
         folder = os.path.join(traces, "".join(c if c.isalnum() else "_" for c in name))
@@ -292,6 +292,7 @@ def reprice(path: str) -> dict:
     the step, compute, idle and host busy time alone (runs without collectives or named GEMMs: the GPU at ws 1)."""
     from _lib.unexported import Measured, fit, predict_calibrated, terms
     from overlapkit.costmodel import ModelConfig, preset
+    from overlapkit.plan_tools import COMM_FOLLOWS_ON
 
     res = json.loads(Path(path).read_text())
     kept = all("measured" in r for r in res["rows"])  # what the trace reader gave, kept since 2026-12-07
@@ -301,6 +302,7 @@ def reprice(path: str) -> dict:
     for r in res["rows"]:
         if kept:
             m = dict(r["measured"])
+            m.setdefault("comm_follows", COMM_FOLLOWS_ON[m["device"]])  # rows read before the reader said it
             measured = Measured(**{**m, "gemm": {(g[0], g[1]): tuple(g[2:]) for g in m["gemm"]}})
         else:
             measured = Measured(step_ms=r["measured_ms"], compute_ms=r["terms"]["compute"][0],

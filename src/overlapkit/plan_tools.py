@@ -56,7 +56,13 @@ def read_measured(trace_dir: str):
                     gemm={k: (ms, calls / n) for k, (ms, calls) in gemm.items()}, comm=comm, steps=n,
                     ranks=len(report.ranks), device=device,
                     host_busy_ms=host_busy_ms(mine) if device == "gpu" else None, optimizer_ms=optimizer or None,
-                    optimizer_host_ms=host_busy_ms(mine, "optimizer") if device == "gpu" and optimizer else None)
+                    optimizer_host_ms=host_busy_ms(mine, "optimizer") if device == "gpu" and optimizer else None,
+                    comm_follows=COMM_FOLLOWS_ON[device])
+
+
+COMM_FOLLOWS_ON = {"cpu": "calls", "gpu": "bytes"}
+"""What a trace's collective times follow, by where it computed: a CPU's are gloo's (rendezvous-bound at a layer's
+sizes), a GPU's NCCL's (bytes over the links)."""
 
 
 def host_busy_ms(traces, phase: str | None = None) -> float | None:

@@ -21,7 +21,8 @@ from .hardware import Hardware
 from .model import ModelConfig
 from .parallel import MODES, Overlap, ParallelConfig
 from .host_fit import bisect, bisected_dispatch, measured_dispatch, ops_per_step
-from .traced_comm import KIND_COLLECTIVE, engine_of, model_kind, traced_comm
+from .traced_comm import (KIND_COLLECTIVE, PerCallCollectives, call_map, calls_at, engine_of, model_calls, model_kind,
+                          per_call_ms, traced_comm)
 from .step import StepReport, predict
 from .transformer import layer_gemms
 
@@ -33,6 +34,8 @@ GEMM_PHASES = ("fwd", "dgrad", "wgrad")
 """Phases of a layer GEMM a trace may name (forward, input gradient, weight gradient)."""
 DEVICES = ("cpu", "gpu")
 """Where a traced job computed (Measured.device)."""
+COMM_FOLLOWS = ("bytes", "calls")
+"""What a traced job's collective times follow (Measured.comm_follows)."""
 
 
 @dataclass(frozen=True)
@@ -65,6 +68,9 @@ class Measured:
     """Compute a step launched inside torch's `Optimizer.step#...` range (None: none), set apart from the rates."""
     optimizer_host_ms: float | None = None
     """On a GPU, the host's own time a step inside that range: not the layers' dispatch (None: not read)."""
+    comm_follows: str = "bytes"
+    """What the collectives' time follows: 'bytes' (NCCL: the α-β model's bytes and group, scaled) or 'calls'
+    (gloo on a CPU: a fixed time a call, the ranks' rendezvous and thread handoffs; the idle around them too)."""
 
     def __post_init__(self) -> None:
         v.positive("Measured", "step_ms", self.step_ms)
@@ -74,6 +80,7 @@ class Measured:
                                 f"calibration needs the compute ranges or kernels of a training step")
         v.positive("Measured", "idle_ms", self.idle_ms, allow_zero=True)
         v.one_of("Measured", "device", self.device, DEVICES)
+        v.one_of("Measured", "comm_follows", self.comm_follows, COMM_FOLLOWS)
         if self.host_busy_ms is not None:
             v.positive("Measured", "host_busy_ms", self.host_busy_ms, allow_zero=True)
 
@@ -122,9 +129,18 @@ class Calibration:
     optimizer_factor: float = 1.0
     """Traced optimizer step's time / the model's at the fitted rates; each layout's optimizer and other passes
     over the parameters (StepReport.param_passes_ms) are the model's times it."""
+    comm_per_call: dict = field(default_factory=dict)
+    """Collective -> ms per call (Measured.comm_follows 'calls'), in place of comm_factors; empty: bytes."""
+    host_ms_per_call: float = 0.0
+    """On a CPU whose collectives follow calls: the traced idle per collective call (the thread handoffs on both
+    sides of each blocking call), in place of host_us_per_op; 0: per op."""
+    call_map: dict = field(default_factory=dict)
+    """Traced kind -> (calls per step, the model's kind or '', its calls at the traced layout): traced_comm.calls_at."""
 
     @property
     def collectives(self) -> Collectives:
+        if self.comm_per_call:
+            return PerCallCollectives(self.hardware, self.comm_per_call)
         return CalibratedCollectives(self.hardware, self.comm_factors)
 
     def traced_summary(self) -> str:
@@ -138,14 +154,17 @@ class Calibration:
                 "comm_factors": dict(self.comm_factors),
                 "exposed_fraction": dict(self.exposed_fraction), "host_us_per_op": self.host_us_per_op,
                 "host_step_ms": self.host_step_ms, "optimizer_factor": self.optimizer_factor,
+                "comm_per_call": dict(self.comm_per_call), "host_ms_per_call": self.host_ms_per_call,
                 "gemm_points": [list(p) for p in self.gemm_points], "notes": list(self.notes)}
 
     def summary(self) -> str:
-        comm = ", ".join(f"{k} x{f:.3g}" for k, f in self.comm_factors.items()) or "none traced"
+        comm = ", ".join(f"{k} {f:.3g} ms a call" for k, f in self.comm_per_call.items()) or \
+            ", ".join(f"{k} x{f:.3g}" for k, f in self.comm_factors.items()) or "none traced"
         exp = ", ".join(f"{k} {100 * f:.0f}%" for k, f in self.exposed_fraction.items()) or "none traced"
         return (f"fitted: matrix rate {self.matmul_scale:.3g}x and memory rate {self.compute_scale:.3g}x the "
                 f"preset's ({len(self.gemm_points)} GEMM shapes pinned); collective time vs the model: {comm}; exposed: {exp}; "
-                f"host {self.host_us_per_op:.1f} us per op"
+                + (f"host {self.host_ms_per_call:.3g} ms per collective call" if self.host_ms_per_call else
+                   f"host {self.host_us_per_op:.1f} us per op")
                 + (f" and {self.host_step_ms:.3g} ms per step" if self.host_step_ms else "")
                 + "".join(f"\n  note: {n}" for n in self.notes))
 
@@ -286,8 +305,15 @@ def fit(measured: Measured, model: ModelConfig, traced: ParallelConfig, base: Ha
         factors.setdefault(KIND_COLLECTIVE[kind], []).append((comm_ms, r.comm_by_kind[kind]))
     comm_factors = {c: sum(m for m, _ in xs) / sum(p for _, p in xs) for c, xs in factors.items()}
     exposed = {k: min(1.0, e / c) for k, (c, e) in by_kind.items()}
-    idle, host_step = measured.idle_ms + unmatched, 0.0
-    if measured.device == "cpu":
+    idle, host_step, per_call, calls_of, host_call = measured.idle_ms + unmatched, 0.0, {}, {}, 0.0
+    if measured.comm_follows == "calls":
+        calls = model_calls(predict, model, traced, hw)
+        per_call, calls_of = per_call_ms(by_kind, calls), call_map(measured, calls)
+        notes.append("collectives priced per call, not per byte (gloo: each call a rendezvous of the ranks)")
+    n_calls = sum(n for n, _, _ in calls_of.values())
+    if measured.device == "cpu" and n_calls > 0:
+        host_us, host_call = 0.0, idle / n_calls
+    elif measured.device == "cpu":
         host_us = 1e3 * idle / ops_per_step(model, traced)
     else:
         if measured.host_busy_ms is not None:
@@ -298,7 +324,7 @@ def fit(measured: Measured, model: ModelConfig, traced: ParallelConfig, base: Ha
         hw = replace(hw, host_us_per_op=host_us)
     return Calibration(hw, comm_factors, exposed, host_us, scale, traced, points, notes, matmul_scale=matmul or scale,
                        device=measured.device, engine_exposed=engine_exposed, host_step_ms=host_step,
-                       optimizer_factor=factor)
+                       optimizer_factor=factor, comm_per_call=per_call, host_ms_per_call=host_call, call_map=calls_of)
 
 
 def predict_calibrated(cal: Calibration, model: ModelConfig, par: ParallelConfig) -> StepReport:
@@ -317,7 +343,10 @@ def predict_calibrated(cal: Calibration, model: ModelConfig, par: ParallelConfig
         if getattr(par, engine_of(kind)) > 1:
             exposed[kind] = exposed.get(kind, 0.0) + ms * (1.0 if engine_of(kind) == "dp" else per_op)
     r.exposed_by_kind, r.exposed_ms = exposed, sum(exposed.values())
-    if cal.device == "cpu":  # on a GPU the model's own host wait stands, at the fitted dispatch time
+    if cal.host_ms_per_call:  # the handoffs around each collective call (gloo on a CPU)
+        r.host_ms = cal.host_ms_per_call * calls_at(cal.call_map, model_calls(predict, model, par, cal.hardware), par,
+                                                    per_op)
+    elif cal.device == "cpu":  # on a GPU the model's own host wait stands, at the fitted dispatch time
         r.host_ms = cal.host_us_per_op * 1e-3 * ops_per_step(model, par)
     else:
         r.host_ms += cal.host_step_ms

@@ -3,6 +3,8 @@ a kind needs, and the exposed time per step each kind cost (calibrate.fit's inpu
 
 from __future__ import annotations
 
+from .collectives import Collectives
+
 KIND_COLLECTIVE = {"tp_all_gather": "all_gather", "tp_reduce_scatter": "reduce_scatter", "tp_all_reduce": "all_reduce",
                    "dp_all_reduce": "all_reduce", "dp_reduce_scatter": "reduce_scatter",
                    "zero_all_gather": "all_gather", "pp_send": "send_recv", "ep_all_to_all": "all_to_all",
@@ -68,3 +70,64 @@ def traced_comm(measured, predicted: dict, notes: list) -> tuple[dict, float, di
             got[1] *= share
         unmatched, engine_exposed = unmatched * share, {k: e * share for k, e in engine_exposed.items()}
     return by_kind, unmatched, engine_exposed
+
+
+class PerCallCollectives(Collectives):
+    """Each collective in `per_call` (collective -> ms) a fixed time per call, whatever its bytes and group; the
+    others as the base model prices them (`counting`: 1 ms for every call, so that `comm_by_kind` counts calls). Gloo's collectives on a CPU at the sizes a layer
+    moves are rendezvous-bound: each call waits for the slowest rank to arrive and hands off between threads, so
+    their time follows the number of calls, not the ring's bytes (the 16 cores' calibration runs: a TP all-gather
+    at tp 4 and twice the micro-batch took what it took at tp 2, a DP all-reduce of 3x the bytes the same time)."""
+
+    def __init__(self, hardware, per_call: dict, counting: bool = False) -> None:
+        super().__init__(hardware)
+        self.per_call, self.counting = dict(per_call), counting
+
+    def time_ms(self, kind: str, nbytes: float, group, algo: str = "auto") -> float:
+        if nbytes <= 0 or (group.size <= 1 and kind != "send_recv"):
+            return 0.0
+        if self.counting:
+            return 1.0
+        return self.per_call[kind] if kind in self.per_call else super().time_ms(kind, nbytes, group, algo)
+
+
+def model_calls(predict_fn, model, par, hardware) -> dict:
+    """The model's collective calls per step by kind at `par` (`predict_fn`: step.predict, passed in so this module
+    stays below the step model)."""
+    return predict_fn(model, par, hardware, PerCallCollectives(hardware, {}, counting=True)).comm_by_kind
+
+
+def per_call_ms(by_kind: dict, calls: dict) -> dict:
+    """Collective -> measured ms per call of the model's, from `by_kind` (traced_comm's) and the model's calls per
+    kind at the traced layout (`comm_by_kind` under PerCallCollectives with no times)."""
+    sums: dict[str, list[float]] = {}
+    for kind, (comm_ms, _) in by_kind.items():
+        got = sums.setdefault(KIND_COLLECTIVE[kind], [0.0, 0.0])
+        got[0] += comm_ms
+        got[1] += calls.get(kind, 0.0)
+    return {c: ms / n for c, (ms, n) in sums.items() if n > 0}
+
+
+def call_map(measured, calls: dict) -> dict:
+    """Traced kind -> (calls per step, the model's kind or '', the model's calls of it at the traced layout): how
+    each traced kind's calls follow the layout (`calls_at`)."""
+    out = {}
+    for kind, (_comm, _exp, n, _nbytes) in measured.comm.items():
+        ours = model_kind(kind, calls, measured.comm)
+        out[kind] = (n, ours, calls[ours]) if ours and calls.get(ours, 0.0) > 0 else (n, "", 0.0)
+    return out
+
+
+def calls_at(mapping: dict, calls: dict, par, per_op: float) -> float:
+    """Collective calls per step at layout `par` (the model's `calls` there): a kind the model prices as the
+    model's count grows; an engine's kind the model lacks per layer and micro-batch (`per_op`: ops here over
+    the traced layout's) where that engine runs; other code's as traced."""
+    total = 0.0
+    for kind, (n, ours, traced) in mapping.items():
+        if ours:
+            total += n * calls.get(ours, 0.0) / traced
+        elif engine_of(kind) is not None:
+            total += n * per_op if getattr(par, engine_of(kind)) > 1 else 0.0
+        else:
+            total += n
+    return total
