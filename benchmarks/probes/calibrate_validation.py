@@ -290,9 +290,8 @@ def reprice(path: str) -> dict:
     """A committed run's rows priced again by the model as it is now, the calibration refitted on the traced
     row: from each row's `measured` (what the trace reader gave), or, in runs recorded before it was kept, from
     the step, compute, idle and host busy time alone (runs without collectives or named GEMMs: the GPU at ws 1)."""
-    from _lib.unexported import Measured, fit, predict_calibrated, terms
+    from _lib.unexported import COMM_FOLLOWS_ON, Measured, fit, predict_calibrated, terms
     from overlapkit.costmodel import ModelConfig, preset
-    from overlapkit.plan_tools import COMM_FOLLOWS_ON
 
     res = json.loads(Path(path).read_text())
     kept = all("measured" in r for r in res["rows"])  # what the trace reader gave, kept since 2026-12-07
