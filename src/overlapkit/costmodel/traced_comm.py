@@ -74,10 +74,12 @@ def traced_comm(measured, predicted: dict, notes: list) -> tuple[dict, float, di
 
 class PerCallCollectives(Collectives):
     """Each collective in `per_call` (collective -> ms) a fixed time per call, whatever its bytes and group; the
-    others as the base model prices them (`counting`: 1 ms for every call, so that `comm_by_kind` counts calls). Gloo's collectives on a CPU at the sizes a layer
-    moves are rendezvous-bound: each call waits for the slowest rank to arrive and hands off between threads, so
-    their time follows the number of calls, not the ring's bytes (the 16 cores' calibration runs: a TP all-gather
-    at tp 4 and twice the micro-batch took what it took at tp 2, a DP all-reduce of 3x the bytes the same time)."""
+    others as the base model prices them (`counting`: 1 ms for every call, so that `comm_by_kind` counts calls).
+    Gloo's collectives on a CPU at the sizes a layer moves are rendezvous-bound: each call waits for the slowest
+    rank to arrive and hands off between threads, so their time follows the number of calls, not the ring's bytes
+    (the 16 cores' calibration runs: a TP all-gather at tp 4 and twice the micro-batch took what it took at tp 2,
+    a DP all-reduce of 3x the bytes the same time). Larger messages are bandwidth-bound again (EP chunks at 4096
+    tokens on 8 ranks): where a job's collectives are, this prices them too cheap as the bytes grow."""
 
     def __init__(self, hardware, per_call: dict, counting: bool = False) -> None:
         super().__init__(hardware)
