@@ -52,7 +52,7 @@ WHERE = {
     # The calibrated cost model (what `overlapkit plan --calibrate` runs): calibrate_validation.
     "fit": "overlapkit.costmodel.calibrate", "predict_calibrated": "overlapkit.costmodel.calibrate",
     "terms": "overlapkit.costmodel.calibrate", "Measured": "overlapkit.costmodel.calibrate",
-    "read_measured": "overlapkit.plan_tools", "COMM_FOLLOWS_ON": "overlapkit.plan_tools",
+    "read_measured": "overlapkit.plan_tools",
     # The cost model's parts priced one by one against measurements: model_vs_measured, model_vs_published,
     # fsdp_overlap (prefetch_wall_ms), user_step (step_flops, from_hf_config).
     "prefetch_wall_ms": "overlapkit.costmodel.fsdp", "step_flops": "overlapkit.costmodel.flops",

@@ -272,7 +272,7 @@ def run(device: str, kind: str, steps: int, overlap: str, timeout_s: float, trac
             # kind -> [comm ms, exposed ms, calls] per step
             "measured_comm": {k: list(v[:3]) for k, v in measured.comm.items()},
             "predicted_comm": {k: [c, r.exposed_by_kind.get(k, 0.0)] for k, c in r.comm_by_kind.items()}})
-        res["rows"][-1]["measured"] = {**vars(measured), "gemm": [[*k, *x] for k, x in measured.gemm.items()]}
+        res["rows"][-1]["measured"] = measured.to_record()
         if device == "cuda":  # the GPU's kernels by time: the per-step work the model may not price, by name
             from _lib.kernel_table import kernel_table
             try:
@@ -290,7 +290,7 @@ def reprice(path: str) -> dict:
     """A committed run's rows priced again by the model as it is now, the calibration refitted on the traced
     row: from each row's `measured` (what the trace reader gave), or, in runs recorded before it was kept, from
     the step, compute, idle and host busy time alone (runs without collectives or named GEMMs: the GPU at ws 1)."""
-    from _lib.unexported import COMM_FOLLOWS_ON, Measured, fit, predict_calibrated, terms
+    from _lib.unexported import Measured, fit, predict_calibrated, terms
     from overlapkit.costmodel import ModelConfig, preset
 
     res = json.loads(Path(path).read_text())
@@ -300,9 +300,7 @@ def reprice(path: str) -> dict:
     model, cal = ModelConfig(**res["model"]), None
     for r in res["rows"]:
         if kept:
-            m = dict(r["measured"])
-            m.setdefault("comm_follows", COMM_FOLLOWS_ON[m["device"]])  # rows read before the reader said it
-            measured = Measured(**{**m, "gemm": {(g[0], g[1]): tuple(g[2:]) for g in m["gemm"]}})
+            measured = Measured.from_record(r["measured"])
         else:
             measured = Measured(step_ms=r["measured_ms"], compute_ms=r["terms"]["compute"][0],
                                 idle_ms=r["terms"]["host"][0], device="gpu", host_busy_ms=r["host_busy_ms"],

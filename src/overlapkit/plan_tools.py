@@ -25,7 +25,7 @@ def draw_spans(spans: list[dict], path: str, title: str) -> str:
 def read_measured(trace_dir: str):
     """One traced layout's numbers per step on its slowest rank (costmodel.calibrate.Measured), read with
     the analyzer's reader and report. Raises ValueError (one line) on traces it cannot use."""
-    from overlapkit.costmodel.calibrate import Measured
+    from overlapkit.costmodel.calibrate import COMM_FOLLOWS_ON, Measured
     from overlapkit.timeline import read_traces, report_traces
 
     traces = read_traces([trace_dir])
@@ -58,11 +58,6 @@ def read_measured(trace_dir: str):
                     host_busy_ms=host_busy_ms(mine) if device == "gpu" else None, optimizer_ms=optimizer or None,
                     optimizer_host_ms=host_busy_ms(mine, "optimizer") if device == "gpu" and optimizer else None,
                     comm_follows=COMM_FOLLOWS_ON[device])
-
-
-COMM_FOLLOWS_ON = {"cpu": "calls", "gpu": "bytes"}
-"""What a trace's collective times follow, by where it computed: a CPU's are gloo's (rendezvous-bound at a layer's
-sizes), a GPU's NCCL's (bytes over the links)."""
 
 
 def host_busy_ms(traces, phase: str | None = None) -> float | None:

@@ -27,9 +27,7 @@ def _errors(run: dict, **measured) -> dict:
     """layout -> % error of its calibrated prediction (the traced layout's first)."""
     model, cal, out = ModelConfig(**run["model"]), None, {}
     for row in run["rows"]:
-        m = dict(row["measured"])
-        got = Measured(**{**m, "gemm": {(g[0], g[1]): tuple(g[2:]) for g in m["gemm"]},
-                          "comm_follows": "calls" if m["device"] == "cpu" else "bytes", **measured})
+        got = Measured.from_record({**row["measured"], **measured})
         par = _layout(row, run)
         if row["traced"]:
             cal = fit(got, model, par, preset("h200-sxm"))

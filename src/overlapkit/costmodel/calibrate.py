@@ -36,6 +36,9 @@ DEVICES = ("cpu", "gpu")
 """Where a traced job computed (Measured.device)."""
 COMM_FOLLOWS = ("bytes", "calls")
 """What a traced job's collective times follow (Measured.comm_follows)."""
+COMM_FOLLOWS_ON = {"cpu": "calls", "gpu": "bytes"}
+"""What a trace's collective times follow, by where it computed: a CPU's are gloo's (rendezvous-bound at a layer's
+sizes), a GPU's NCCL's (bytes over the links)."""
 
 
 @dataclass(frozen=True)
@@ -83,6 +86,16 @@ class Measured:
         v.one_of("Measured", "comm_follows", self.comm_follows, COMM_FOLLOWS)
         if self.host_busy_ms is not None:
             v.positive("Measured", "host_busy_ms", self.host_busy_ms, allow_zero=True)
+
+    def to_record(self) -> dict:
+        """Plain JSON: every field, the GEMMs as [name, phase, ms, calls] lists (`from_record` reads it back)."""
+        return {**vars(self), "gemm": [[*k, *x] for k, x in self.gemm.items()]}
+
+    @classmethod
+    def from_record(cls, record: dict) -> "Measured":
+        """A `to_record` back; records written before `comm_follows` existed get their device's (COMM_FOLLOWS_ON)."""
+        return cls(**{"comm_follows": COMM_FOLLOWS_ON[record.get("device", "cpu")], **record,
+                      "gemm": {(g[0], g[1]): tuple(g[2:]) for g in record["gemm"]}})
 
 
 class CalibratedCollectives(Collectives):
